@@ -1,0 +1,219 @@
+"""SkewAdam's update as pure functions over tensor lists, written with eager torch ops (the portable path).
+
+Shape legend: ``E`` bank (dim 0 of a stacked expert tensor, one slice per expert), ``...`` batch dims,
+``R`` rows (dim -2), ``C`` columns (dim -1). A *unit* is what gets its own RMS clip and step count: a bank slice, or the
+whole tensor. Math runs in the state dtype: fp32 for bf16 parameters, the parameter's dtype otherwise.
+
+The step is three passes over the gradients, with a seam between them where the distributed layer sums partial
+statistics across shards (nothing here calls torch.distributed):
+
+1. `grad_stats`: sums of ``g^2`` per unit, per batch matrix, per row and per column, and the current row-statistic
+   sums. Reads state, writes nothing, so a step found non-finite here can be skipped with no trace.
+2. `update_moments_`: step counts, the second-moment EMAs (factored or full), momentum, the denominators, and the
+   per-unit sum of ``u^2`` for the RMS clip.
+3. `apply_updates_`: ``p = p*(1 - lr*wd) - lr * u / max(1, rms(u))``, rounded stochastically for bf16 parameters.
+
+Means use the *global* shapes passed in, so a shard divides its partial sums by the full row or column count.
+The row-statistic mean is carried as a sum updated by linearity, ``sum_i row_i' = b2*sum_i row_i + (1-b2)*sum_i
+rowmean_i``, so a row-sharded tensor needs no extra collective (exact up to summation order).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .rounding import rounding_key, stochastic_round_bf16
+
+__all__ = ["GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "unit_dims", "stat_dims"]
+
+_ROW_MEAN_FLOOR = 1e-15  # the paper's guard on mean(row) in eps_mode="floor"
+
+
+class GradStats(NamedTuple):
+    """Pass-1 sums of g^2. Each field pairs with the dims it sums over (`stat_dims`) for the distributed seam."""
+
+    sumsq: Tensor  # per unit, keepdim: [E, 1, ...] or [1, ...]
+    rc_sumsq: Optional[Tensor]  # factored: per batch matrix [..., 1, 1]
+    row: Optional[Tensor]  # factored: sum_j g^2, [..., R, 1]
+    col: Optional[Tensor]  # factored: sum_i g^2, [..., 1, C]
+    row_var_sum: Optional[Tensor]  # factored: sum_i row_var before this step, [..., 1, 1]
+
+
+class Moments(NamedTuple):
+    """Pass-2 results that pass 3 needs (all small: no parameter-sized tensor)."""
+
+    u_sumsq: Tensor  # per unit, keepdim
+    corr: Tensor | float  # bias correction per unit
+    rinv: Optional[Tensor]  # factored: [..., R, 1]
+    cinv: Optional[Tensor]  # factored: [..., 1, C]
+    active: Optional[Tensor]  # bank: which slices had a non-zero gradient, [E, 1, ...]
+
+
+def unit_dims(ndim: int, bank: bool) -> tuple[int, ...]:
+    """The dims one unit (clip, step count) spans: all of them, or all but the bank dim."""
+    return tuple(range(1 if bank else 0, ndim))
+
+
+def stat_dims(stats: GradStats, ndim: int, bank: bool) -> list[tuple[Tensor, tuple[int, ...]]]:
+    """Pair each present statistic with the parameter dims it sums over (what a shard must all-reduce)."""
+    dims = [unit_dims(ndim, bank), (ndim - 2, ndim - 1), (ndim - 1,), (ndim - 2,), (ndim - 2,)]
+    return [(t, d) for t, d in zip(stats, dims) if t is not None]
+
+
+def _compute(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def grad_stats(
+    grads: Sequence[Tensor],
+    row_vars: Sequence[Optional[Tensor]],
+    *,
+    banks: Sequence[bool],
+    dtypes: Sequence[torch.dtype],
+) -> list[GradStats]:
+    """Pass 1: sums of g^2 (nothing is written)."""
+    out = []
+    for g, row_var, bank, dtype in zip(grads, row_vars, banks, dtypes):
+        sq = _compute(g, dtype).square()
+        dims = unit_dims(g.ndim, bank)
+        if row_var is None:
+            out.append(GradStats(sq.sum(dims, keepdim=True) if dims else sq, None, None, None, None))
+            continue
+        row = sq.sum(-1, keepdim=True)
+        col = sq.sum(-2, keepdim=True)
+        rc = row.sum(-2, keepdim=True)
+        out.append(GradStats(rc.sum(dims, keepdim=True), rc, row, col, row_var.sum(-2, keepdim=True)))
+    return out
+
+
+def _bias_correction(step: Tensor, bank: bool, beta1: Optional[float], beta2: float, dtype) -> Tensor | float:
+    """sqrt(1 - beta2^t) / (1 - beta1^t), in float64 (1 - beta in float32 is off by ~1e-5 relative)."""
+    if not bank:
+        t = step.item()
+        c = math.sqrt(1.0 - beta2**t)
+        return c / (1.0 - beta1**t) if beta1 is not None else c
+    t = step.double().clamp(min=1.0)  # idle slices (t = 0) are masked out; clamp keeps them finite
+    c = (1.0 - torch.pow(beta2, t)).sqrt()
+    if beta1 is not None:
+        c = c / (1.0 - torch.pow(beta1, t))
+    return c.to(dtype)
+
+
+def update_moments_(
+    grads: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    exp_avgs: Sequence[Optional[Tensor]],
+    exp_avg_sqs: Sequence[Optional[Tensor]],
+    row_vars: Sequence[Optional[Tensor]],
+    col_vars: Sequence[Optional[Tensor]],
+    stats: Sequence[GradStats],
+    *,
+    banks: Sequence[bool],
+    shapes: Sequence[torch.Size],
+    beta1: float,
+    beta2: float,
+    eps: float,
+    eps_mode: str,
+) -> list[Moments]:
+    """Pass 2: update step counts, second moments and momentum in place; return what the clip needs.
+
+    floor: ``denom = sqrt(max(row/max(mean(row),1e-15), eps)) * sqrt(max(col, eps))`` or ``sqrt(max(v, eps))``.
+    add:   ``g^2 + eps`` is accumulated instead and ``denom = sqrt(row/mean(row)) * sqrt(col)`` or ``sqrt(v)``.
+    """
+    add = eps if eps_mode == "add" else 0.0
+    floor = eps if eps_mode == "floor" else 0.0
+    out = []
+    for i, (g, step, st, bank, shape) in enumerate(zip(grads, steps, stats, banks, shapes)):
+        m, v, row_var, col_var = exp_avgs[i], exp_avg_sqs[i], row_vars[i], col_vars[i]
+        dtype = (row_var if row_var is not None else v).dtype
+        g = _compute(g, dtype)
+        active = None
+        if bank:
+            active = st.sumsq > 0  # an expert that saw no token has an all-zero slice: leave it untouched
+            step.add_(active.view(-1))
+        else:
+            step.add_(1)
+        corr = _bias_correction(step, bank, beta1 if m is not None else None, beta2, dtype)
+        if bank:
+            corr = corr.view(-1, *([1] * (g.ndim - 1)))
+
+        def ema_(state: Tensor, target: Tensor) -> None:
+            if active is None:
+                state.lerp_(target, 1.0 - beta2)
+            else:
+                state.copy_(torch.where(active, state.lerp(target, 1.0 - beta2), state))
+
+        if row_var is not None:
+            R, C = shape[-2], shape[-1]
+            ema_(row_var, st.row / C + add)
+            ema_(col_var, st.col / R + add)
+            rsum = st.row_var_sum * beta2 + (st.rc_sumsq / C + R * add) * (1.0 - beta2)
+            if active is not None:
+                rsum = torch.where(active, rsum, st.row_var_sum)
+            rmean = rsum / R
+            if eps_mode == "floor":
+                rinv = (row_var / rmean.clamp(min=_ROW_MEAN_FLOOR)).clamp_(min=floor).rsqrt_()
+                cinv = col_var.clamp(min=floor).rsqrt()
+            else:
+                rinv = (row_var / rmean.clamp(min=torch.finfo(dtype).tiny)).rsqrt_()
+                cinv = col_var.rsqrt()
+            scale_row = rinv * corr
+        else:
+            ema_(v, g.square() + add if add else g.square())
+            rinv = cinv = None
+        if m is not None:
+            if active is None:
+                m.lerp_(g, 1.0 - beta1)
+            else:
+                m.copy_(torch.where(active, m.lerp(g, 1.0 - beta1), m))
+        src = m if m is not None else g
+        if row_var is not None:
+            u = src * scale_row * cinv
+        else:
+            u = src * corr / (v.clamp(min=floor) if floor else v).sqrt()
+        dims = unit_dims(g.ndim, bank)
+        out.append(Moments(u.square().sum(dims, keepdim=True) if dims else u.square(), corr, rinv, cinv, active))
+    return out
+
+
+def apply_updates_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    steps: Sequence[Tensor],
+    exp_avgs: Sequence[Optional[Tensor]],
+    exp_avg_sqs: Sequence[Optional[Tensor]],
+    moments: Sequence[Moments],
+    *,
+    banks: Sequence[bool],
+    shapes: Sequence[torch.Size],
+    lr: float,
+    weight_decay: float,
+    eps: float,
+    eps_mode: str,
+    seed: int,
+    param_ids: Sequence[int],
+) -> None:
+    """Pass 3: ``p = p*(1 - lr*wd) - lr * u / max(1, rms(u))``, in the state dtype; bf16 written back unbiased."""
+    floor = eps if eps_mode == "floor" else 0.0
+    decay = 1.0 - lr * weight_decay
+    for i, (p, g, step, mo, bank, shape) in enumerate(zip(params, grads, steps, moments, banks, shapes)):
+        m, v = exp_avgs[i], exp_avg_sqs[i]
+        dtype = mo.u_sumsq.dtype
+        n = math.prod(shape[1:] if bank else shape)
+        clip = (mo.u_sumsq / n).sqrt_().clamp_(min=1.0).reciprocal_()
+        src = m if m is not None else _compute(g, dtype)
+        if mo.rinv is not None:
+            u = src * (mo.rinv * (mo.corr * clip)) * mo.cinv
+        else:
+            u = src * (mo.corr * clip) / (v.clamp(min=floor) if floor else v).sqrt()
+        p32 = _compute(p, dtype)
+        new = torch.add(p32 * decay if decay != 1.0 else p32, u, alpha=-lr)
+        if mo.active is not None:
+            new = torch.where(mo.active, new, p32)
+        if p.dtype == torch.bfloat16:
+            new = stochastic_round_bf16(new, rounding_key(seed, param_ids[i], int(step.sum().item())))
+        p.copy_(new)

@@ -1,0 +1,61 @@
+"""Unbiased stochastic rounding of fp32 to bf16, from a counter-based hash.
+
+A bf16 number is the top 16 bits of an fp32 one. Adding a uniform integer ``r`` in ``[0, 2^16)`` to the fp32 bit
+pattern and truncating the low 16 bits rounds the magnitude up with probability ``low16 / 2^16``, which makes the
+rounding exactly unbiased: ``E[round(x)] = x`` (carries into the exponent are handled by the integer add).
+
+The random bits are a pure function of ``(key, element index)``: one 32-bit hash of ``(key, index // 2)`` serves two
+neighbouring elements (low half for even, high half for odd indices). ``key`` mixes the seed, the parameter's index
+in the optimizer and its step count, so a resumed run draws the same bits as an uninterrupted one, with no generator
+state to save, and every implementation (torch ops here, the C++ kernel) produces identical bits.
+Arithmetic is modulo 2^32 on int64 tensors with multipliers below 2^31, so no product overflows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["mix32", "rounding_key", "stochastic_round_bf16"]
+
+_M32 = 0xFFFFFFFF
+_MUL1 = 0x7FEB352D  # multipliers of the "lowbias32" family, both < 2^31
+_MUL2 = 0x2C1B3C6D
+_GOLDEN = 0x61C88647  # 2^32 - floor(2^32 / phi)
+
+
+def mix32(x: int) -> int:
+    """A 32-bit integer finaliser (Python ints), the scalar twin of `_mix32_`."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * _MUL1) & _M32
+    x ^= x >> 15
+    x = (x * _MUL2) & _M32
+    x ^= x >> 16
+    return x
+
+
+def rounding_key(seed: int, param_index: int, step: int) -> int:
+    """The per-(parameter, step) key; ``step`` is the parameter's step count after this update."""
+    return mix32(mix32(mix32(seed) ^ param_index) + step)
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """`mix32` on an int64 tensor holding values in [0, 2^32), in place."""
+    x.bitwise_xor_(x >> 16).mul_(_MUL1).bitwise_and_(_M32)
+    x.bitwise_xor_(x >> 15).mul_(_MUL2).bitwise_and_(_M32)
+    return x.bitwise_xor_(x >> 16)
+
+
+def stochastic_round_bf16(x: torch.Tensor, key: int) -> torch.Tensor:
+    """Round the fp32 tensor ``x`` to bf16, unbiased; elements are indexed in row-major order of ``x``.
+
+    Example:
+        >>> x = torch.full((100_000,), 1.0 + 2**-10)
+        >>> stochastic_round_bf16(x, key=1).float().mean()  # ~ 1.0009766, though every output is 1.0 or 1.0078125
+    """
+    n = x.numel()
+    pair = torch.arange((n + 1) // 2, device=x.device, dtype=torch.int64)
+    h = _mix32_(pair.mul_(_GOLDEN).add_(key).bitwise_and_(_M32))
+    r = torch.stack((h & 0xFFFF, h >> 16), dim=-1).view(-1)[:n].to(torch.int32)
+    bits = x.contiguous().view(torch.int32).view(-1) + r
+    return bits.bitwise_and_(-65536).view(torch.float32).view(x.shape).to(torch.bfloat16)

@@ -1,0 +1,379 @@
+r"""`SkewAdam`: tiered optimizer state for Mixture-of-Experts training.
+
+Each param group belongs to a tier (``backbone``, ``expert``, ``router``; `skewadam.tiers`) that sets which state
+its parameters keep. The update math lives in `skewadam.kernels` as pure functions over tensor lists; this wrapper
+validates groups, allocates state lazily (`skewadam.state.state_spec`), and runs the three kernel passes with the
+cross-shard reduction seam between them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from itertools import chain
+from typing import Any, Callable, Iterable, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from . import kernels
+from .state import state_spec
+from .tiers import TIER_STATE, Tier
+
+try:  # DTensor (FSDP2, tensor/expert parallelism); absent on builds without torch.distributed
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = ()  # type: ignore[assignment,misc]
+
+__all__ = ["SkewAdam"]
+
+_EPS_DEFAULT = {"floor": 1e-8, "add": 1e-30}
+_GROUP_KEYS = frozenset(
+    {"params", "lr", "betas", "eps", "weight_decay", "eps_mode", "tier", "use_momentum", "use_factored", "bank", "seed"}
+)
+# Keys other torch APIs put into param groups: named parameters, LR schedulers' bookkeeping.
+_FOREIGN_KEYS = frozenset({"param_names", "initial_lr"})
+
+#: Reducer signature: ``reduce(items)`` sums each statistic in place across the shards of its parameter, where
+#: ``items`` is a list of ``(param, [(statistic, dims_it_sums_over), ...])``. `skewadam.distributed` provides one.
+Reducer = Callable[[list[tuple[Tensor, list[tuple[Tensor, tuple[int, ...]]]]]], None]
+
+
+class _Work(NamedTuple):
+    """One group's flat tensor lists for the kernels (local shards for DTensor parameters)."""
+
+    group: dict
+    params: list[Tensor]  # as the user holds them (DTensor or plain): for the reducer
+    local_params: list[Tensor]
+    grads: list[Tensor]
+    steps: list[Tensor]
+    exp_avgs: list[Optional[Tensor]]
+    exp_avg_sqs: list[Optional[Tensor]]
+    row_vars: list[Optional[Tensor]]
+    col_vars: list[Optional[Tensor]]
+    banks: list[bool]
+    shapes: list[torch.Size]
+    dtypes: list[torch.dtype]
+    param_ids: list[int]
+
+
+def _local(t: Optional[Tensor]) -> Optional[Tensor]:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class SkewAdam(Optimizer):
+    r"""Adam with state allocated by tier: factored second moments, momentum only where it pays.
+
+    Per parameter (per bank slice, for stacked experts) with gradient :math:`g`, step :math:`t`:
+
+    .. math::
+        \begin{aligned}
+        &\textbf{factored } (\ge 2 \text{ dims}, \text{ over the last two; leading dims are batch dims}):\\
+        &\quad r \leftarrow \beta_2 r + (1-\beta_2)\,\mathrm{mean}_j(g^2), \quad
+              c \leftarrow \beta_2 c + (1-\beta_2)\,\mathrm{mean}_i(g^2)\\
+        &\quad d = \sqrt{\max(r/\max(\mathrm{mean}_i r, 10^{-15}), \epsilon)}\;\sqrt{\max(c, \epsilon)}\\
+        &\textbf{full}: \quad v \leftarrow \beta_2 v + (1-\beta_2) g^2, \quad d = \sqrt{\max(v, \epsilon)}\\
+        &\textbf{momentum}: \quad m \leftarrow \beta_1 m + (1-\beta_1) g, \quad
+              u = m\,\sqrt{1-\beta_2^t}\,/\,(1-\beta_1^t)\,/\,d \qquad
+              \textbf{else}\quad u = g\,\sqrt{1-\beta_2^t}\,/\,d\\
+        &u \leftarrow u / \max(1, \mathrm{rms}(u)), \qquad
+              p \leftarrow p\,(1 - \mathrm{lr}\cdot\lambda) - \mathrm{lr}\cdot u
+        \end{aligned}
+
+    With ``eps_mode="add"`` (Adafactor's convention) :math:`g^2 + \epsilon` is accumulated instead and no floor is
+    applied (:math:`d = \sqrt{r/\mathrm{mean}_i r}\sqrt{c}` or :math:`\sqrt{v}`); ``eps`` then defaults to 1e-30.
+
+    Tiers (group key ``tier``) set the state: ``backbone`` momentum + factored, ``expert`` factored only,
+    ``router`` full exact second moment. ``use_momentum`` / ``use_factored`` override per group (the names of the
+    paper's code). In the ``expert`` tier a tensor with >= 3 dims is a *bank* ``[E, ...]`` (group key ``bank``:
+    ``None`` = that rule, ``True``/``False`` to force): every slice gets its own RMS clip and step count, and a slice
+    whose gradient is all zero (an expert that received no token) is left untouched, weights and state, exactly as
+    the paper's separate expert modules with ``grad=None`` are.
+
+    .. Note:: Deviations from the paper's code.
+        bf16 parameters are written with exact, unbiased stochastic rounding (a counter-based hash of ``seed``, the
+        parameter and its step; no generator state to save) instead of dithering, and weight decay is fused into the
+        fp32 update before rounding (the paper's decays the bf16 weight, where ``lr*wd`` is below one ULP and does
+        nothing). Math is fp32 for bf16 parameters and in the parameter's dtype for fp32/fp64 ones. fp16
+        parameters are refused (keep fp32 master weights with AMP instead).
+
+    Args:
+        params: parameters or param groups (dicts with ``params`` and any of the keys below).
+        lr: learning rate (a float; tensor ``lr`` is refused). Default 1e-3.
+        betas: ``(beta1, beta2)``. Default (0.9, 0.999).
+        eps: second-moment floor (``floor``) or addend (``add``). Default 1e-8, or 1e-30 with ``eps_mode="add"``.
+        weight_decay: decoupled weight decay :math:`\lambda`. Default 0.
+        eps_mode: ``"floor"`` (the paper's) or ``"add"`` (Adafactor's).
+        tier: default tier of groups that name none. Default ``"backbone"``.
+        use_momentum, use_factored, bank: per-group overrides of the tier's state (``None`` = tier default).
+        seed: seed of the stochastic rounding of bf16 parameters.
+        skip_nonfinite: if any gradient holds inf/NaN, skip the whole step (weights and state untouched) and count
+            it in ``skipped_steps``, as AMP's GradScaler does. On by default: costs one host sync per step on GPU.
+
+    Example:
+        >>> opt = SkewAdam([
+        ...     {"params": backbone_params, "tier": "backbone", "weight_decay": 0.05},
+        ...     {"params": expert_params, "tier": "expert", "weight_decay": 0.05},
+        ...     {"params": router_params, "tier": "router"},
+        ... ], lr=3e-4)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: Optional[float] = None,
+        weight_decay: float = 0.0,
+        *,
+        eps_mode: str = "floor",
+        tier: str = "backbone",
+        use_momentum: Optional[bool] = None,
+        use_factored: Optional[bool] = None,
+        bank: Optional[bool] = None,
+        seed: int = 0,
+        skip_nonfinite: bool = True,
+    ) -> None:
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode, tier=tier,
+            use_momentum=use_momentum, use_factored=use_factored, bank=bank, seed=seed,
+        )
+        self.skip_nonfinite = bool(skip_nonfinite)
+        self.skipped_steps = 0
+        self._reducer: Optional[Reducer] = None
+        super().__init__(params, defaults)
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, **kwargs: Any) -> "SkewAdam":
+        """Build SkewAdam with one param group per tier, labelled automatically (`skewadam.classify`).
+
+        Keyword arguments are those of `skewadam.classify.param_groups` plus SkewAdam's own.
+
+        Example:
+            >>> optimizer = SkewAdam.from_model(model, lr=3e-4, weight_decay=0.05)
+        """
+        from .classify import split_kwargs, param_groups
+
+        group_kwargs, opt_kwargs = split_kwargs(kwargs)
+        return cls(param_groups(model, **group_kwargs), **opt_kwargs)
+
+    def state_bytes(self):
+        """Bytes actually held in this optimizer's state, in total and per tier (`skewadam.memory.StateBytes`)."""
+        from .memory import measure_state
+
+        return measure_state(self)
+
+    # ------------------------------------------------------------------ groups and validation
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param group must be a dict, got {type(param_group).__name__}")
+        idx = len(self.param_groups)
+        unknown = set(param_group) - _GROUP_KEYS - _FOREIGN_KEYS
+        if unknown:
+            raise ValueError(
+                f"param group {idx} has unknown key(s) {sorted(unknown)}; SkewAdam groups take {sorted(_GROUP_KEYS)}"
+            )
+        group = dict(param_group)
+        for key, default in self.defaults.items():
+            group.setdefault(key, default)
+        _validate_group(group, idx)
+        tier = Tier.parse(group["tier"])
+        group["tier"] = tier.value
+        for flag, value in TIER_STATE[tier].items():
+            if group[flag] is None:
+                group[flag] = value
+        if group["eps"] is None:
+            group["eps"] = _EPS_DEFAULT[group["eps_mode"]]
+        params = [group["params"]] if isinstance(group["params"], Tensor) else list(group["params"])
+        for p in params:
+            if isinstance(p, Tensor):
+                _validate_param(p, group, idx)
+        super().add_param_group(group)
+
+    # ------------------------------------------------------------------ state dict
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["skipped_steps"] = self.skipped_steps
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load like torch, but keep each state tensor's saved dtype (torch casts it to the parameter's: fp32
+        statistics of a bf16 parameter would silently become bf16)."""
+        state_dict = dict(state_dict)
+        skipped = state_dict.pop("skipped_steps", 0)
+        super().load_state_dict(state_dict)
+        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id)
+            if not saved:
+                continue
+            state = self.state[p]
+            for key, value in saved.items():
+                if isinstance(value, Tensor) and state[key].dtype != value.dtype:
+                    state[key] = value.to(device=state[key].device, copy=True)
+        self.skipped_steps = int(skipped)
+
+    # ------------------------------------------------------------------ step
+    def _init_group(self, group: dict, first_id: int) -> Optional[_Work]:
+        w = _Work(group, *([] for _ in range(12)))
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise TypeError(
+                    f"SkewAdam does not support sparse gradients (param group {self.param_groups.index(group)}, "
+                    f"tier {group['tier']!r}); use a dense embedding (sparse=False)"
+                )
+            bank = _is_bank(p, group)
+            state = self.state[p]
+            if not state:
+                spec = state_spec(
+                    p.shape, p.dtype, use_momentum=group["use_momentum"], use_factored=group["use_factored"], bank=bank
+                )
+                for key, st in spec.items():
+                    state[key] = _new_state(p, key, st, bank)
+            w.params.append(p)
+            w.local_params.append(_local(p))
+            w.grads.append(_local(p.grad))
+            w.steps.append(_local(state["step"]))
+            for lst, key in ((w.exp_avgs, "exp_avg"), (w.exp_avg_sqs, "exp_avg_sq"),
+                             (w.row_vars, "row_var"), (w.col_vars, "col_var")):
+                lst.append(_local(state.get(key)))
+            w.banks.append(bank)
+            w.shapes.append(p.shape)
+            w.dtypes.append((w.row_vars[-1] if w.row_vars[-1] is not None else w.exp_avg_sqs[-1]).dtype)
+            w.param_ids.append(first_id + i)
+        return w if w.params else None
+
+    def _reduce(self, work: list[_Work], per_group: list[list[list[tuple[Tensor, tuple[int, ...]]]]]) -> None:
+        if self._reducer is None:
+            return
+        self._reducer([(p, items) for w, group_items in zip(work, per_group) for p, items in zip(w.params, group_items)])
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Perform one optimization step; returns the closure's loss, if a closure was given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work, first_id = [], 0
+        for group in self.param_groups:
+            w = self._init_group(group, first_id)
+            first_id += len(group["params"])
+            if w is not None:
+                work.append(w)
+        if not work:
+            return loss
+        if self._reducer is None and any(isinstance(p, DTensor) for w in work for p in w.params):
+            from .distributed import DTensorReducer
+
+            self._reducer = DTensorReducer()
+        impl = kernels.eager
+        stats = [impl.grad_stats(w.grads, w.row_vars, banks=w.banks, dtypes=w.dtypes) for w in work]
+        self._reduce(work, [[impl.stat_dims(s, g.ndim, b) for s, g, b in zip(st, w.grads, w.banks)]
+                            for w, st in zip(work, stats)])
+        if self.skip_nonfinite and not _all_finite([s.sumsq for st in stats for s in st]):
+            self.skipped_steps += 1
+            return loss
+        moments = []
+        for w, st in zip(work, stats):
+            g = w.group
+            moments.append(impl.update_moments_(
+                w.grads, w.steps, w.exp_avgs, w.exp_avg_sqs, w.row_vars, w.col_vars, st,
+                banks=w.banks, shapes=w.shapes, beta1=g["betas"][0], beta2=g["betas"][1],
+                eps=g["eps"], eps_mode=g["eps_mode"],
+            ))
+        self._reduce(work, [[[(m.u_sumsq, impl.unit_dims(gr.ndim, b))] for m, gr, b in zip(mo, w.grads, w.banks)]
+                            for w, mo in zip(work, moments)])
+        for w, mo in zip(work, moments):
+            g = w.group
+            impl.apply_updates_(
+                w.local_params, w.grads, w.steps, w.exp_avgs, w.exp_avg_sqs, mo,
+                banks=w.banks, shapes=w.shapes, lr=g["lr"], weight_decay=g["weight_decay"],
+                eps=g["eps"], eps_mode=g["eps_mode"], seed=g["seed"], param_ids=w.param_ids,
+            )
+        return loss
+
+    def __repr__(self) -> str:
+        lines = [self.__class__.__name__ + " ("]
+        for i, group in enumerate(self.param_groups):
+            n = sum(p.numel() for p in group["params"])
+            lines.append(f"Parameter Group {i} [{group['tier']}: {len(group['params'])} tensors, {n:,} parameters]")
+            for key in sorted(k for k in group if k not in ("params", "param_names")):
+                lines.append(f"    {key}: {group[key]}")
+        lines.append(f"skip_nonfinite: {self.skip_nonfinite} (skipped_steps: {self.skipped_steps})")
+        lines.append(")")
+        return "\n".join(lines)
+
+
+def _validate_group(group: dict, idx: int) -> None:
+    where = f"param group {idx}"
+    lr = group["lr"]
+    if isinstance(lr, Tensor):
+        raise ValueError(f"{where}: a Tensor lr is not supported by SkewAdam; pass a Python float (lr.item())")
+    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"Invalid learning rate in {where}: {lr!r} (expected a finite float >= 0)")
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"Invalid betas in {where}: {betas!r} (expected a pair (beta1, beta2))")
+    for j, b in enumerate(betas):
+        if isinstance(b, Tensor) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {j} in {where}: {b!r} (expected a float in [0, 1))")
+    group["betas"] = (float(betas[0]), float(betas[1]))
+    if group["eps_mode"] not in _EPS_DEFAULT:
+        raise ValueError(f"Invalid eps_mode in {where}: {group['eps_mode']!r} (expected 'floor' or 'add')")
+    eps = group["eps"]
+    if eps is not None and (not isinstance(eps, (int, float)) or not eps > 0 or not math.isfinite(eps)):
+        raise ValueError(f"Invalid epsilon value in {where}: {eps!r} (expected a float > 0)")
+    wd = group["weight_decay"]
+    if not isinstance(wd, (int, float)) or not math.isfinite(wd) or wd < 0:
+        raise ValueError(f"Invalid weight_decay value in {where}: {wd!r} (expected a float >= 0)")
+    for flag in ("use_momentum", "use_factored", "bank"):
+        if group[flag] is not None and not isinstance(group[flag], bool):
+            raise ValueError(f"Invalid {flag} in {where}: {group[flag]!r} (expected True, False or None)")
+    if not isinstance(group["seed"], int) or isinstance(group["seed"], bool):
+        raise ValueError(f"Invalid seed in {where}: {group['seed']!r} (expected an int)")
+    try:
+        Tier.parse(group["tier"])
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def _validate_param(p: Tensor, group: dict, idx: int) -> None:
+    where = f"param group {idx} (tier {group['tier']!r})"
+    if p.is_complex():
+        raise TypeError(f"{where}: complex parameters are not supported; optimize torch.view_as_real(p) instead")
+    if p.dtype == torch.float16:
+        raise TypeError(
+            f"{where}: fp16 parameters are not supported; keep fp32 parameters with torch.autocast, or use bf16"
+        )
+    if not p.is_floating_point():
+        raise TypeError(f"{where}: parameters must be floating point, got {p.dtype}")
+    if group["bank"] and p.ndim < 1:
+        raise ValueError(f"{where}: bank=True needs parameters with a leading expert dim, got a 0-d tensor")
+
+
+def _is_bank(p: Tensor, group: dict) -> bool:
+    if group["bank"] is None:
+        return group["tier"] == Tier.EXPERT.value and p.ndim >= 3
+    return group["bank"]
+
+
+def _new_state(p: Tensor, key: str, st, bank: bool) -> Tensor:
+    if isinstance(p, DTensor):
+        from .distributed import new_state_dtensor
+
+        return new_state_dtensor(p, key, st)
+    # Per-tensor step counts stay on the host like torch's (read each step); a bank's live with its parameter.
+    device = p.device if (key != "step" or bank) else torch.device("cpu")
+    return torch.zeros(st.shape, dtype=st.dtype, device=device)
+
+
+def _all_finite(tensors: list[Tensor]) -> bool:
+    by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+    for t in tensors:
+        by_device[t.device].append(t.sum())
+    return all(bool(torch.stack(ts).sum().isfinite()) for ts in by_device.values())
