@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from . import kernels
-from .state import state_spec
+from .state import is_bank, state_spec
 from .tiers import TIER_STATE, Tier
 
 try:  # DTensor (FSDP2, tensor/expert parallelism); absent on builds without torch.distributed
@@ -226,7 +226,7 @@ class SkewAdam(Optimizer):
                     f"SkewAdam does not support sparse gradients (param group {self.param_groups.index(group)}, "
                     f"tier {group['tier']!r}); use a dense embedding (sparse=False)"
                 )
-            bank = _is_bank(p, group)
+            bank = is_bank(p.ndim, group["tier"], group["bank"])
             state = self.state[p]
             if not state:
                 spec = state_spec(
@@ -354,12 +354,6 @@ def _validate_param(p: Tensor, group: dict, idx: int) -> None:
         raise TypeError(f"{where}: parameters must be floating point, got {p.dtype}")
     if group["bank"] and p.ndim < 1:
         raise ValueError(f"{where}: bank=True needs parameters with a leading expert dim, got a 0-d tensor")
-
-
-def _is_bank(p: Tensor, group: dict) -> bool:
-    if group["bank"] is None:
-        return group["tier"] == Tier.EXPERT.value and p.ndim >= 3
-    return group["bank"]
 
 
 def _new_state(p: Tensor, key: str, st, bank: bool) -> Tensor:

@@ -16,7 +16,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-__all__ = ["StateTensor", "state_spec", "is_factored", "state_dtype_for", "COUNTER_KEYS"]
+__all__ = ["StateTensor", "state_spec", "spec_nbytes", "is_bank", "is_factored", "state_dtype_for", "COUNTER_KEYS"]
 
 #: State entries that are bookkeeping (step counts), reported apart from the statistics themselves.
 COUNTER_KEYS = frozenset({"step"})
@@ -38,6 +38,13 @@ def _itemsize(dtype: torch.dtype) -> int:
 def state_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
     """Statistics live in fp32 for 16-bit parameters and in the parameter's own dtype otherwise."""
     return torch.float32 if param_dtype in (torch.bfloat16, torch.float16) else param_dtype
+
+
+def is_bank(ndim: int, tier: str, bank: bool | None) -> bool:
+    """A tensor is a bank when its group says so, or (``bank=None``) when it is an expert tensor with >= 3 dims."""
+    if bank is None:
+        return tier == "expert" and ndim >= 3
+    return bank
 
 
 def is_factored(shape: Sequence[int], *, use_factored: bool, bank: bool) -> bool:
@@ -72,3 +79,9 @@ def state_spec(
     else:
         spec["exp_avg_sq"] = StateTensor(shape, dtype)
     return spec
+
+
+def spec_nbytes(spec: dict[str, StateTensor]) -> tuple[int, int]:
+    """``(statistics, counters)`` bytes of a `state_spec`: moments apart from step counts (the paper counts only the former)."""
+    stats = sum(st.nbytes for key, st in spec.items() if key not in COUNTER_KEYS)
+    return stats, sum(st.nbytes for key, st in spec.items() if key in COUNTER_KEYS)
