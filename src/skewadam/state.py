@@ -5,6 +5,10 @@ flags. `SkewAdam` allocates exactly these, and the memory planner (`skewadam.mem
 cannot disagree. Names follow torch: ``step``, ``exp_avg`` (first moment), ``exp_avg_sq`` (full second moment),
 ``row_var`` ``[..., R, 1]`` and ``col_var`` ``[..., 1, C]`` (factored second moment, over the last two dims).
 
+``momentum_dtype`` stores ``exp_avg`` compactly: ``"fp32"`` (the statistics dtype: fp32, or fp64 for fp64
+parameters), ``"bf16"``, or ``"int8"`` (block-wise, with ``exp_avg_scale`` ``[..., ceil(C / 256)]``; tensors with
+< 2 dims keep the statistics dtype, see `skewadam.kernels.quant`).
+
 A *bank* is a stacked expert tensor ``[E, ...]`` whose slices along dim 0 are treated as separate experts: its
 ``step`` holds one count per slice, and whether a slice is factored depends on the slice's rank, not the bank's.
 """
@@ -15,6 +19,8 @@ import math
 from typing import NamedTuple, Sequence
 
 import torch
+
+from .kernels.quant import num_blocks
 
 __all__ = ["StateTensor", "state_spec", "spec_nbytes", "is_bank", "is_factored", "state_dtype_for", "COUNTER_KEYS"]
 
@@ -60,6 +66,7 @@ def state_spec(
     use_momentum: bool,
     use_factored: bool,
     bank: bool,
+    momentum_dtype: str = "fp32",
 ) -> dict[str, StateTensor]:
     """The state tensors of one parameter, in allocation order.
 
@@ -72,7 +79,11 @@ def state_spec(
     dtype = state_dtype_for(param_dtype)
     spec = {"step": StateTensor((shape[0],) if bank else (), torch.float32)}
     if use_momentum:
-        spec["exp_avg"] = StateTensor(shape, dtype)
+        if momentum_dtype == "int8" and len(shape) >= 2:
+            spec["exp_avg"] = StateTensor(shape, torch.int8)
+            spec["exp_avg_scale"] = StateTensor(shape[:-1] + (num_blocks(shape[-1]),), torch.float32)
+        else:
+            spec["exp_avg"] = StateTensor(shape, torch.bfloat16 if momentum_dtype == "bf16" else dtype)
     if is_factored(shape, use_factored=use_factored, bank=bank):
         spec["row_var"] = StateTensor(shape[:-1] + (1,), dtype)
         spec["col_var"] = StateTensor(shape[:-2] + (1, shape[-1]), dtype)

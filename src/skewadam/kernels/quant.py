@@ -1,0 +1,52 @@
+"""Compact storage of the first moment: block-wise int8 with a per-block scale, or bf16.
+
+int8 layout: blocks of ``BLOCK`` consecutive elements along the LAST dim (a row of ``C`` elements holds
+``ceil(C / BLOCK)`` blocks), so blocks never straddle the leading dims that FSDP/expert parallelism shard, and a
+bank slice never shares a block with its neighbour. Shapes: ``q [..., C]`` int8, ``scale [..., NB]`` fp32.
+
+Values are companded with a signed square root before the linear int8 grid, which spends the 8 bits where momentum
+mostly lives (small magnitudes): ``q = round(127 * sign(x) * sqrt(|x| / absmax))`` and
+``x = sign(q) * (q / 127)^2 * absmax``, with ``absmax`` the block's largest magnitude (so the block's extreme is exact).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+import torch.nn.functional as F
+
+__all__ = ["BLOCK", "num_blocks", "quantize_", "dequantize"]
+
+BLOCK = 256
+_QMAX = 127.0
+
+
+def num_blocks(last_dim: int) -> int:
+    return max(1, math.ceil(last_dim / BLOCK))
+
+
+def _blocked(x: Tensor) -> Tensor:
+    """View ``[..., C]`` as ``[..., NB, BLOCK]``, zero-padding the last block (a copy only when C % BLOCK != 0)."""
+    c = x.shape[-1]
+    pad = num_blocks(c) * BLOCK - c
+    if pad:
+        x = F.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], -1, BLOCK)
+
+
+def quantize_(q: Tensor, scale: Tensor, x: Tensor) -> None:
+    """Store fp32 ``x`` into ``q`` (int8, same shape) and ``scale`` (``[..., NB]``), in place."""
+    xb = _blocked(x)
+    absmax = xb.abs().amax(dim=-1, keepdim=True)
+    scale.copy_(absmax.squeeze(-1))
+    code = (xb.abs() / absmax.clamp(min=torch.finfo(x.dtype).tiny)).sqrt_().mul_(_QMAX).round_().copysign_(xb)
+    q.copy_(code.flatten(-2)[..., : x.shape[-1]])
+
+
+def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The fp32 (or ``dtype``) values that ``q`` and ``scale`` encode."""
+    code = _blocked(q.to(dtype)).div_(_QMAX)
+    x = code.abs().mul_(code).mul_(scale.unsqueeze(-1).to(dtype))
+    return x.flatten(-2)[..., : q.shape[-1]]
