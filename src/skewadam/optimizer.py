@@ -275,7 +275,7 @@ class SkewAdam(Optimizer):
         stats = [impl.grad_stats(w.grads, w.row_vars, banks=w.banks, dtypes=w.dtypes) for w in work]
         self._reduce(work, [[impl.stat_dims(s, g.ndim, b) for s, g, b in zip(st, w.grads, w.banks)]
                             for w, st in zip(work, stats)])
-        if self.skip_nonfinite and not _all_finite([s.sumsq for st in stats for s in st]):
+        if self.skip_nonfinite and not _all_finite([s.sumsq for st in stats for s in st], self._reducer):
             self.skipped_steps += 1
             return loss
         moments = []
@@ -354,6 +354,10 @@ def _validate_param(p: Tensor, group: dict, idx: int) -> None:
         raise TypeError(f"{where}: parameters must be floating point, got {p.dtype}")
     if group["bank"] and p.ndim < 1:
         raise ValueError(f"{where}: bank=True needs parameters with a leading expert dim, got a 0-d tensor")
+    if torch.distributed.is_available():  # flattened (FSDP1, DeepSpeed ZeRO-3) or Partial shards are refused
+        from .distributed import check_layout
+
+        check_layout(p, where)
 
 
 def _new_state(p: Tensor, key: str, st, bank: bool) -> Tensor:
@@ -366,8 +370,11 @@ def _new_state(p: Tensor, key: str, st, bank: bool) -> Tensor:
     return torch.zeros(st.shape, dtype=st.dtype, device=device)
 
 
-def _all_finite(tensors: list[Tensor]) -> bool:
+def _all_finite(tensors: list[Tensor], reducer: Optional[Reducer] = None) -> bool:
+    """Whether all sums are finite; with a reducer that can tell, on every rank (so all ranks skip together)."""
     by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
     for t in tensors:
         by_device[t.device].append(t.sum())
-    return all(bool(torch.stack(ts).sum().isfinite()) for ts in by_device.values())
+    finite = all(bool(torch.stack(ts).sum().isfinite()) for ts in by_device.values())
+    agree = getattr(reducer, "all_finite", None)
+    return agree(finite) if agree is not None else finite

@@ -1,0 +1,200 @@
+r"""SkewAdam on sharded parameters (FSDP2, tensor and expert parallelism): state placements and the reducer.
+
+A DTensor parameter's shard sees only part of each statistic the update needs. The kernels
+(`skewadam.kernels.eager`) compute *partial sums* over the local shard and divide by the global sizes; between their
+passes the optimizer hands every statistic, paired with the parameter dims it sums over, to a reducer. `DTensorReducer`
+all-reduces (SUM) a statistic over exactly the mesh dims whose placement shards one of those dims (``Shard(d)`` or
+``_StridedShard(d)``): a ``[R, C]`` weight sharded on rows (FSDP2's ``Shard(0)``) needs its column sums
+``sum_i g_ij^2`` ``[1, C]`` and its per-tensor sums (``sum g^2``, ``sum_i row_var_i``, ``sum u^2`` for the RMS clip),
+never its row sums; a bank ``[E, F, D]`` sharded on experts (expert parallelism) needs nothing, one sharded on ``F``
+(torchtitan's ``Shard(1)``) its column and per-expert sums. Replicated mesh dims hold the same values everywhere and are
+not reduced. Statistics are flattened into one buffer per process group and pass, so a step costs one all-reduce per
+sharding mesh dim in each of the two seams, plus one all-reduce of a scalar so that every rank agrees on skipping a
+non-finite step. No gradient and no parameter crosses ranks.
+
+State tensors are DTensors on the parameter's mesh, so `torch.distributed.checkpoint` saves and reshards them
+(`state_placements`): each mesh dim keeps the parameter's placement where the state tensor spans that dim at full size
+and is ``Replicate`` where the state has reduced it away (``row_var [..., R, 1]`` over columns, ``col_var [..., 1, C]``
+over rows, a bank's ``step [E]`` over everything but experts). Uneven and empty shards follow the parameter's own local
+shape (torchao's ``DTensor.from_local(..., shape=, stride=)``). A non-bank ``step`` is a plain host scalar, as torch's
+optimizers keep it (identical on every rank, read each step).
+
+Refused with an error: ``Partial`` placements (unreduced values), FSDP1's ``FlatParameter`` and DeepSpeed ZeRO-3
+parameters (``ds_shape``/``ds_tensor``): flattening destroys the row/column structure that factored statistics and the
+per-tensor clip are defined on. (DeepSpeed ZeRO-1/2 hand the optimizer flat 1-D partitions with no marker; they cannot
+be detected and are unsupported. ZeRO stage 0, DDP and `torch.distributed.optim.ZeroRedundancyOptimizer` keep whole
+parameters and work without a reducer.)
+
+To disable the reductions (e.g. as a negative control), set the seam yourself before the first step:
+``optimizer._reducer = lambda items: None``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from .state import StateTensor
+
+__all__ = ["state_placements", "new_state_dtensor", "check_layout", "DTensorReducer"]
+
+_DEEPSPEED_ATTRS = ("ds_shape", "ds_tensor", "ds_id", "ds_numel")
+
+
+def _sharded_dim(placement: Placement, ndim: int, what: str) -> Optional[int]:
+    """The tensor dim a placement shards (``Shard`` and ``_StridedShard`` alike), None for ``Replicate``."""
+    if isinstance(placement, (Shard, _StridedShard)):
+        return placement.dim % ndim
+    if placement.is_partial():
+        raise ValueError(
+            f"SkewAdam cannot use a {what} with a Partial placement {placement} (its shards hold unreduced partial "
+            f"values, so no statistic of it is defined); redistribute it to Shard/Replicate first, e.g. "
+            f"t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])"
+        )
+    return None
+
+
+def check_layout(p: Tensor, where: str = "parameter") -> None:
+    """Refuse parameters whose shards cannot carry SkewAdam's statistics: flattened (FSDP1, DeepSpeed ZeRO-3) or Partial."""
+    if getattr(p, "_is_flat_param", False):
+        raise TypeError(
+            f"{where}: FSDP1 FlatParameter (a flattened 1-D shard of many parameters) loses the rows and columns "
+            f"SkewAdam's factored statistics and per-tensor clip need; use FSDP2 (torch.distributed.fsdp.fully_shard)"
+        )
+    if any(hasattr(p, a) for a in _DEEPSPEED_ATTRS):
+        raise TypeError(
+            f"{where}: DeepSpeed ZeRO-3 partitioned parameter (ds_shape={getattr(p, 'ds_shape', '?')}): DeepSpeed "
+            f"hands the optimizer flattened 1-D partitions, which lose the rows and columns SkewAdam's factored "
+            f"statistics and per-tensor clip need; use FSDP2 (torch.distributed.fsdp.fully_shard), or ZeRO stage 0"
+        )
+    if isinstance(p, DTensor):
+        for pl in p.placements:
+            _sharded_dim(pl, max(p.ndim, 1), where)
+
+
+def _kept_dims(key: str, ndim: int, state_ndim: int) -> range | set[int]:
+    """Parameter dims a state tensor spans at full size (the others it has reduced to 1 or dropped)."""
+    if key in ("exp_avg", "exp_avg_sq"):
+        return range(ndim)
+    if key == "row_var":
+        return set(range(ndim)) - {ndim - 1}
+    if key == "col_var":
+        return set(range(ndim)) - {ndim - 2}
+    if key == "exp_avg_scale":  # int8 momentum: one scale per block of the last dim (`skewadam.kernels.quant`)
+        return set(range(ndim)) - {ndim - 1}
+    if key == "step":  # [E] for a bank (its dim 0), () otherwise
+        return range(state_ndim)
+    raise KeyError(f"skewadam.distributed does not know how state {key!r} relates to its parameter's dims")
+
+
+def state_placements(
+    placements: Sequence[Placement], ndim: int, key: str, state_ndim: int
+) -> tuple[Placement, ...]:
+    """Placements of state ``key`` of a parameter with ``placements``: the parameter's where the state keeps the dim,
+    ``Replicate`` where it does not.
+
+    Example:
+        >>> state_placements([Shard(0)], 2, "col_var", 2)  # [1, C] over a row-sharded [R, C]
+        (Replicate(),)
+        >>> state_placements([_StridedShard(0, split_factor=2), Shard(0)], 3, "step", 1)  # a bank's [E]
+        (_StridedShard(dim=0, sf=2), Shard(dim=0))
+    """
+    kept = _kept_dims(key, ndim, state_ndim)
+    out = []
+    for pl in placements:
+        d = _sharded_dim(pl, max(ndim, 1), f"parameter (state {key!r})")
+        out.append(pl if d is not None and d in kept else Replicate())
+    return tuple(out)
+
+
+def new_state_dtensor(param: DTensor, key: str, st: StateTensor) -> Tensor:
+    """Zeros for state ``key`` of a DTensor parameter, as a DTensor placed per `state_placements` (a non-bank
+    ``step`` is a plain CPU scalar, as torch keeps it). Works for uneven and empty local shards.
+    """
+    if key == "step" and not st.shape:
+        return torch.zeros((), dtype=st.dtype)
+    if key == "exp_avg_scale" and any(
+        _sharded_dim(pl, param.ndim, "parameter") == param.ndim - 1 for pl in param.placements
+    ):
+        raise ValueError(
+            f"int8 momentum keeps one scale per block of its parameter's last dim, which placements "
+            f"{param.placements} of a {tuple(param.shape)} parameter split across ranks; shard another dim, or use "
+            f"momentum_dtype='bf16' for this parameter's group"
+        )
+    local = param.to_local()
+    kept = _kept_dims(key, param.ndim, len(st.shape))
+    local_shape = tuple(local.shape[d] if d in kept else st.shape[d] for d in range(len(st.shape)))
+    placements = state_placements(param.placements, param.ndim, key, len(st.shape))
+    zeros = torch.zeros(local_shape, dtype=st.dtype, device=local.device)
+    return DTensor.from_local(
+        zeros, param.device_mesh, placements, run_check=False,
+        shape=torch.Size(st.shape), stride=torch.empty(st.shape, device="meta").stride(),
+    )
+
+
+class DTensorReducer:
+    """Sum SkewAdam's partial statistics of DTensor parameters across their shards, in place, batched.
+
+    ``reducer(items)``, with ``items`` a list of ``(param, [(statistic, dims_it_sums_over), ...])`` (the optimizer's
+    reduce seam), all-reduces each statistic over the mesh dims sharding any of its dims: one flat buffer and one
+    collective per (process group, dtype), in order, so a statistic sharded over two mesh dims is summed over both.
+    Non-DTensor parameters pass through. ``collectives`` and ``bytes`` count what it sent (per-rank payload).
+
+    Example:
+        >>> opt = SkewAdam(fsdp_model.parameters())   # installs a DTensorReducer on the first step
+        >>> opt.step(); opt._reducer.collectives, opt._reducer.bytes
+    """
+
+    def __init__(self) -> None:
+        self.collectives = 0
+        self.bytes = 0
+        self._device: Optional[torch.device] = None
+
+    def __call__(self, items: list[tuple[Tensor, list[tuple[Tensor, tuple[int, ...]]]]]) -> None:
+        buckets: dict[tuple, list[Tensor]] = {}
+        for param, stats in items:
+            if not isinstance(param, DTensor):
+                continue
+            mesh = param.device_mesh
+            _check_grad(param)
+            sharding = [
+                (i, d) for i, pl in enumerate(param.placements)
+                if (d := _sharded_dim(pl, max(param.ndim, 1), "parameter")) is not None and mesh.size(i) > 1
+            ]
+            for stat, dims in stats:
+                self._device = stat.device
+                for i, d in sharding:
+                    if d in dims:
+                        buckets.setdefault((mesh.get_group(i), stat.dtype, stat.device), []).append(stat)
+        for (group, _, _), stats in buckets.items():  # the same order on every rank: all step the same params
+            flat = torch.cat([s.reshape(-1) for s in stats])
+            dist.all_reduce(flat, group=group)
+            self.collectives += 1
+            self.bytes += flat.numel() * flat.element_size()
+            for s, chunk in zip(stats, flat.split([s.numel() for s in stats])):
+                s.copy_(chunk.view_as(s))
+
+    def all_finite(self, local: bool) -> bool:
+        """Whether the gradients are finite on every rank (so all ranks skip a step together or none does)."""
+        flag = torch.tensor([1.0 if local else 0.0], device=self._device or "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        self.collectives += 1
+        self.bytes += flag.element_size()
+        return bool(flag.item() > 0)
+
+
+def _check_grad(param: DTensor) -> None:
+    grad = param.grad
+    if grad is None or (isinstance(grad, DTensor) and tuple(grad.placements) == tuple(param.placements)):
+        return
+    got = grad.placements if isinstance(grad, DTensor) else "a plain tensor"
+    raise ValueError(
+        f"SkewAdam: the gradient of a DTensor parameter {tuple(param.shape)} with placements {param.placements} is "
+        f"{got}; SkewAdam needs gradients placed like their parameters (reduced, not Partial): redistribute the "
+        f"gradient with grad.redistribute(placements=param.placements)"
+    )

@@ -1,0 +1,203 @@
+"""SkewAdam on sharded parameters: equal to one process under FSDP2, DDP, ZeRO and expert parallelism; DCP resumes
+bitwise; what crosses ranks is a few batched statistics; flattened and Partial layouts are refused.
+
+The multi-process checks run once per session in ``worker.py`` under ``torchrun --standalone --nproc_per_node=2``
+(CPU, gloo, explicit CPU device mesh) and are asserted here one rule per test. The placement rules and refusals that
+need no process group are tested in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from skewadam import SkewAdam
+from skewadam.distributed import check_layout, state_placements
+
+WORKER = Path(__file__).with_name("worker.py")
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 600  # process startup alone can take over a minute on a loaded machine
+TOL = 1e-10
+
+
+def torchrun(*args: str) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=2 ARGS`` on CPU; fails the test with the output's tail on error."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # hosts whose name does not resolve to a reachable address
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=REPO)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(args)} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("distributed")
+    torchrun(str(WORKER), str(out))
+    return json.loads((out / "results.json").read_text())
+
+
+def _get(results: dict, check: str) -> list[dict]:
+    """Both ranks' figures of one check; a check that raised fails with its traceback."""
+    per_rank = [results[check][f"rank{r}"] for r in range(2)]
+    for r, fig in enumerate(per_rank):
+        if "error" in fig:
+            pytest.fail(f"{check} raised on rank {r}:\n{fig['error']}")
+    return per_rank
+
+
+EQUIVALENT = [
+    "fsdp2_uneven",  # dim-0 shards, uneven (vocab 67, 3 experts, 9 positions)
+    "fsdp2_empty_shards",  # one expert: router and banks empty on rank 1
+    "fsdp2_torchtitan_shard1",  # experts Shard(1) (fewer experts than ranks), attention Shard(1)
+    "ddp",
+    "zero_redundancy",
+    "ep_shard0_fsdp_strided",  # experts (_StridedShard(0), Shard(0)) on (efsdp, ep)
+    "ep_shard1",  # experts (Shard(1), Shard(0)) on (efsdp, ep)
+    "strided_1d",  # experts _StridedShard(0, sf=2): rank 0 holds experts {0, 2}
+    "shard_last_dim",  # every tensor on its last dim
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("check", EQUIVALENT)
+def test_sharded_training_matches_one_process_on_the_global_batch(results, check):
+    for fig in _get(results, check):
+        assert fig["max_diff"] <= TOL, fig
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("check", ["fsdp2_negative_control", "ep_shard1_negative_control"])
+def test_without_cross_rank_reductions_the_equivalence_check_fails(results, check):
+    for fig in _get(results, check):
+        assert fig["max_diff"] > 1e3 * TOL, fig
+
+
+@pytest.mark.distributed
+def test_empty_local_shards_are_exercised(results):
+    rank0, rank1 = _get(results, "fsdp2_empty_shards")
+    assert rank0["empty_local_shards"] == []
+    assert set(rank1["empty_local_shards"]) == {
+        "blocks.1.moe.router.weight", "blocks.1.moe.experts.w1", "blocks.1.moe.experts.w2", "blocks.1.moe.experts.w3"}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("check", [c for c in EQUIVALENT if c.startswith(("fsdp2", "ep_", "strided", "shard"))])
+def test_three_collectives_per_step(results, check):
+    """Pass-1 statistics, the skip flag, the pass-2 clip sums: one all-reduce each (all mesh dims of size > 1 here
+    are the same 2 ranks)."""
+    for fig in _get(results, check):
+        assert fig["collectives_per_step"] == 3, fig
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("check", ["fsdp2_uneven", "fsdp2_empty_shards"])
+def test_only_statistics_cross_ranks(results, check):
+    """Exactly the bytes the math needs (`worker.expected_bytes_shard0`): no gradient or parameter is gathered."""
+    for fig in _get(results, check):
+        assert fig["bytes_per_step"] == fig["expected_bytes_per_step"], fig
+
+
+@pytest.mark.distributed
+def test_state_placements_follow_the_parameter(results):
+    rank0, _ = _get(results, "fsdp2_torchtitan_shard1")
+    pl = rank0["placements"]
+    assert pl["tok_emb.weight"] == {"param": "(Shard(dim=0),)", "step": "plain cpu", "exp_avg": "(Shard(dim=0),)",
+                                    "row_var": "(Shard(dim=0),)", "col_var": "(Replicate(),)"}
+    assert pl["blocks.0.attn.wq.weight"]["row_var"] == "(Replicate(),)"
+    assert pl["blocks.0.attn.wq.weight"]["col_var"] == "(Shard(dim=1),)"
+    assert pl["blocks.1.moe.experts.w1"] == {"param": "(Shard(dim=1),)", "step": "(Replicate(),)",
+                                             "row_var": "(Shard(dim=1),)", "col_var": "(Replicate(),)"}
+    ep = _get(results, "ep_shard0_fsdp_strided")[0]["placements"]["blocks.1.moe.experts.w2"]
+    assert set(ep.values()) == {"(_StridedShard(dim=0, sf=2), Shard(dim=0))"}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("check", ["dcp_fsdp2", "dcp_ep"])
+def test_dcp_round_trip_resumes_bitwise(results, check):
+    for fig in _get(results, check):
+        assert fig["bitwise"], fig
+        assert fig["steps"] == [4.0], fig  # the loaded step counts, not the fresh optimizer's
+
+
+@pytest.mark.distributed
+def test_nonfinite_gradient_on_one_rank_skips_the_step_on_all(results):
+    for fig in _get(results, "nonfinite_agreement"):
+        assert fig == {"skipped_steps": 1, "unchanged": True}
+
+
+@pytest.mark.distributed
+def test_partial_parameters_and_gradients_are_refused(results):
+    for fig in _get(results, "refusals"):
+        assert "Partial" in fig["param"] and "redistribute" in fig["param"]
+        assert "Partial" in fig["grad"] and "redistribute" in fig["grad"]
+
+
+@pytest.mark.distributed
+def test_int8_momentum_of_a_last_dim_sharded_parameter_is_refused(results):
+    for fig in _get(results, "refusals"):
+        assert "int8 momentum" in fig["int8_last_dim"] and "momentum_dtype='bf16'" in fig["int8_last_dim"]
+
+
+@pytest.mark.distributed
+def test_fsdp2_example_trains(tmp_path):
+    proc = torchrun("examples/train_fsdp.py", "--steps", "2", "--checkpoint", str(tmp_path / "ckpt"))
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("step")]
+    assert len(lines) == 2 and "3 all-reduces" in lines[-1], proc.stdout
+    losses = [float(l.split("loss")[1].split("|")[0]) for l in lines]
+    assert all(math.isfinite(x) and 3.0 < x < 7.0 for x in losses), losses  # ln(256) = 5.55 at init
+    assert (tmp_path / "ckpt" / ".metadata").exists()
+
+
+# ------------------------------------------------------------------------------------------------ in-process rules
+S = _StridedShard(0, split_factor=2)
+
+
+@pytest.mark.parametrize(
+    "placements, ndim, key, state_ndim, expected",
+    [
+        ((Shard(0),), 2, "exp_avg", 2, (Shard(0),)),
+        ((Shard(0),), 2, "row_var", 2, (Shard(0),)),  # [R, 1]: rows stay sharded
+        ((Shard(0),), 2, "col_var", 2, (Replicate(),)),  # [1, C]: summed over the sharded rows
+        ((Shard(1),), 2, "row_var", 2, (Replicate(),)),
+        ((Shard(1),), 2, "col_var", 2, (Shard(1),)),
+        ((Shard(-1),), 3, "col_var", 3, (Shard(-1),)),
+        ((Shard(0),), 3, "step", 1, (Shard(0),)),  # a bank's per-expert counts
+        ((Shard(1), Shard(0)), 3, "step", 1, (Replicate(), Shard(0))),
+        ((S, Shard(0)), 3, "col_var", 3, (S, Shard(0))),  # experts stay sharded in every statistic
+        ((S, Shard(0)), 2, "col_var", 2, (Replicate(), Replicate())),
+        ((Replicate(), Shard(0)), 1, "exp_avg_sq", 1, (Replicate(), Shard(0))),
+        ((Shard(0),), 3, "exp_avg_scale", 3, (Shard(0),)),  # int8 momentum: [E, F, blocks of D]
+        ((Shard(1),), 3, "exp_avg_scale", 3, (Shard(1),)),
+    ],
+)
+def test_state_placement_keeps_sharded_dims_the_state_spans(placements, ndim, key, state_ndim, expected):
+    assert state_placements(placements, ndim, key, state_ndim) == expected
+
+
+def test_unknown_state_key_is_an_error():
+    with pytest.raises(KeyError, match="momentum_buffer"):
+        state_placements((Shard(0),), 2, "momentum_buffer", 2)
+
+
+@pytest.mark.parametrize("attr, value, match", [("ds_shape", torch.Size([4, 3]), "DeepSpeed ZeRO-3"),
+                                               ("ds_tensor", torch.zeros(6), "DeepSpeed ZeRO-3"),
+                                               ("_is_flat_param", True, "FSDP1 FlatParameter")])
+def test_flattened_parameters_are_refused(attr, value, match):
+    p = torch.nn.Parameter(torch.zeros(0))
+    setattr(p, attr, value)
+    with pytest.raises(TypeError, match=match):
+        check_layout(p)
+    with pytest.raises(TypeError, match=f"param group 0.*{match}.*FSDP2"):
+        SkewAdam([p])
