@@ -1,0 +1,121 @@
+"""Run configurations of the benchmark, as dataclasses, and the named presets ``skewadam bench --preset`` takes.
+
+A `RunConfig` is one training run, everything that decides its result; a `BenchConfig` is the set of runs
+`skewadam bench` compares: the shared `RunConfig` fields (``base``), optimizers, learning rates per optimizer, seeds.
+Presets are functions returning a `BenchConfig`; command-line flags override their fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+from .optimizers import DEFAULT_OPTIMIZERS, OPTIMIZERS
+
+__all__ = ["RunConfig", "BenchConfig", "PRESETS", "get_preset", "run_name"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunConfig:
+    """One training run. ``lr``/``weight_decay`` ``None`` mean the optimizer's defaults (`OPTIMIZERS`)."""
+
+    optimizer: str = "adamw"
+    lr: Optional[float] = None
+    weight_decay: Optional[float] = None
+    seed: int = 0  # initial weights, batch order and router noise
+    model: str = "cpu"  # a `skewadam.models.get_config` preset
+    data: Optional[str] = None  # text file or folder; None = the embedded Shakespeare
+    steps: int = 150
+    batch_size: int = 16
+    block_size: Optional[int] = None  # None = the model preset's
+    eval_interval: int = 25
+    eval_batches: int = 8  # fixed validation batches of batch_size x block_size tokens
+    warmup_frac: float = 0.03  # linear warm-up over this fraction of steps, then cosine to 0
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+    device: str = "cpu"  # "cuda": bf16 weights (SkewAdam rounds them stochastically)
+    threads: Optional[int] = None  # torch CPU threads; None = torch's default
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+        for name in ("steps", "batch_size", "eval_interval", "eval_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.warmup_frac < 1.0:
+            raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+    @property
+    def resolved_lr(self) -> float:
+        return OPTIMIZERS[self.optimizer].lr if self.lr is None else self.lr
+
+    @property
+    def resolved_weight_decay(self) -> float:
+        return OPTIMIZERS[self.optimizer].weight_decay if self.weight_decay is None else self.weight_decay
+
+
+def run_name(cfg: RunConfig) -> str:
+    """File stem of a run's log: ``{optimizer}_lr{lr}_seed{seed}``."""
+    return f"{cfg.optimizer}_lr{cfg.resolved_lr:g}_seed{cfg.seed}"
+
+
+#: RunConfig fields that differ between the runs of one bench; all others must match to resume a run directory.
+PER_RUN_FIELDS = ("optimizer", "lr", "weight_decay", "seed", "threads")
+
+
+@dataclasses.dataclass(kw_only=True)
+class BenchConfig:
+    """A comparison: every optimizer x its learning rates x seeds ``0..seeds-1``, sharing ``base``.
+
+    ``lrs`` maps an optimizer to its learning rates; a missing optimizer uses its default lr.
+    """
+
+    base: RunConfig = dataclasses.field(default_factory=RunConfig)
+    optimizers: tuple[str, ...] = DEFAULT_OPTIMIZERS
+    lrs: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    seeds: int = 1
+
+    def __post_init__(self) -> None:
+        unknown = [o for o in (*self.optimizers, *self.lrs) if o not in OPTIMIZERS]
+        if unknown:
+            raise ValueError(f"unknown optimizer(s) {unknown}: use any of {', '.join(OPTIMIZERS)}")
+        if self.seeds < 1:
+            raise ValueError(f"seeds must be >= 1, got {self.seeds}")
+
+    def runs(self) -> list[RunConfig]:
+        """All runs, seed-major (an interrupted study has every optimizer at the first seeds)."""
+        return [
+            dataclasses.replace(self.base, optimizer=opt, lr=lr, seed=seed)
+            for seed in range(self.seeds)
+            for opt in self.optimizers
+            for lr in self.lrs.get(opt, (OPTIMIZERS[opt].lr,))
+        ]
+
+
+def default() -> BenchConfig:
+    """`skewadam bench` with no arguments: five optimizers on Shakespeare, one seed, under 10 minutes on 2 CPU cores."""
+    return BenchConfig()
+
+
+def smoke() -> BenchConfig:
+    """Seconds: the tiny model for 2 steps (tests, a check that everything runs)."""
+    return BenchConfig(base=RunConfig(model="tiny", steps=2, batch_size=2, eval_interval=1, eval_batches=1))
+
+
+def study() -> BenchConfig:
+    """Issue 9's study: every optimizer and ablation, learning rates at 1/3, 1 and 3 times each default, 3 seeds."""
+    return BenchConfig(
+        optimizers=tuple(OPTIMIZERS),
+        lrs={name: tuple(spec.lr * s for s in (1 / 3, 1.0, 3.0)) for name, spec in OPTIMIZERS.items()},
+        seeds=3,
+    )
+
+
+PRESETS: dict[str, Callable[[], BenchConfig]] = {"default": default, "smoke": smoke, "study": study}
+
+
+def get_preset(name: str) -> BenchConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}: use one of {', '.join(PRESETS)}")
+    return PRESETS[name]()

@@ -1,0 +1,263 @@
+"""Tables and plots of a bench run directory, computed only from its JSON logs (``RUN_DIR/runs/*.json``).
+
+``skewadam report RUN_DIR`` re-renders ``RUN_DIR/results.md`` and the plots ``val_ppl.png``, ``memory.png`` and
+``balance.png``; `skewadam bench` calls the same code when its runs finish.
+
+Per optimizer the table shows the learning rate with the best mean validation perplexity; each figure is the mean over
+seeds (``± std`` with several seeds) and, in parentheses, its ratio to the baseline optimizer (AdamW) at its own best lr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional
+
+__all__ = ["load_runs", "summarize", "best_by_optimizer", "results_table", "sweep_table", "render", "register_cli"]
+
+# (column title, summary key, formatter of the value)
+_MiB = 2**20
+COLUMNS = [
+    ("optimizer state", "state_bytes", lambda v: f"{v / _MiB:.2f} MiB"),
+    ("train peak mem", "train_peak_memory_bytes", lambda v: f"{v / _MiB:.0f} MiB"),
+    ("tokens/s", "tokens_per_s", lambda v: f"{v:,.0f}"),
+    ("opt step", "opt_time_s", lambda v: f"{v * 1e3:.1f} ms"),
+    ("best val ppl", "best_val_ppl", lambda v: f"{v:.3f}"),
+    ("val balance loss", "final_val_balance_loss", lambda v: f"{v:.4f}"),
+]
+
+
+def load_runs(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every finished run's log under ``run_dir/runs``."""
+    files = sorted(Path(run_dir, "runs").glob("*.json"))
+    if not files:
+        raise FileNotFoundError(f"no run logs in {Path(run_dir, 'runs')}: is {run_dir} a `skewadam bench` output?")
+    return [json.loads(f.read_text()) for f in files]
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if any(not math.isfinite(v) for v in values):
+        return math.inf, 0.0
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str, Any]]:
+    """``{(optimizer, lr): {"seeds": n, "diverged": n, key: (mean, std) for each table column}}``."""
+    groups: dict[tuple[str, float], list[dict]] = defaultdict(list)
+    for run in runs:
+        groups[(run["config"]["optimizer"], run["config"]["lr"])].append(run["summary"])
+    out = {}
+    for key, summaries in groups.items():
+        row: dict[str, Any] = {"seeds": len(summaries), "diverged": sum(s["diverged"] for s in summaries)}
+        for _, metric, _ in COLUMNS:
+            row[metric] = _mean_std([s[metric] for s in summaries])
+        out[key] = row
+    return out
+
+
+def best_by_optimizer(summary: dict[tuple[str, float], dict[str, Any]]) -> dict[str, tuple[float, dict[str, Any]]]:
+    """``{optimizer: (lr, row)}`` at the lr of lowest mean best validation perplexity, in first-seen order."""
+    best: dict[str, tuple[float, dict[str, Any]]] = {}
+    for (opt, lr), row in summary.items():
+        if opt not in best or row["best_val_ppl"][0] < best[opt][1]["best_val_ppl"][0]:
+            best[opt] = (lr, row)
+    return best
+
+
+def _cell(fmt, mean_std: tuple[float, float], base: Optional[tuple[float, float]]) -> str:
+    mean, std = mean_std
+    if not math.isfinite(mean):
+        return "diverged"
+    text = fmt(mean) + (f" ± {fmt(std).split()[0]}" if std else "")
+    if base is not None and math.isfinite(base[0]) and base[0] > 0:
+        text += f" ({mean / base[0]:.2f}x)"
+    return text
+
+
+def results_table(summary, baseline: str = "adamw", order: Optional[list[str]] = None) -> str:
+    """Markdown table: one row per optimizer at its best lr; ratios to ``baseline`` when it was run."""
+    best = best_by_optimizer(summary)
+    names = _ordered(list(best), order)
+    base = best.get(baseline, (None, None))[1]
+    header = ["optimizer", "lr", "seeds"] + [c[0] for c in COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for opt in names:
+        lr, row = best[opt]
+        cells = [opt, f"{lr:g}", str(row["seeds"]) + (f" ({row['diverged']} diverged)" if row["diverged"] else "")]
+        cells += [_cell(fmt, row[key], base[key] if base else None) for _, key, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _ordered(names, order: Optional[list[str]]) -> list[str]:
+    """``names`` in ``order`` first, then the rest in their own order."""
+    return [o for o in (order or []) if o in names] + [o for o in names if o not in (order or [])]
+
+
+def sweep_table(summary, order: Optional[list[str]] = None) -> Optional[str]:
+    """Markdown table of best validation perplexity per optimizer x lr, or None when no optimizer has several lrs."""
+    lrs_by_opt: dict[str, list[float]] = defaultdict(list)
+    for opt, lr in summary:
+        lrs_by_opt[opt].append(lr)
+    if all(len(v) == 1 for v in lrs_by_opt.values()):
+        return None
+    best = best_by_optimizer(summary)
+    width = max(len(v) for v in lrs_by_opt.values())
+    lines = ["| optimizer | " + " | ".join(f"lr {i + 1}" for i in range(width)) + " |", "|---|" + "---|" * width]
+    for opt in _ordered(list(lrs_by_opt), order):
+        lrs, cells = lrs_by_opt[opt], []
+        for lr in sorted(lrs):
+            mean, std = summary[(opt, lr)]["best_val_ppl"]
+            mark = "**" if lr == best[opt][0] else ""
+            value = "diverged" if not math.isfinite(mean) else f"{mean:.3f}" + (f" ± {std:.3f}" if std else "")
+            cells.append(f"{mark}{lr:g}: {value}{mark}")
+        lines.append(f"| {opt} | " + " | ".join(cells + [""] * (width - len(cells))) + " |")
+    return "\n".join(lines)
+
+
+def _curves(runs, best, x_key: str, series: str, y_key: str):
+    """Per optimizer at its best lr: (xs, mean ys, min ys, max ys) over seeds, on the steps all seeds logged."""
+    out = {}
+    for opt, (lr, _) in best.items():
+        seqs = [r[series] for r in runs if r["config"]["optimizer"] == opt and r["config"]["lr"] == lr]
+        n = min(len(s) for s in seqs)
+        xs = [rec[x_key] for rec in seqs[0][:n]]
+        cols = [[s[i][y_key] for s in seqs] for i in range(n)]
+        out[opt] = (xs, [statistics.fmean(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols])
+    return out
+
+
+def _smooth(ys: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y - (ys[i - window] if i >= window else 0.0)
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def plot(run_dir: Path, runs, summary, order: Optional[list[str]] = None) -> list[Path]:
+    """Write val_ppl.png, memory.png, balance.png into ``run_dir``; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    best = best_by_optimizer(summary)
+    best = {o: best[o] for o in _ordered(list(best), order)}
+    colors = {opt: plt.cm.tab10(i % 10) for i, opt in enumerate(best)}
+    label = {opt: f"{opt} (lr {lr:g})" for opt, (lr, _) in best.items()}
+    seeds = max(row["seeds"] for _, row in best.values())
+    band = f", band = min..max over {seeds} seeds" if seeds > 1 else ""
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for opt, (xs, mean, lo, hi) in _curves(runs, best, "step", "evals", "val_ppl").items():
+        ax.plot(xs, mean, marker="o", ms=3, color=colors[opt], label=label[opt])
+        if seeds > 1:
+            ax.fill_between(xs, lo, hi, color=colors[opt], alpha=0.2)
+    ax.set(xlabel="step", ylabel="validation perplexity (per byte)", yscale="log",
+           title=f"Validation perplexity{band}")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, run_dir / "val_ppl.png"))
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 0.5 * len(best) + 2), sharey=True)
+    names = list(best)
+    left = [0.0] * len(names)
+    for tier, color in (("backbone", "tab:blue"), ("expert", "tab:orange"), ("router", "tab:green")):
+        vals = [statistics.fmean(r["summary"]["state_bytes_by_tier"].get(tier, 0) for r in runs
+                                 if r["config"]["optimizer"] == o and r["config"]["lr"] == best[o][0]) / _MiB
+                for o in names]
+        ax1.barh(names, vals, left=left, color=color, label=tier)
+        left = [a + b for a, b in zip(left, vals)]
+    ax1.set(xlabel="optimizer state (MiB)", title="Optimizer state by tier")
+    ax1.legend(fontsize=8)
+    ax1.invert_yaxis()
+    peak = [best[o][1]["train_peak_memory_bytes"][0] / _MiB for o in names]
+    ax2.barh(names, peak, color=[colors[o] for o in names])
+    kind = runs[0]["summary"]["memory_kind"]
+    ax2.set(xlabel="peak memory above the loaded model (MiB)", title=f"Training peak ({kind})")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3, axis="x")
+    paths.append(_save(fig, run_dir / "memory.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    curves = _curves(runs, best, "step", "steps", "balance_loss")
+    window = max(1, max(len(c[0]) for c in curves.values()) // 20)
+    for opt, (xs, mean, _, _) in curves.items():
+        ax.plot(xs, _smooth(mean, window), color=colors[opt], label=label[opt])
+    model = runs[0]["model"]
+    floor = model["balance_coef"] * (model["n_layer"] // 2)
+    ax.axhline(floor, color="k", ls="--", lw=1, label=f"uniform routing ({floor:g})")
+    ax.set(xlabel="step", ylabel="load-balancing loss (sum over MoE layers)",
+           title=f"Training balance loss (moving average of {window} steps)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, run_dir / "balance.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def render(run_dir: str | Path, baseline: str = "adamw", plots: bool = True) -> str:
+    """Write ``results.md`` (and the plots) for ``run_dir`` from its logs; return the markdown."""
+    run_dir = Path(run_dir)
+    runs = load_runs(run_dir)
+    bench_file = run_dir / "bench.json"
+    order = json.loads(bench_file.read_text())["optimizers"] if bench_file.exists() else None
+    summary = summarize(runs)
+    first = runs[0]
+    cfg, model = first["config"], first["model"]
+    seeds = sorted({r["config"]["seed"] for r in runs})
+    lines = [
+        f"# skewadam bench: {run_dir.name}",
+        "",
+        f"Model `{cfg['model']}` ({model['params']:,} parameters: "
+        + ", ".join(f"{t} {n:,}" for t, n in model["params_by_tier"].items())
+        + f"), data {first['data']['name']}, {cfg['steps']} steps of {cfg['batch_size']} x {model['block_size']} "
+        f"tokens, device {cfg['device']}, {first['threads']} threads, seeds {seeds}.",
+        "",
+        results_table(summary, baseline, order),
+        "",
+        f"Per optimizer, the lr with the best mean validation perplexity; mean ± std over seeds; "
+        f"(x) = ratio to {baseline} at its best lr. Memory: {first['summary']['memory_kind']}, above the "
+        "process's peak once the model and data were loaded. tokens/s and opt step exclude evaluation; "
+        "opt step is the median optimizer.step() time.",
+    ]
+    sweep = sweep_table(summary, order)
+    if sweep:
+        lines += ["", "## Learning-rate sweep: best validation perplexity (bold: best lr)", "", sweep]
+    if plots:
+        paths = plot(run_dir, runs, summary, order)
+        lines += ["", "Plots: " + ", ".join(f"[{p.name}]({p.name})" for p in paths)]
+    text = "\n".join(lines) + "\n"
+    (run_dir / "results.md").write_text(text)
+    return text
+
+
+def register_cli(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("report", help="re-render the table and plots of a `skewadam bench` run directory",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="directory written by `skewadam bench` (--out)")
+    p.add_argument("--baseline", default="adamw", help="optimizer the ratios are taken to (default: adamw)")
+    p.add_argument("--no-plots", action="store_true", help="write results.md only")
+    p.set_defaults(func=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    print(render(args.run_dir, args.baseline, plots=not args.no_plots))
+    return 0

@@ -1,0 +1,228 @@
+"""One benchmark training run: the reference MoE on a corpus with one optimizer, logged to one JSON file.
+
+`skewadam bench` runs each of these in a fresh process (``python -m skewadam.harness.train RUN.json``) so that
+the peak RSS it reports belongs to that optimizer alone. Same seed => same initial weights (checked by
+``init_checksum`` in the log), same batches in the same order, same router noise, whatever the optimizer.
+
+The log (``RunConfig`` fields, then per-step and per-eval records, then a summary) is written atomically at the end;
+its presence marks the run finished, which is how an interrupted bench resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..classify import classify
+from ..data import eval_batches, get_batch, load_corpus
+from ..memory import measure_state
+from ..models import MoETransformer, get_config
+from .config import RunConfig, run_name
+from .optimizers import build_optimizer
+
+__all__ = ["train", "lr_factor", "evaluate", "main"]
+
+
+def lr_factor(step: int, steps: int, warmup_frac: float) -> float:
+    """Multiplier of the base lr at 0-based ``step``: linear warm-up over ``ceil(warmup_frac*steps)`` steps
+    (``(step+1)/warmup``), then cosine from 1 to 0 over the remaining steps."""
+    warmup = math.ceil(warmup_frac * steps)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+@torch.no_grad()
+def evaluate(model: MoETransformer, batches: list) -> dict[str, float]:
+    """Mean LM loss and balance loss over the fixed validation batches (eval mode: no router noise)."""
+    model.eval()
+    lm, bal = [], []
+    for x, y in batches:
+        out = model(x, y)
+        lm.append(out.lm_loss.item())
+        bal.append(out.balance_loss.item())
+    model.train()
+    val_loss = sum(lm) / len(lm)
+    return {"val_loss": val_loss, "val_ppl": math.exp(val_loss), "val_balance_loss": sum(bal) / len(bal)}
+
+
+def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optional[str] = None,
+          progress: bool = True) -> dict[str, Any]:
+    """Train per ``cfg``; return the log (and write it to ``log_path``, atomically, if given)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    corpus = load_corpus(cfg.data)
+    torch.manual_seed(cfg.seed)
+    overrides = {"vocab_size": corpus.vocab_size}
+    if cfg.block_size is not None:
+        overrides["block_size"] = cfg.block_size
+    model_cfg = get_config(cfg.model, **overrides)
+    T = model_cfg.block_size
+    model = MoETransformer(model_cfg).to(device=device, dtype=dtype)
+    init_checksum = sum(p.double().sum().item() for p in model.parameters())
+    data_gen = torch.Generator().manual_seed(cfg.seed)
+    val_batches = [(x.to(device), y.to(device))
+                   for x, y in eval_batches(corpus.val, cfg.eval_batches, cfg.batch_size, T)]
+
+    params = dict(model.named_parameters())
+    params_by_tier = {"backbone": 0, "expert": 0, "router": 0}
+    for n, tier in classify(model).items():
+        params_by_tier[tier] += params[n].numel()
+    baseline_memory = _peak_memory(device)
+    lr, wd = cfg.resolved_lr, cfg.resolved_weight_decay
+    optimizer = build_optimizer(cfg.optimizer, model, lr, wd)
+    base_lrs = [g["lr"] for g in optimizer.param_groups]
+
+    writer = None
+    if tensorboard:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise SystemExit("--tensorboard needs the tensorboard package: pip install 'skewadam[tensorboard]'")
+        writer = SummaryWriter(os.path.join(tensorboard, run_name(cfg)))
+
+    name = run_name(cfg)
+    steps_log: list[dict[str, Any]] = []
+    evals_log: list[dict[str, Any]] = []
+    tokens_per_step = cfg.batch_size * T
+    diverged = False
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, desc=name, file=sys.stderr, dynamic_ncols=True, leave=True)
+    t_start = time.perf_counter()
+    for step in range(cfg.steps + 1):
+        # evaluate on the fixed validation batches every eval_interval steps and at the end
+        if step % cfg.eval_interval == 0 or step == cfg.steps or diverged:
+            ev = {"step": step, "tokens": step * tokens_per_step, **evaluate(model, val_batches)}
+            evals_log.append(ev)
+            if writer:
+                for k in ("val_loss", "val_ppl", "val_balance_loss"):
+                    writer.add_scalar(f"val/{k[4:]}", ev[k], step)
+            if bar:
+                bar.set_postfix(val_ppl=f"{ev['val_ppl']:.2f}")
+        if step == cfg.steps or diverged:
+            break
+
+        # set the learning rate of this step
+        factor = lr_factor(step, cfg.steps, cfg.warmup_frac)
+        for group, base in zip(optimizer.param_groups, base_lrs):
+            group["lr"] = base * factor
+
+        # forward, backward, clip, step
+        x, y = get_batch(corpus.train, cfg.batch_size, T, data_gen)
+        x, y = x.to(device), y.to(device)
+        t0 = time.perf_counter()
+        out = model(x, y)
+        out.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t1 = time.perf_counter()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t2 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+
+        rec = {"step": step + 1, "lr": base_lrs[0] * factor, "loss": out.loss.item(), "lm_loss": out.lm_loss.item(),
+               "balance_loss": out.balance_loss.item(), "z_loss": out.z_loss.item(),
+               "grad_norm": grad_norm.item(), "step_time_s": t2 - t0, "opt_time_s": t2 - t1}
+        steps_log.append(rec)
+        diverged = not math.isfinite(rec["loss"])
+        if writer:
+            for k in ("loss", "lm_loss", "balance_loss", "z_loss", "grad_norm", "lr"):
+                writer.add_scalar(f"train/{k}", rec[k], rec["step"])
+            writer.add_scalar("perf/opt_time_ms", rec["opt_time_s"] * 1e3, rec["step"])
+        if bar:
+            bar.update(1)
+            bar.set_postfix(loss=f"{rec['lm_loss']:.3f}", val_ppl=f"{evals_log[-1]['val_ppl']:.2f}")
+    wall = time.perf_counter() - t_start
+    if bar:
+        bar.close()
+
+    # state bytes by tier (the param groups' `tier`), moments apart from step counters: the same count for every
+    # optimizer, and SkewAdam.state_bytes() for SkewAdam
+    state = measure_state(optimizer)
+    timed = steps_log[min(2, len(steps_log) // 4):]  # skip the first steps (lazy state allocation, warm caches)
+    finite = [e["val_ppl"] for e in evals_log if math.isfinite(e["val_ppl"])]
+    summary = {
+        "state_bytes": state.statistics,
+        "state_bytes_by_tier": state.by_tier,
+        "state_bytes_by_key": state.by_key,
+        "state_counter_bytes": state.counters,
+        "peak_memory_bytes": _peak_memory(device),
+        "baseline_memory_bytes": baseline_memory,
+        "train_peak_memory_bytes": _peak_memory(device) - baseline_memory,
+        "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "peak RSS of the run's process",
+        "tokens_per_s": tokens_per_step * len(timed) / sum(r["step_time_s"] for r in timed),
+        "opt_time_s": statistics.median(r["opt_time_s"] for r in timed),
+        "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "best_val_ppl": min(finite) if finite else math.inf,
+        "final_val_ppl": evals_log[-1]["val_ppl"],
+        "final_val_balance_loss": evals_log[-1]["val_balance_loss"],
+        "diverged": diverged,
+        "wall_time_s": wall,
+    }
+    log = {
+        "name": name,
+        "config": dataclasses.asdict(cfg) | {"lr": lr, "weight_decay": wd},
+        "model": dataclasses.asdict(model_cfg) | {"params": model.num_params(), "params_by_tier": params_by_tier},
+        "data": {"name": corpus.name, "train_tokens": corpus.train.numel(), "val_tokens": corpus.val.numel(),
+                 "val_docs": list(corpus.val_docs)},
+        "optimizer_repr": repr(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else
+        "\n".join(repr(o) for o in optimizer.optimizers),
+        "init_checksum": init_checksum,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "summary": summary,
+        "evals": evals_log,
+        "steps": steps_log,
+    }
+    if writer:
+        writer.close()
+    if log_path is not None:
+        log_path = Path(log_path)
+        tmp = log_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(log, indent=1, allow_nan=True))
+        tmp.replace(log_path)
+    return log
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m skewadam.harness.train JOB.json``: JOB holds ``config`` (RunConfig fields), ``log_path`` and
+    optional ``tensorboard`` / ``progress``. This is how `skewadam bench` starts each run in a fresh process."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m skewadam.harness.train JOB.json", file=sys.stderr)
+        return 2
+    job = json.loads(Path(argv[0]).read_text())
+    train(RunConfig(**job["config"]), Path(job["log_path"]), tensorboard=job.get("tensorboard"),
+          progress=job.get("progress", True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
