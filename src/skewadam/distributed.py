@@ -23,7 +23,9 @@ Refused with an error: ``Partial`` placements (unreduced values), FSDP1's ``Flat
 parameters (``ds_shape``/``ds_tensor``): flattening destroys the row/column structure that factored statistics and the
 per-tensor clip are defined on. (DeepSpeed ZeRO-1/2 hand the optimizer flat 1-D partitions with no marker; they cannot
 be detected and are unsupported. ZeRO stage 0, DDP and `torch.distributed.optim.ZeroRedundancyOptimizer` keep whole
-parameters and work without a reducer.)
+parameters and need no reduction. Under ``ZeroRedundancyOptimizer`` each rank steps only its own parameters, so a
+non-finite gradient would skip only the partitions that hold it; ``zero.optim._reducer = DTensorReducer()`` makes all
+ranks skip together.)
 
 To disable the reductions (e.g. as a negative control), set the seam yourself before the first step:
 ``optimizer._reducer = lambda items: None``.
@@ -158,6 +160,7 @@ class DTensorReducer:
     def __call__(self, items: list[tuple[Tensor, list[tuple[Tensor, tuple[int, ...]]]]]) -> None:
         buckets: dict[tuple, list[Tensor]] = {}
         for param, stats in items:
+            self._device = stats[0][0].device  # where `all_finite`'s flag lives (NCCL needs it on the GPU)
             if not isinstance(param, DTensor):
                 continue
             mesh = param.device_mesh
@@ -167,7 +170,6 @@ class DTensorReducer:
                 if (d := _sharded_dim(pl, max(param.ndim, 1), "parameter")) is not None and mesh.size(i) > 1
             ]
             for stat, dims in stats:
-                self._device = stat.device
                 for i, d in sharding:
                     if d in dims:
                         buckets.setdefault((mesh.get_group(i), stat.dtype, stat.device), []).append(stat)

@@ -132,8 +132,9 @@ def test_dcp_round_trip_resumes_bitwise(results, check):
 
 
 @pytest.mark.distributed
-def test_nonfinite_gradient_on_one_rank_skips_the_step_on_all(results):
-    for fig in _get(results, "nonfinite_agreement"):
+@pytest.mark.parametrize("check", ["nonfinite_agreement", "zero_nonfinite_agreement"])
+def test_nonfinite_gradient_on_one_rank_skips_the_step_on_all(results, check):
+    for fig in _get(results, check):
         assert fig == {"skipped_steps": 1, "unchanged": True}
 
 

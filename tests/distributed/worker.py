@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import skewadam.models
 from skewadam import SkewAdam
-from skewadam.distributed import new_state_dtensor
+from skewadam.distributed import DTensorReducer, new_state_dtensor
 from skewadam.models import MoETransformer, get_config
 from skewadam.state import StateTensor
 
@@ -369,6 +369,23 @@ def check_nonfinite_skipped_everywhere() -> dict:
     return {"skipped_steps": opt.skipped_steps, "unchanged": max_diff(before, after) == 0.0}
 
 
+def check_zero_nonfinite_skipped_everywhere() -> dict:
+    """ZeroRedundancyOptimizer: rank 1 alone sees a NaN in a parameter it owns; with the reducer's agreement installed
+    on the local optimizers both ranks skip (partitions of rank 0 untouched too)."""
+    model = DDP(build(config(3)))
+    opt = ZeroRedundancyOptimizer(groups(model.module.named_parameters()), optimizer_class=SkewAdam, lr=LR)
+    opt.optim._reducer = DTensorReducer()
+    data = batches(2)
+    train(backward(model), opt, data[:1])
+    before = snapshot(model.module.named_parameters(), None)
+    model(*local(data[1])).loss.backward()
+    if dist.get_rank() == 1:
+        opt.optim.param_groups[0]["params"][0].grad.view(-1)[0] = float("nan")
+    opt.step()
+    after = snapshot(model.module.named_parameters(), None)
+    return {"skipped_steps": opt.optim.skipped_steps, "unchanged": max_diff(before, after, state=False) == 0.0}
+
+
 def check_refusals() -> dict:
     """Error messages (or "accepted") for a Partial parameter, a Partial gradient, and int8 momentum scales of a
     parameter sharded on its last dim (its blocks would straddle ranks)."""
@@ -412,6 +429,7 @@ def main(out_dir: Path) -> None:
         "dcp_fsdp2": lambda: check_dcp(make_fsdp, out_dir / "ckpt_fsdp2"),
         "dcp_ep": lambda: check_dcp(make_ep, out_dir / "ckpt_ep"),
         "nonfinite_agreement": check_nonfinite_skipped_everywhere,
+        "zero_nonfinite_agreement": check_zero_nonfinite_skipped_everywhere,
         "refusals": check_refusals,
     }
     only = set(sys.argv[2:])
