@@ -12,7 +12,7 @@ not reduced. Statistics are flattened into one buffer per process group and pass
 sharding mesh dim in each of the two seams, plus one all-reduce of a scalar so that every rank agrees on skipping a
 non-finite step. No gradient and no parameter crosses ranks.
 
-State tensors are DTensors on the parameter's mesh, so `torch.distributed.checkpoint` saves and reshards them
+State tensors are DTensors on the parameter's mesh, so `torch.distributed.checkpoint` saves and loads them
 (`state_placements`): each mesh dim keeps the parameter's placement where the state tensor spans that dim at full size
 and is ``Replicate`` where the state has reduced it away (``row_var [..., R, 1]`` over columns, ``col_var [..., 1, C]``
 over rows, a bank's ``step [E]`` over everything but experts). Uneven and empty shards follow the parameter's own local
