@@ -1,0 +1,167 @@
+"""Hugging Face Transformers integration: SkewAdam in `Trainer`, and MoE checkpoints that resume exactly.
+
+`SkewAdamTrainer` is a `transformers.Trainer` that builds `SkewAdam.from_model` from its `TrainingArguments` (the LR
+schedule stays Transformers' own: ``lr_scheduler_type``, ``warmup_steps``, ...) and resumes MoE checkpoints exactly.
+
+Why resuming needs care (transformers 5.x; huggingface/transformers#48805): most MoE families (Mixtral, Qwen2/3-MoE,
+OLMoE, DeepSeek-V2/V3, ...) hold their routed experts fused, ``mlp.experts.gate_up_proj [E, 2I, H]``, but
+``save_pretrained`` writes the Hub's legacy per-expert layout (``experts.{e}.w1.weight``; Mixtral also renames
+``mlp.`` to ``block_sparse_moe.``). ``Trainer`` resumes (and loads the best model at the end) with a plain, non-strict
+``model.load_state_dict`` that applies no conversion: every expert tensor (and Mixtral's router) is skipped with only a
+logged warning, and training continues from the freshly initialised experts, with the trained optimizer state.
+`SkewAdamTrainer` loads such checkpoints through Transformers' own conversion (`load_pretrained_weights`) and refuses
+any key left unloaded. Families saved as held (GPT-OSS) and non-MoE models take Trainer's usual path.
+
+Transformers is an optional dependency (``pip install 'skewadam[hf]'``): ``import skewadam`` never imports it; this
+module does.
+
+Example:
+    >>> from skewadam.hf import SkewAdamTrainer
+    >>> trainer = SkewAdamTrainer(model=model, args=args, train_dataset=ds, optimizer_kwargs={"tier_options": ...})
+    >>> trainer.train()                              # later: trainer.train(resume_from_checkpoint=True)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import torch
+
+try:
+    from transformers import PreTrainedModel, Trainer
+    from transformers.trainer import is_sagemaker_mp_enabled
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("skewadam.hf needs Hugging Face Transformers: pip install 'skewadam[hf]'") from e
+
+from .optimizer import SkewAdam
+
+__all__ = ["SkewAdamTrainer", "create_optimizer", "load_pretrained_weights"]
+
+
+def create_optimizer(model: torch.nn.Module, args: Any = None, **kwargs: Any) -> SkewAdam:
+    """`SkewAdam.from_model` with ``lr``, ``betas`` and ``weight_decay`` taken from Transformers' `TrainingArguments`.
+
+    ``args.learning_rate``, ``(args.adam_beta1, args.adam_beta2)`` and ``args.weight_decay`` become defaults that
+    ``kwargs`` override. ``args.adam_epsilon`` is not used: SkewAdam's ``eps`` floors the second moment (or is added to
+    it, ``eps_mode="add"``) rather than being added to its square root, so set it in ``kwargs`` if you need to.
+
+    A plain `Trainer` trains with it, but resuming a checkpoint of the MoE families named in the module docstring
+    leaves their experts at their initial values; `SkewAdamTrainer` resumes them exactly.
+
+    Example:
+        >>> trainer = Trainer(model=model, args=args, optimizers=(create_optimizer(model, args), None))
+    """
+    defaults: dict[str, Any] = {}
+    if args is not None:
+        defaults = {
+            "lr": args.learning_rate,
+            "betas": (args.adam_beta1, args.adam_beta2),
+            "weight_decay": args.weight_decay,
+        }
+    return SkewAdam.from_model(model, **{**defaults, **kwargs})
+
+
+def load_pretrained_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike) -> None:
+    """Copy the weights of a ``save_pretrained`` directory into ``model``, in place and exactly.
+
+    The checkpoint goes through Transformers' own loader (``from_pretrained``), so its layout conversions (per-expert
+    tensors stacked into fused banks, renamed modules) are undone as they are for a Hub model; the values are then
+    copied into the existing parameters, which an optimizer may already hold. A parameter the checkpoint lacks, or of
+    the wrong shape, is an error rather than a silently re-initialised tensor. Costs a second copy of the weights on
+    the CPU while it runs.
+
+    Example:
+        >>> load_pretrained_weights(model, "out/checkpoint-500")
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"load_pretrained_weights needs a transformers PreTrainedModel, got {type(model).__name__}; "
+            "load a plain torch state dict with model.load_state_dict instead"
+        )
+    loaded, info = type(model).from_pretrained(checkpoint_dir, config=model.config, output_loading_info=True)
+    problems = {key: sorted(map(str, info.get(key, ()))) for key in ("missing_keys", "mismatched_keys", "error_msgs")}
+    problems = {key: names for key, names in problems.items() if names}
+    if problems:
+        raise RuntimeError(
+            f"checkpoint {os.fspath(checkpoint_dir)!r} does not hold every weight of {type(model).__name__} "
+            f"({problems}); refusing to continue with re-initialised tensors. Was it saved from the same model class "
+            "and config?"
+        )
+    with torch.no_grad():
+        model.load_state_dict(loaded.state_dict(), strict=True)
+
+
+def _checkpoint_keys(checkpoint_dir: str) -> Optional[set[str]]:
+    """Tensor names stored in a ``save_pretrained`` directory (safetensors, single or sharded); None if neither."""
+    index = os.path.join(checkpoint_dir, SAFE_WEIGHTS_INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            return set(json.load(f)["weight_map"])
+    single = os.path.join(checkpoint_dir, SAFE_WEIGHTS_NAME)
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return set(f.keys())
+    return None
+
+
+def _needs_conversion(model: torch.nn.Module, checkpoint_dir: Optional[str]) -> bool:
+    """True if ``checkpoint_dir`` stores tensors under names ``model`` does not have: a converted layout, which a
+    plain ``load_state_dict`` would skip. (Names only missing from the checkpoint are tied weights: Trainer handles
+    those.)"""
+    if checkpoint_dir is None or not isinstance(model, PreTrainedModel):
+        return False
+    keys = _checkpoint_keys(checkpoint_dir)
+    return keys is not None and bool(keys - set(model.state_dict()))
+
+
+class SkewAdamTrainer(Trainer):
+    """`transformers.Trainer` with SkewAdam and exact resume of MoE checkpoints.
+
+    The optimizer is `create_optimizer(model, args, **optimizer_kwargs)`: one param group per tier, labelled by
+    `skewadam.classify`, with ``lr``/``betas``/``weight_decay`` from ``args`` unless ``optimizer_kwargs`` sets
+    them (and any `SkewAdam.from_model` option: ``tier_options``, ``rules``, ``eps_mode``, ...). The scheduler
+    is Trainer's (``args.lr_scheduler_type``). A SkewAdam passed through ``optimizers=(opt, sched)`` is used as
+    is. Checkpoints saved in a converted layout (fused MoE experts; see `skewadam.hf`) are loaded through
+    `load_pretrained_weights` when resuming and for ``load_best_model_at_end``.
+
+    Args:
+        *args, **kwargs: those of `transformers.Trainer`.
+        optimizer_kwargs: keyword arguments of `SkewAdam.from_model`, overriding those taken from ``args``.
+    """
+
+    def __init__(self, *args: Any, optimizer_kwargs: Optional[dict[str, Any]] = None, **kwargs: Any) -> None:
+        if kwargs.get("optimizer_cls_and_kwargs") is not None:
+            raise ValueError(
+                "SkewAdamTrainer builds SkewAdam itself: pass its options as optimizer_kwargs={...}, "
+                "not optimizer_cls_and_kwargs (or use transformers.Trainer for another optimizer)"
+            )
+        self.optimizer_kwargs = dict(optimizer_kwargs or {})
+        super().__init__(*args, **kwargs)
+
+    def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            model = self.model if model is None else model
+            self.optimizer = create_optimizer(model, self.args, **self.optimizer_kwargs)
+        return self.optimizer
+
+    def _plain_loading(self) -> bool:
+        # DeepSpeed, FSDP and SageMaker load checkpoints their own way; PEFT models are not PreTrainedModels.
+        return not (self.is_deepspeed_enabled or self.is_fsdp_enabled or is_sagemaker_mp_enabled())
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Optional[torch.nn.Module] = None) -> None:
+        target = self.model if model is None else model
+        if self._plain_loading() and _needs_conversion(target, resume_from_checkpoint):
+            load_pretrained_weights(target, resume_from_checkpoint)
+        else:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_best_model(self) -> None:
+        if self._plain_loading() and _needs_conversion(self.model, self.state.best_model_checkpoint):
+            load_pretrained_weights(self.model, self.state.best_model_checkpoint)
+        else:
+            super()._load_best_model()
