@@ -185,13 +185,25 @@ class SkewAdam(Optimizer):
                 group[flag] = value
         if group["eps"] is None:
             group["eps"] = _EPS_DEFAULT[group["eps_mode"]]
-        params = [group["params"]] if isinstance(group["params"], Tensor) else list(group["params"])
+        if not isinstance(group["params"], (Tensor, set)):  # torch refuses sets itself
+            group["params"] = list(group["params"])  # a generator must survive being validated
+        params = [group["params"]] if isinstance(group["params"], Tensor) else group["params"]
         for p in params:
+            p = p[1] if isinstance(p, tuple) else p  # named parameters: (name, tensor)
             if isinstance(p, Tensor):
                 _validate_param(p, group, idx)
         super().add_param_group(group)
 
     # ------------------------------------------------------------------ state dict
+    def __getstate__(self) -> dict[str, Any]:  # torch's keeps only defaults/state/param_groups (deepcopy, pickle)
+        return {**super().__getstate__(), "skip_nonfinite": self.skip_nonfinite, "skipped_steps": self.skipped_steps}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("skip_nonfinite", True)
+        self.__dict__.setdefault("skipped_steps", 0)
+        self.__dict__.setdefault("_reducer", None)  # rebuilt by the first step that meets a DTensor
+
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["skipped_steps"] = self.skipped_steps
@@ -222,8 +234,9 @@ class SkewAdam(Optimizer):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
+                idx = next(i for i, g in enumerate(self.param_groups) if g is group)  # by identity: == compares tensors
                 raise TypeError(
-                    f"SkewAdam does not support sparse gradients (param group {self.param_groups.index(group)}, "
+                    f"SkewAdam does not support sparse gradients (param group {idx}, "
                     f"tier {group['tier']!r}); use a dense embedding (sparse=False)"
                 )
             bank = is_bank(p.ndim, group["tier"], group["bank"])
