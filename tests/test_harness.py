@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from skewadam.harness.bench import parse_lrs, parse_optimizers
 from skewadam.harness.config import BenchConfig, RunConfig, run_name
@@ -131,3 +130,9 @@ def test_cli_bench_writes_logs_table_and_plots_then_resumes_and_reports(tmp_path
 def test_cli_bench_rejects_unknown_optimizer_with_the_list(tmp_path):
     result = _cli("bench", "--optimizers", "adam", "--out", str(tmp_path / "x"), cwd=tmp_path)
     assert result.returncode != 0 and "adamw" in result.stderr
+
+
+def test_tensorboard_event_files_are_written_per_run(tmp_path):
+    pytest.importorskip("tensorboard")
+    train(RunConfig(optimizer="skewadam-add", **TINY), tensorboard=str(tmp_path), progress=False)
+    assert list((tmp_path / "skewadam-add_lr0.0003_seed0").glob("events.out.tfevents.*"))

@@ -25,10 +25,10 @@ class RunConfig:
     seed: int = 0  # initial weights, batch order and router noise
     model: str = "cpu"  # a `skewadam.models.get_config` preset
     data: Optional[str] = None  # text file or folder; None = the embedded Shakespeare
-    steps: int = 150
+    steps: int = 400
     batch_size: int = 16
     block_size: Optional[int] = None  # None = the model preset's
-    eval_interval: int = 25
+    eval_interval: int = 50
     eval_batches: int = 8  # fixed validation batches of batch_size x block_size tokens
     warmup_frac: float = 0.03  # linear warm-up over this fraction of steps, then cosine to 0
     grad_clip: float = 1.0  # max global grad norm (0 = off)
@@ -94,7 +94,11 @@ class BenchConfig:
 
 
 def default() -> BenchConfig:
-    """`skewadam bench` with no arguments: five optimizers on Shakespeare, one seed, under 10 minutes on 2 CPU cores."""
+    """`skewadam bench` with no arguments: five optimizers on Shakespeare, one seed, under 10 minutes on 2 CPU cores.
+
+    Sized from measurements: a step of the cpu model (16 x 128 byte tokens) costs ~0.19 s of CPU single-threaded
+    (forward, backward, optimizer), so a 400-step run with its 9 evaluations and process start is ~80 CPU-seconds,
+    and the five runs fit in 10 minutes even on one free core."""
     return BenchConfig()
 
 

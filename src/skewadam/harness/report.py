@@ -163,7 +163,9 @@ def plot(run_dir: Path, runs, summary, order: Optional[list[str]] = None) -> lis
     ax.set(xlabel="step", ylabel="validation perplexity (per byte)", yscale="log",
            title=f"Validation perplexity{band}")
     ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    low, high = ax.get_ylim()
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g") if high / low < 10
+                                 else matplotlib.ticker.NullFormatter())
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     paths.append(_save(fig, run_dir / "val_ppl.png"))
