@@ -110,6 +110,7 @@ def test_cli_bench_writes_logs_table_and_plots_then_resumes_and_reports(tmp_path
     first = _cli(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     assert "| adamw | 0.0003 | 1 |" in first.stdout and "(1.00x)" in first.stdout
+    assert "started from identical weights" in first.stdout
     for f in ("results.md", "val_ppl.png", "memory.png", "balance.png", "runs/adamw_lr0.0003_seed0.json"):
         assert (out / f).stat().st_size > 0, f
     log = json.loads((out / "runs/skewadam-add_lr0.0003_seed0.json").read_text())

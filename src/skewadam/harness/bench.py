@@ -134,7 +134,7 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         "bench", help="compare optimizers training the reference MoE (memory, speed, quality), with plots",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="optimizers: " + ", ".join(OPTIMIZERS) + "\npresets: " + ", ".join(
-            f"{k} ({v.__doc__.split(':')[0].strip()})" for k, v in PRESETS.items()))
+            f"{k} ({v.__doc__.splitlines()[0].rstrip('.')})" for k, v in PRESETS.items()))
     p.add_argument("--preset", default="default", choices=sorted(PRESETS), help="starting settings (default: default)")
     p.add_argument("--optimizers", metavar="LIST",
                    help="comma-separated names, 'default' or 'all' (default: " + ",".join(DEFAULT_OPTIMIZERS) + ")")
@@ -142,15 +142,17 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
                    help="learning rates: '1e-4,3e-4' (all), 'adamw=1e-4,3e-4' (one) or 'x0.3,x1,x3' (multiples "
                         "of each default)")
     p.add_argument("--seeds", type=int, help="repeat each run with seeds 0..N-1 (default 1)")
-    p.add_argument("--model", help="model preset of skewadam.models (tiny, cpu, paper-6.78b)")
+    p.add_argument("--model", help="model preset of skewadam.models: tiny, cpu, paper-6.78b (default: cpu)")
     p.add_argument("--data", help="text file or folder of text files (default: the embedded Shakespeare)")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--eval-interval", type=int)
-    p.add_argument("--eval-batches", type=int)
-    p.add_argument("--warmup-frac", type=float)
-    p.add_argument("--grad-clip", type=float)
+    base = RunConfig()
+    for flag, kind, what in (("steps", int, "training steps"), ("batch-size", int, "sequences per step"),
+                             ("block-size", int, "tokens per sequence (default: the model's)"),
+                             ("eval-interval", int, "steps between evaluations"),
+                             ("eval-batches", int, "fixed validation batches"),
+                             ("warmup-frac", float, "linear warm-up fraction of the steps, then cosine to 0"),
+                             ("grad-clip", float, "max global grad norm, 0 = off")):
+        default = getattr(base, flag.replace("-", "_"))
+        p.add_argument(f"--{flag}", type=kind, help=what + ("" if default is None else f" (default: {default})"))
     p.add_argument("--device", choices=("cpu", "cuda"), help="cuda: bf16 weights (default cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads per run (default: torch's)")
     p.add_argument("--out", type=Path, help="run directory; an existing one is resumed (default: "

@@ -103,7 +103,7 @@ def default() -> BenchConfig:
 
 
 def smoke() -> BenchConfig:
-    """Seconds: the tiny model for 2 steps (tests, a check that everything runs)."""
+    """The tiny model for 2 steps: seconds, a check that everything runs (tests)."""
     return BenchConfig(base=RunConfig(model="tiny", steps=2, batch_size=2, eval_interval=1, eval_batches=1))
 
 

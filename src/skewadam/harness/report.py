@@ -215,6 +215,20 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _load_range(runs) -> str:
+    loads = [x for r in runs for x in r["summary"].get("loadavg_1min", [])]
+    return f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not logged"
+
+
+def _same_init(runs) -> str:
+    by_seed = defaultdict(set)
+    for r in runs:
+        by_seed[r["config"]["seed"]].add(r["init_checksum"])
+    if all(len(v) == 1 for v in by_seed.values()):
+        return "Runs of one seed started from identical weights (checksums match)."
+    return "WARNING: runs of one seed started from different weights (checksums differ): not a fair comparison."
+
+
 def render(run_dir: str | Path, baseline: str = "adamw", plots: bool = True) -> str:
     """Write ``results.md`` (and the plots) for ``run_dir`` from its logs; return the markdown."""
     run_dir = Path(run_dir)
@@ -231,7 +245,8 @@ def render(run_dir: str | Path, baseline: str = "adamw", plots: bool = True) -> 
         f"Model `{cfg['model']}` ({model['params']:,} parameters: "
         + ", ".join(f"{t} {n:,}" for t, n in model["params_by_tier"].items())
         + f"), data {first['data']['name']}, {cfg['steps']} steps of {cfg['batch_size']} x {model['block_size']} "
-        f"tokens, device {cfg['device']}, {first['threads']} threads, seeds {seeds}.",
+        f"tokens, device {cfg['device']}, {first['threads']} threads, seeds {seeds}. "
+        f"Machine load (1-min average) during the runs: {_load_range(runs)}. {_same_init(runs)}",
         "",
         results_table(summary, baseline, order),
         "",

@@ -112,6 +112,7 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, desc=name, file=sys.stderr, dynamic_ncols=True, leave=True)
+    load_start = os.getloadavg()[0]
     t_start = time.perf_counter()
     for step in range(cfg.steps + 1):
         # evaluate on the fixed validation batches every eval_interval steps and at the end
@@ -185,6 +186,7 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
         "final_val_balance_loss": evals_log[-1]["val_balance_loss"],
         "diverged": diverged,
         "wall_time_s": wall,
+        "loadavg_1min": [load_start, os.getloadavg()[0]],  # machine load at start and end: context for timings
     }
     log = {
         "name": name,
