@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import importlib
 
+from .classify import classify, describe, param_groups
 from .optimizer import SkewAdam
 from .state import state_spec
 from .tiers import Tier
 
 # Heavier parts load on first use, so `import skewadam` stays cheap and needs nothing beyond torch.
 _LAZY = {
-    "classify": "skewadam.classify",
-    "describe": "skewadam.classify",
     "plan": "skewadam.memory",
 }
 
-__all__ = ["SkewAdam", "Tier", "state_spec", *_LAZY]
+__all__ = ["SkewAdam", "Tier", "classify", "describe", "param_groups", "state_spec", *_LAZY]
 __version__ = "0.1.0"
 
 
