@@ -1,0 +1,163 @@
+"""Models by name: the reference MoE presets and the public configs of well-known MoE models, built without downloads.
+
+`load_model(spec)` takes a preset name (case-insensitive) or the path of a Hugging Face ``config.json`` (or the folder
+that holds one) and builds the model on the meta device by default, so a 671B model costs no memory: shapes, names
+and parameter counts are exact, the values are not allocated.
+
+Presets:
+  * every `skewadam.models` config (``tiny``, ``cpu``, ``paper-6.78b``): the reference MoE transformer;
+  * Hugging Face architectures, written from each model's public ``config.json`` (architecture keys only; tokenizer
+    ids, quantization and runtime keys left out). Their parameter counts, as Transformers builds them, match the
+    published totals (`HF_PRESETS` lists each source and total; tests check them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, NamedTuple, Optional, Union
+
+import torch
+from torch import nn
+
+__all__ = ["HF_PRESETS", "HFPreset", "load_model", "preset_names"]
+
+
+class HFPreset(NamedTuple):
+    source: str  # the Hugging Face repository whose config.json this is
+    published: str  # the total parameter count its authors publish
+    config: dict[str, Any]  # config.json facts, with ``model_type``
+
+
+HF_PRESETS: dict[str, HFPreset] = {
+    "mixtral-8x7b": HFPreset("mistralai/Mixtral-8x7B-v0.1", "46.7B", dict(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-5, sliding_window=None,
+        router_aux_loss_coef=0.02, tie_word_embeddings=False,
+    )),
+    "deepseek-v3": HFPreset("deepseek-ai/DeepSeek-V3", "671B", dict(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=3, num_attention_heads=128,
+        num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=163840, rope_theta=10000,
+        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                          mscale=1.0, mscale_all_dim=1.0),
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )),
+    "qwen3-30b-a3b": HFPreset("Qwen/Qwen3-30B-A3B", "30.5B", dict(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6, router_aux_loss_coef=0.001,
+        tie_word_embeddings=False,
+    )),
+    "olmoe-1b-7b": HFPreset("allenai/OLMoE-1B-7B-0924", "6.9B", dict(
+        model_type="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+        max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5, clip_qkv=None,
+        router_aux_loss_coef=0.01, tie_word_embeddings=False,
+    )),
+    "gpt-oss-120b": HFPreset("openai/gpt-oss-120b", "116.8B", dict(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4,
+        experts_per_token=4, attention_bias=True, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 18, max_position_embeddings=131072,
+        rope_theta=150000, rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                             original_max_position_embeddings=4096, truncate=False),
+        initial_context_length=4096, swiglu_limit=7.0, rms_norm_eps=1e-5, router_aux_loss_coef=0.9,
+        tie_word_embeddings=False,
+    )),
+}
+
+
+def preset_names() -> list[str]:
+    """Every name `load_model` accepts besides a path: the reference configs, then the Hugging Face presets."""
+    from .models import CONFIGS
+
+    return [*CONFIGS, *HF_PRESETS]
+
+
+def load_model(
+    spec: Union[str, os.PathLike],
+    device: Union[str, torch.device] = "meta",
+    dtype: Optional[torch.dtype] = None,
+    overrides: Optional[dict[str, Any]] = None,
+) -> nn.Module:
+    """Build a model from a preset name or a Hugging Face ``config.json`` path, on ``device`` (meta: no memory).
+
+    Args:
+        spec: a preset (`preset_names`; case-insensitive) or a ``config.json`` path, or the folder holding one.
+        device: where the parameters live; ``"meta"`` allocates nothing.
+        dtype: parameter dtype, allocated directly (no fp32 copy first); default the model's own (fp32).
+        overrides: config values to change, e.g. ``{"num_hidden_layers": 2}`` (`skewadam.models.MoEConfig` fields
+            for the reference presets).
+
+    Example:
+        >>> model = load_model("deepseek-v3")  # 671,026,404,352 parameters, none allocated
+    """
+    if dtype is None:
+        return _build(spec, device, overrides or {})
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # allocate the parameters in ``dtype`` directly, not via an fp32 copy
+    try:
+        return _build(spec, device, overrides or {}).to(dtype)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _build(spec: Union[str, os.PathLike], device: Union[str, torch.device], overrides: dict[str, Any]) -> nn.Module:
+    from . import models
+
+    key = os.fspath(spec)
+    name = key.lower()
+    if name in models.CONFIGS:
+        try:
+            config = models.get_config(name, **overrides)
+        except TypeError as e:
+            raise ValueError(f"preset {name!r}: {e}; fields are those of skewadam.models.MoEConfig") from None
+        with torch.device(device):
+            model = models.MoETransformer(config)
+    elif name in HF_PRESETS:
+        model = _hf_model({**HF_PRESETS[name].config, **overrides}, device, origin=f"preset {name!r}")
+    elif os.path.isdir(key) or os.path.isfile(key) or key.endswith(".json"):
+        model = _hf_model({**_read_config(key), **overrides}, device, origin=key)
+    else:
+        raise ValueError(
+            f"{key!r} is neither a preset nor a config.json path; presets: {', '.join(preset_names())}"
+        )
+    return model
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file}: no such file; pass a Hugging Face config.json or the folder that holds it")
+    with open(file) as f:
+        raw = json.load(f)
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ValueError(f"{file}: no 'model_type' key; is this a Hugging Face model config.json?")
+    return raw
+
+
+def _hf_model(raw: dict[str, Any], device: Union[str, torch.device], origin: str) -> nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(f"building {origin} needs Hugging Face Transformers: pip install 'skewadam[hf]'") from None
+    raw = dict(raw)
+    model_type = raw.pop("model_type")
+    for key in ("quantization_config", "torch_dtype", "dtype", "transformers_version"):
+        raw.pop(key, None)  # storage and runtime facts: the model is built unquantized, in `load_model`'s dtype
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **raw)
+    except ValueError as e:
+        raise ValueError(f"{origin}: {e}") from None
+    with torch.device(device):
+        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM, transformers.AutoModel):
+            try:
+                return auto.from_config(config)
+            except ValueError:
+                continue
+    raise ValueError(f"{origin}: Transformers has no model class for model_type {model_type!r}")

@@ -1,0 +1,431 @@
+"""Memory: measured optimizer state (`measure_state`), the planner (`plan`), presets, and the peak estimate.
+
+Shape legend: V vocab, D model width, F FFN hidden, E experts, N tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from skewadam import SkewAdam
+from skewadam.classify import classify
+from skewadam.memory import (
+    OPTIMIZERS, build_optimizer, format_bytes, measure_peak, measure_state, plan, register_cli,
+)
+from skewadam.presets import HF_PRESETS, load_model, preset_names
+
+GiB = 2**30
+
+
+# ----------------------------------------------------------------------------------------------------- models
+class _Expert(nn.Module):
+    def __init__(self, d: int, f: int) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d, f), nn.Linear(f, d)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)))
+
+
+class _ListMoE(nn.Module):
+    """Plain-PyTorch MoE: a gate ``Linear(D, E)`` and a ``ModuleList`` of expert MLPs (with biases), top-2."""
+
+    def __init__(self, d: int = 16, e: int = 4, f: int = 32) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d, e, bias=False)
+        self.experts = nn.ModuleList(_Expert(d, f) for _ in range(e))
+
+    def forward(self, x_ND):
+        w_NK, i_NK = self.gate(x_ND).softmax(-1).topk(2, dim=-1)
+        y_ND = torch.zeros_like(x_ND)
+        for j, expert in enumerate(self.experts):
+            hit_N = (i_NK == j).any(-1)
+            y_ND[hit_N] += (w_NK * (i_NK == j))[hit_N].sum(-1, keepdim=True) * expert(x_ND[hit_N])
+        return y_ND
+
+
+class _BankMoE(nn.Module):
+    """Plain-PyTorch MoE with a 3-D expert bank ``[E, F, D]`` and a gate ``Linear(D, E)``, softly routed."""
+
+    def __init__(self, d: int = 16, e: int = 4, f: int = 32) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d, e, bias=False)
+        self.experts = nn.Parameter(torch.randn(e, f, d) * 0.1)
+
+    def forward(self, x_ND):
+        p_NE = self.gate(x_ND).softmax(-1)
+        return torch.einsum("ne,efd,nd->nd", p_NE, self.experts, x_ND)
+
+
+class _PlainLM(nn.Module):
+    def __init__(self, moe: type, vocab: int = 32, d: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(
+            nn.ModuleDict(dict(norm=nn.LayerNorm(d), mix=nn.Linear(d, d), moe=moe())) for _ in range(2))
+        self.head = nn.Linear(d, vocab)
+
+    def loss(self, idx_N):
+        x_ND = self.emb(idx_N)
+        for layer in self.layers:
+            x_ND = x_ND + layer["moe"](layer["mix"](layer["norm"](x_ND)))
+        return F.cross_entropy(self.head(x_ND), idx_N)
+
+
+def _reference(dtype=torch.float32):
+    return load_model("tiny", device="cpu", dtype=dtype)
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2))
+
+
+def _one_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    torch.manual_seed(1)
+    if isinstance(model, _PlainLM):
+        loss = model.loss(torch.randint(0, 32, (64,)))
+    elif hasattr(model, "get_output_embeddings"):  # Hugging Face
+        idx = torch.randint(0, 64, (2, 16))
+        loss = model(input_ids=idx, labels=idx).loss
+    else:
+        idx = torch.randint(0, model.config.vocab_size, (2, 16))
+        loss = model(idx, idx).loss
+    loss.backward()
+    opt.step()
+
+
+MODELS = {
+    "reference": _reference,
+    "reference-bf16": lambda: _reference(torch.bfloat16),
+    "plain-modulelist": lambda: _PlainLM(_ListMoE),
+    "plain-bank": lambda: _PlainLM(_BankMoE),
+    "hf-mixtral": _mixtral,
+}
+
+
+# ------------------------------------------------------------------------------------------------- measured
+def test_measure_state_matches_hand_count():
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 4)  # backbone: weight [4, 8], bias [4]
+    bank = nn.Parameter(torch.randn(3, 5, 6))  # expert bank: 3 slices of [5, 6]
+    router = nn.Parameter(torch.randn(3, 8))  # router: full second moment
+    opt = SkewAdam([{"params": lin.parameters(), "tier": "backbone"}, {"params": [bank], "tier": "expert"},
+                    {"params": [router], "tier": "router"}])
+    for p in (*lin.parameters(), bank, router):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    got = opt.state_bytes()
+    # backbone weight: exp_avg 32*4, row_var [4,1] 16, col_var [1,8] 32; bias: exp_avg 16, exp_avg_sq 16
+    # expert bank: row_var [3,5,1] 60, col_var [3,1,6] 72; router: exp_avg_sq [3,8] 96
+    assert got.by_tier == {"backbone": 128 + 16 + 32 + 16 + 16, "expert": 60 + 72, "router": 96}
+    assert got.by_key == {"step": 4 + 4 + 3 * 4 + 4, "exp_avg": 128 + 16, "row_var": 16 + 60,
+                          "col_var": 32 + 72, "exp_avg_sq": 16 + 96}
+    assert (got.statistics, got.counters, got.total, got.tensors) == (436, 24, 460, 12)
+
+
+def test_measure_state_counts_shared_tensors_and_views_once():
+    p, q = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([{"params": [p], "tier": "backbone"}, {"params": [q], "tier": "router"}])
+    buf = torch.zeros(10)  # 40 B
+    big = torch.zeros(20)  # 80 B, views cover [5, 20)
+    part = torch.zeros(10)  # 40 B, one view covers [0, 4): the view keeps all of it alive
+    opt.state[p].update(a=buf, c=big[5:15], d=part[:4])
+    opt.state[q].update(a=buf, b=buf[2:6], c=big[10:20])
+    got = measure_state(opt)
+    assert got.total == 40 + 80 + 40
+    assert got.by_key == {"a": 40, "c": 80, "d": 40}  # big's uncovered [0, 5) goes to its first view
+    assert got.by_tier == {"backbone": 40 + 60 + 40, "router": 20}  # q's big[10:20] newly covers [15, 20)
+    assert got.tensors == 4  # buf, big[5:15], part[:4], and big[10:20]'s new half
+
+
+def test_measure_state_counts_dtensor_shards_at_local_size():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        p = nn.Parameter(torch.zeros(8, 4))
+        # a shard of half the rows, as rank 0 of 2 would hold it
+        shard = DTensor.from_local(torch.zeros(4, 4), mesh, [Shard(0)], run_check=False,
+                                   shape=torch.Size([8, 4]), stride=(4, 1))
+        opt = torch.optim.SGD([p])
+        opt.state[p]["exp_avg"] = shard
+        got = measure_state(opt)
+    finally:
+        dist.destroy_process_group()
+    assert shard.shape == (8, 4) and got.total == 4 * 4 * 4
+
+
+# ------------------------------------------------------------------------------------------------ the paper
+def _paper_counts():
+    """The paper's 6.78B model from its architecture facts, by hand."""
+    V, T, D, F, E, kv = 50257, 256, 4096, 4096, 128, 1024  # GQA: 8 kv heads of 128
+    mats = [(V, D), (T, D)] + [(D, D), (kv, D), (kv, D), (D, D)] * 2 + [(F, D), (F, D), (D, F)]
+    vecs = [D] * 10  # ln1, ln2 (weight, bias) x 2 blocks, ln_f
+    backbone = sum(r * c for r, c in mats) + sum(vecs)
+    experts, router = 3 * E * F * D, E * D
+    skew_backbone = 4 * backbone + sum(4 * (r + c) for r, c in mats) + sum(4 * v for v in vecs)
+    return backbone, experts, router, skew_backbone, 3 * E * 4 * (F + D), 4 * router
+
+
+def test_paper_6_78b_table_is_reproduced_exactly():
+    backbone, experts, router, skew_backbone, skew_experts, skew_router = _paper_counts()
+    p = plan("paper-6.78b", optimizers=["adamw", "skewadam"])
+    assert p.params == backbone + experts + router == 6_784_135_168
+    assert p.params_by_tier == {"backbone": backbone, "expert": experts, "router": router}
+    assert backbone == 341_159_936 and round(backbone / p.params, 3) == 0.050
+    adamw, skew = p["adamw"].state, p["skewadam"].state
+    assert adamw.statistics == 8 * p.params == 54_273_081_344
+    assert skew.statistics == 1_380_029_764
+    assert skew.by_tier == {"backbone": skew_backbone, "expert": skew_experts, "router": skew_router}
+    assert [format_bytes(n) for n in (adamw.statistics, skew.statistics, skew.by_tier["backbone"],
+                                      skew.by_tier["expert"], skew.by_tier["router"])] == \
+        ["50.55 GiB", "1.29 GiB", "1.27 GiB", "12.6 MB", "2.1 MB"]
+    # one fp32 count per tensor (23 backbone, 1 router), one per expert for each of the 3 banks
+    assert skew.counters == 4 * (23 + 1) + 3 * 4 * 128 and skew.total == skew.statistics + skew.counters
+    text = str(p)
+    for figure in ("6,784,135,168", "341,159,936 (5.0%)", "54,273,081,344", "1,380,029,764", "GiB = 2^30 bytes"):
+        assert figure in text
+
+
+# ------------------------------------------------------------------------------------- plan == state_bytes()
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_plan_equals_measured_state_after_one_step(model_name):
+    model = MODELS[model_name]()
+    dtype = next(model.parameters()).dtype
+    labels = classify(model)
+    assert {"backbone", "expert", "router"} <= set(labels.values())
+    names = [n for n in OPTIMIZERS if OPTIMIZERS[n].tiers is not None]
+    names += ["adamw", "adafactor"] if dtype == torch.float32 else []  # torch's keep bf16 state for bf16 params
+    planned = plan(model, param_dtype="bf16" if dtype == torch.bfloat16 else "fp32", optimizers=names)
+    for name in names:
+        opt = build_optimizer(name, model, labels)
+        _one_step(model, opt)
+        assert measure_state(opt) == planned[name].state, name
+        model.zero_grad(set_to_none=True)
+    opt = SkewAdam.from_model(model, log=False)  # classify's own param groups
+    _one_step(model, opt)
+    assert opt.state_bytes() == planned["skewadam"].state
+
+
+def test_ablations_differ_from_default_only_where_they_should():
+    p = plan("paper-6.78b", optimizers=[n for n in OPTIMIZERS if n.startswith("skewadam")])
+    base = p["skewadam"].state.by_tier
+    expert_m = p["skewadam+expert-momentum"].state.by_tier
+    router_f = p["skewadam+factored-router"].state.by_tier
+    assert expert_m["expert"] - base["expert"] == 4 * p.params_by_tier["expert"]  # fp32 momentum
+    assert (expert_m["backbone"], expert_m["router"]) == (base["backbone"], base["router"])
+    assert router_f["router"] == 4 * (128 + 4096) and router_f["backbone"] == base["backbone"]
+    uniform = p["skewadam-uniform"].state.by_tier
+    assert uniform["router"] == router_f["router"] + 4 * p.params_by_tier["router"]
+
+
+def test_8bit_state_follows_bitsandbytes_and_torchao_storage():
+    def state(name, n):
+        return dict(_sum_keys(OPTIMIZERS[name].tensor_state((n,), "backbone", torch.float32)))
+
+    # bitsandbytes: < 4096 elements stay fp32; else uint8 + one fp32 absmax per 2048-element block, per moment
+    assert state("adamw8bit", 4095) == {"state1": 4 * 4095, "state2": 4 * 4095}
+    assert state("adamw8bit", 4097) == {"state1": 4097, "absmax1": 3 * 4, "state2": 4097, "absmax2": 3 * 4}
+    # torchao: quantized iff >= 4096 elements and a multiple of 256: codes + fp32 scale per 256 + 256-entry qmap
+    assert state("adamw8bit-torchao", 4352) == {"step": 4, "exp_avg": 4352 + 17 * 4 + 1024,
+                                                "exp_avg_sq": 4352 + 17 * 4 + 1024}
+    assert state("adamw8bit-torchao", 4353) == {"step": 4, "exp_avg": 4 * 4353, "exp_avg_sq": 4 * 4353}
+    p = plan(_PlainLM(_BankMoE), optimizers=["adamw8bit"])  # every tensor < 4096 elements: no qmaps
+    assert "qmap1" not in p["adamw8bit"].state.by_key
+
+
+def _sum_keys(items):
+    out = {}
+    for key, st in items:
+        out[key] = out.get(key, 0) + st.nbytes
+    return out.items()
+
+
+def test_bf16_baselines_keep_an_fp32_master_copy_and_skewadam_none():
+    p = plan("tiny", param_dtype="bf16", optimizers=["adamw", "skewadam"])
+    assert p["adamw"].master == 4 * p.trainable and p["skewadam"].master == 0
+    assert p["adamw"].params == p["adamw"].grads == 2 * p.params
+    assert p["adamw"].state == plan("tiny", optimizers=["adamw"])["adamw"].state  # fp32 moments either way
+
+
+def test_plan_rejects_bad_arguments_with_the_fix():
+    with pytest.raises(ValueError, match="param_dtype='fp16'.*bf16"):
+        plan("tiny", param_dtype="fp16")
+    with pytest.raises(ValueError, match="unknown optimizer.*adamw"):
+        plan("tiny", optimizers=["lion"])
+    with pytest.raises(ValueError, match="batch=0"):
+        plan("tiny", batch=0)
+
+
+def test_plan_without_a_vocabulary_reports_state_and_says_why_no_peak():
+    p = plan(_PlainLM(_ListMoE), optimizers=["skewadam"])
+    assert p["skewadam"].peak is None and p["skewadam"].state.statistics > 0
+    assert "no activation or peak estimate" in p.assumptions[0] and "n/a" in str(p)
+
+
+# ---------------------------------------------------------------------------------------------- the estimate
+class _Allocations(TorchDispatchMode):
+    """Peak bytes of live tensor storages created inside the mode (exact tensor accounting, no allocator)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = t.untyped_storage()
+            ptr, n = s.data_ptr(), s.nbytes()
+            if ptr in inputs or ptr in self._seen or n == 0:  # in-place results and known storages
+                continue
+            self._seen.add(ptr)
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(s, self._free, ptr, n)
+        return out
+
+    def _free(self, ptr: int, n: int) -> None:
+        self._seen.discard(ptr)
+        self.live -= n
+
+
+@pytest.mark.parametrize("optimizer,param_dtype,impl,batch,seq", [
+    ("skewadam", "fp32", "eager", 4, 64), ("skewadam", "bf16", "eager", 4, 64), ("skewadam", "bf16", "cpp", 1, 8),
+    ("adamw", "fp32", "eager", 1, 8),
+])
+def test_peak_estimate_is_within_5_percent_of_tracked_tensor_bytes(optimizer, param_dtype, impl, batch, seq,
+                                                                   monkeypatch):
+    from skewadam import kernels
+
+    if impl not in kernels.impls():
+        pytest.skip("the C++ kernel does not build here")
+    monkeypatch.setenv("SKEWADAM_IMPL", impl)
+    overrides = dict(vocab_size=1024, block_size=64, d_model=64, n_head=4, n_kv_head=2, d_ff=128, d_expert=128)
+    dtype = torch.bfloat16 if param_dtype == "bf16" else torch.float32
+    torch.manual_seed(0)
+    with _Allocations() as tracked:
+        model = load_model("cpu", device="cpu", dtype=dtype, overrides=overrides)
+        opt = build_optimizer(optimizer, model, classify(model))
+        idx = torch.randint(0, 1024, (batch, seq))
+        for _ in range(2):  # the second step has the state from the start: the steady-state peak
+            out = model(idx, idx)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del out
+    estimate = plan(model, batch=batch, seq=seq, param_dtype=param_dtype, optimizers=[optimizer], impl=impl)
+    assert tracked.peak == pytest.approx(estimate[optimizer].peak, rel=0.05)
+
+
+# The CPU validation: peak RSS of real steps in a fresh process. glibc's dynamic mmap threshold keeps freed blocks of
+# up to 32 MiB in its heap (RSS then runs 14-45% above the tensor bytes on this model, more with SkewAdam's eager
+# temporaries); fixing the threshold returns them, as `torch.cuda.max_memory_allocated` ignores the caching
+# allocator's reserve.
+_RSS_MODEL = dict(vocab_size=8192, block_size=128, n_layer=2, d_model=256, n_head=4, n_kv_head=2, d_ff=512,
+                  d_expert=512, n_experts=64)
+
+
+@pytest.mark.slow
+def test_peak_rss_of_real_steps_is_within_15_percent_of_the_estimate(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
+    r = measure_peak("cpu", optimizer="skewadam", batch=4, seq=128, overrides=_RSS_MODEL)
+    assert r["method"] == "peak RSS growth" and r["estimate"] > 200 * 2**20
+    print(f"measured {r['measured']:,} B, estimate {r['estimate']:,} B ({r['impl']} kernel), ratio {r['ratio']:.3f}")
+    assert r["ratio"] == pytest.approx(1.0, abs=0.15), r
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_peak_cuda_max_memory_allocated_is_within_15_percent_of_the_estimate():
+    r = measure_peak("cpu", optimizer="skewadam", batch=4, seq=128, device="cuda", overrides=_RSS_MODEL)
+    assert r["method"] == "cuda max_memory_allocated"
+    assert r["ratio"] == pytest.approx(1.0, abs=0.15), r
+
+
+# --------------------------------------------------------------------------------------------------- presets
+@pytest.mark.parametrize("name", list(HF_PRESETS))
+def test_hf_presets_match_published_parameter_counts(name):
+    preset = HF_PRESETS[name]
+    n = sum(p.numel() for p in load_model(name).parameters())
+    published = float(preset.published.rstrip("B")) * 1e9
+    digits = len(preset.published.rstrip("B").split(".")[-1]) if "." in preset.published else 0
+    assert abs(n - published) <= 0.5 * 10 ** (9 - digits), f"{name}: {n:,} vs {preset.published}"
+
+
+def test_load_model_builds_reference_presets_on_meta_and_applies_overrides():
+    model = load_model("PAPER-6.78B")
+    assert next(model.parameters()).is_meta and model.num_params() == 6_784_135_168
+    small = load_model("paper-6.78b", overrides={"n_experts": 2})
+    assert small.blocks[1].moe.experts.w1.shape == (2, 4096, 4096)
+    assert load_model("tiny", device="cpu", dtype=torch.bfloat16).tok_emb.weight.dtype == torch.bfloat16
+
+
+def test_load_model_reads_a_config_json_file_or_folder(tmp_path):
+    cfg = dict(HF_PRESETS["mixtral-8x7b"].config, torch_dtype="bfloat16", hidden_size=32, intermediate_size=64,
+               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for spec in (tmp_path / "config.json", tmp_path):
+        model = load_model(spec)
+        assert type(model).__name__ == "MixtralForCausalLM" and next(model.parameters()).is_meta
+    experts = load_model(tmp_path, overrides={"num_local_experts": 3}).model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape[0] == 3
+
+
+def test_load_model_errors_name_the_fix(tmp_path):
+    with pytest.raises(ValueError, match="neither a preset nor a config.json.*mixtral-8x7b"):
+        load_model("mixtral")
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ValueError, match="no 'model_type'"):
+        load_model(tmp_path)
+    with pytest.raises(FileNotFoundError, match="pass a Hugging Face config.json"):
+        load_model(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="MoEConfig"):
+        load_model("tiny", overrides={"n_expert": 3})
+    assert set(HF_PRESETS) <= set(preset_names()) and "paper-6.78b" in preset_names()
+
+
+# ------------------------------------------------------------------------------------------------------- CLI
+def _cli(argv, capsys):
+    parser = argparse.ArgumentParser()
+    register_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    assert args.func(args) == 0
+    return capsys.readouterr().out
+
+
+def test_cli_plan_prints_the_table_and_json(capsys):
+    text = _cli(["plan", "paper-6.78b"], capsys)
+    assert "54,273,081,344" in text and "1,380,029,764" in text and "assumptions:" in text
+    out = json.loads(_cli(["plan", "tiny", "--json", "--batch", "2", "--seq", "16", "--param-dtype", "bf16",
+                           "--optimizer", "skewadam", "--optimizer", "adamw"], capsys))
+    assert set(out["optimizers"]) == {"skewadam", "adamw"} and out["units"] == "bytes"
+    assert out["optimizers"]["adamw"]["master"] == 4 * out["trainable"] and out["seq"] == 16
+
+
+def test_cli_plan_set_overrides_a_config_value(capsys):
+    out = json.loads(_cli(["plan", "olmoe-1b-7b", "--json", "--optimizer", "skewadam",
+                           "--set", "num_hidden_layers=2"], capsys))
+    assert out["params"] < 2e9 and out["top_k"] == 8
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        _cli(["plan", "tiny", "--set", "num_hidden_layers"], capsys)
