@@ -601,7 +601,8 @@ def plan(
         f"(bf16), SkewAdam C++ 0; bitsandbytes' fused kernel 0; torchao assumed 3); SkewAdam kernel here: {impl}",
         "one process: divide parameters, gradients and state by the shard count under FSDP/ZeRO-3; tensor bytes "
         "only: allocator caches and runtime workspaces are not included (on CPU, glibc's heap kept RSS 14-45% "
-        "above this on small models unless MALLOC_MMAP_THRESHOLD_ is set, and oneDNN's bf16 matmul caches ~20%)",
+        "above this on small models unless MALLOC_MMAP_THRESHOLD_ is set, and oneDNN's bf16 matmuls added ~85 MB "
+        "of their own buffers on a 25M-parameter model)",
     ]
     if unmodelled:
         assumptions.insert(0, f"no activation or peak estimate: {unmodelled}")
