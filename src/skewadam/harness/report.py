@@ -155,19 +155,21 @@ def plot(run_dir: Path, runs, summary, order: Optional[list[str]] = None) -> lis
     band = f", band = min..max over {seeds} seeds" if seeds > 1 else ""
     paths = []
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for opt, (xs, mean, lo, hi) in _curves(runs, best, "step", "evals", "val_ppl").items():
-        ax.plot(xs, mean, marker="o", ms=3, color=colors[opt], label=label[opt])
-        if seeds > 1:
-            ax.fill_between(xs, lo, hi, color=colors[opt], alpha=0.2)
-    ax.set(xlabel="step", ylabel="validation perplexity (per byte)", yscale="log",
-           title=f"Validation perplexity{band}")
-    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    low, high = ax.get_ylim()
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g") if high / low < 10
-                                 else matplotlib.ticker.NullFormatter())
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    curves = _curves(runs, best, "step", "evals", "val_ppl")
+    for ax, zoom in zip(axes, (False, True)):
+        for opt, (xs, mean, lo, hi) in curves.items():
+            i = sum(x < xs[-1] / 2 for x in xs) if zoom else 0  # steps ascend: the zoom is a suffix
+            ax.plot(xs[i:], mean[i:], marker="o", ms=3, color=colors[opt], label=label[opt])
+            if seeds > 1:
+                ax.fill_between(xs[i:], lo[i:], hi[i:], color=colors[opt], alpha=0.2)
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set(xlabel="step", ylabel="validation perplexity (per byte)", yscale="log",
+                title=f"Validation perplexity{band}")
+    for ticks in (axes[0].yaxis.set_major_formatter, axes[0].yaxis.set_minor_formatter):
+        ticks(matplotlib.ticker.FormatStrFormatter("%g"))  # the log axis labelled in plain numbers
+    axes[1].set(xlabel="step", title="Second half of training")
+    axes[0].legend(fontsize=8)
     paths.append(_save(fig, run_dir / "val_ppl.png"))
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 0.5 * len(best) + 2), sharey=True)

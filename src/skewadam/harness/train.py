@@ -199,6 +199,7 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
         "init_checksum": init_checksum,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "summary": summary,
         "evals": evals_log,
         "steps": steps_log,
