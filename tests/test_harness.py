@@ -128,9 +128,11 @@ def test_cli_bench_writes_logs_table_and_plots_then_resumes_and_reports(tmp_path
     assert (out / "val_ppl.png").exists() and "skewadam-add" in report.stdout
 
 
-def test_cli_bench_rejects_unknown_optimizer_with_the_list(tmp_path):
-    result = _cli("bench", "--optimizers", "adam", "--out", str(tmp_path / "x"), cwd=tmp_path)
-    assert result.returncode != 0 and "adamw" in result.stderr
+def test_cli_bench_rejects_bad_input_before_any_run(tmp_path):
+    for flags, message in ((["--optimizers", "adam"], "use any of adamw"), (["--model", "huge"], "unknown model"),
+                           (["--data", str(tmp_path / "missing.txt")], "does not exist")):
+        result = _cli("bench", *flags, "--out", str(tmp_path / "x"), cwd=tmp_path)
+        assert result.returncode != 0 and message in result.stderr and not (tmp_path / "x").exists()
 
 
 def test_tensorboard_event_files_are_written_per_run(tmp_path):

@@ -8,8 +8,10 @@ Presets are functions returning a `BenchConfig`; command-line flags override the
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Callable, Optional
 
+from ..models import CONFIGS
 from .optimizers import DEFAULT_OPTIMIZERS, OPTIMIZERS
 
 __all__ = ["RunConfig", "BenchConfig", "PRESETS", "get_preset", "run_name"]
@@ -43,6 +45,10 @@ class RunConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.warmup_frac < 1.0:
             raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac}")
+        if self.model not in CONFIGS:
+            raise ValueError(f"unknown model {self.model!r}: use one of {', '.join(CONFIGS)}")
+        if self.data is not None and not Path(self.data).exists():
+            raise ValueError(f"data {self.data!r} does not exist; give a text file or a folder of text files")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 
