@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from skewadam.cli import main as cli_main
 from skewadam.harness.bench import parse_lrs, parse_optimizers
 from skewadam.harness.config import BenchConfig, RunConfig, run_name
 from skewadam.harness.optimizers import OPTIMIZERS, build_optimizer
@@ -128,11 +129,15 @@ def test_cli_bench_writes_logs_table_and_plots_then_resumes_and_reports(tmp_path
     assert (out / "val_ppl.png").exists() and "skewadam-add" in report.stdout
 
 
-def test_cli_bench_rejects_bad_input_before_any_run(tmp_path):
-    for flags, message in ((["--optimizers", "adam"], "use any of adamw"), (["--model", "huge"], "unknown model"),
-                           (["--data", str(tmp_path / "missing.txt")], "does not exist")):
-        result = _cli("bench", *flags, "--out", str(tmp_path / "x"), cwd=tmp_path)
-        assert result.returncode != 0 and message in result.stderr and not (tmp_path / "x").exists()
+@pytest.mark.parametrize("flags, message", [
+    (["--optimizers", "adam"], "use any of adamw"),
+    (["--model", "huge"], "unknown model"),
+    (["--data", "missing.txt"], "does not exist"),
+])
+def test_cli_bench_rejects_bad_input_before_any_run(tmp_path, flags, message):
+    with pytest.raises(SystemExit, match=message):
+        cli_main(["bench", *flags, "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
 
 
 def test_tensorboard_event_files_are_written_per_run(tmp_path):
