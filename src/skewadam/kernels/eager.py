@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .quant import load_momentum, store_momentum_
 from .rounding import rounding_key, stochastic_round_bf16
 
 __all__ = ["GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "unit_dims", "stat_dims"]
@@ -118,8 +119,15 @@ def update_moments_(
     beta2: float,
     eps: float,
     eps_mode: str,
+    exp_avg_scales: Optional[Sequence[Optional[Tensor]]] = None,
+    seed: int = 0,
+    param_ids: Optional[Sequence[int]] = None,
 ) -> list[Moments]:
     """Pass 2: update step counts, second moments and momentum in place; return what the clip needs.
+
+    A compact first moment (int8 with ``exp_avg_scales``, or bf16: `skewadam.kernels.quant`) is decoded, updated in
+    the compute dtype and stored back here; ``u`` is then formed from the stored value, as pass 3 will read it.
+    ``seed`` and ``param_ids`` key the stochastic rounding of a bf16 first moment.
 
     floor: ``denom = sqrt(max(row/max(mean(row),1e-15), eps)) * sqrt(max(col, eps))`` or ``sqrt(max(v, eps))``.
     add:   ``g^2 + eps`` is accumulated instead and ``denom = sqrt(row/mean(row)) * sqrt(col)`` or ``sqrt(v)``.
@@ -165,12 +173,22 @@ def update_moments_(
         else:
             ema_(v, g.square() + add if add else g.square())
             rinv = cinv = None
-        if m is not None:
+        src = g
+        if m is not None and m.dtype == dtype:
             if active is None:
                 m.lerp_(g, 1.0 - beta1)
             else:
                 m.copy_(torch.where(active, m.lerp(g, 1.0 - beta1), m))
-        src = m if m is not None else g
+            src = m
+        elif m is not None:
+            scale = exp_avg_scales[i] if exp_avg_scales is not None else None
+            m32 = load_momentum(m, scale, dtype)
+            new = m32.lerp(g, 1.0 - beta1)
+            if active is not None:
+                new = torch.where(active, new, m32)
+            key = rounding_key(seed, param_ids[i] if param_ids is not None else i, int(step.sum().item()))
+            store_momentum_(m, scale, new, key)
+            src = load_momentum(m, scale, dtype)
         if row_var is not None:
             u = src * scale_row * cinv
         else:
@@ -196,6 +214,7 @@ def apply_updates_(
     eps_mode: str,
     seed: int,
     param_ids: Sequence[int],
+    exp_avg_scales: Optional[Sequence[Optional[Tensor]]] = None,
 ) -> None:
     """Pass 3: ``p = p*(1 - lr*wd) - lr * u / max(1, rms(u))``, in the state dtype; bf16 written back unbiased."""
     floor = eps if eps_mode == "floor" else 0.0
@@ -205,7 +224,10 @@ def apply_updates_(
         dtype = mo.u_sumsq.dtype
         n = math.prod(shape[1:] if bank else shape)
         clip = (mo.u_sumsq / n).sqrt_().clamp_(min=1.0).reciprocal_()
-        src = m if m is not None else _compute(g, dtype)
+        if m is not None:
+            src = load_momentum(m, exp_avg_scales[i] if exp_avg_scales is not None else None, dtype)
+        else:
+            src = _compute(g, dtype)
         if mo.rinv is not None:
             u = src * (mo.rinv * (mo.corr * clip)) * mo.cinv
         else:

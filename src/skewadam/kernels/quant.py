@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import math
 
-import torch
-from torch import Tensor
-import torch.nn.functional as F
+from typing import Optional
 
-__all__ = ["BLOCK", "num_blocks", "quantize_", "dequantize"]
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .rounding import mix32, stochastic_round_bf16
+
+__all__ = ["BLOCK", "num_blocks", "quantize_", "dequantize", "load_momentum", "store_momentum_"]
 
 BLOCK = 256
 _QMAX = 127.0
@@ -50,3 +54,24 @@ def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> 
     code = _blocked(q.to(dtype)).div_(_QMAX)
     x = code.abs().mul_(code).mul_(scale.unsqueeze(-1).to(dtype))
     return x.flatten(-2)[..., : q.shape[-1]]
+
+
+def load_momentum(m: Tensor, scale: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+    """The first moment in the compute dtype, whatever its storage (a view when it is stored in that dtype)."""
+    if m.dtype == torch.int8:
+        return dequantize(m, scale, dtype)
+    return m if m.dtype == dtype else m.to(dtype)
+
+
+def store_momentum_(m: Tensor, scale: Optional[Tensor], x: Tensor, key: int) -> None:
+    """Write ``x`` into the first moment's storage: int8 block-wise, or bf16 with unbiased stochastic rounding
+    (round-to-nearest would stall the EMA: ``(1 - beta1) * (g - m)`` is often below half a bf16 ULP of ``m``)."""
+    if m.dtype == torch.int8:
+        quantize_(m, scale, x)
+    elif m.dtype == torch.bfloat16 and x.dtype != torch.bfloat16:
+        m.copy_(stochastic_round_bf16(x, mix32(key + _MOMENTUM_STREAM)))
+    else:
+        m.copy_(x)
+
+
+_MOMENTUM_STREAM = 0x5BD1E995  # separates the momentum's rounding bits from the weight's (same param and step)
