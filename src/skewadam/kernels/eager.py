@@ -16,6 +16,11 @@ statistics across shards (nothing here calls torch.distributed):
 Means use the *global* shapes passed in, so a shard divides its partial sums by the full row or column count.
 The row-statistic mean is carried as a sum updated by linearity, ``sum_i row_i' = b2*sum_i row_i + (1-b2)*sum_i
 rowmean_i``, so a row-sharded tensor needs no extra collective (exact up to summation order).
+
+Temporaries: each pass allocates a few fp32 tensors the size of what it processes. A bank larger than
+`CHUNK_NUMEL` elements is processed a group of whole slices at a time (its units are slices, so nothing crosses a
+chunk and the results are bitwise those of the whole tensor), which bounds the transient memory of a huge expert
+bank by a few times `CHUNK_NUMEL` instead of a few times the bank.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from .rounding import rounding_key, stochastic_round_bf16
 __all__ = ["GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "unit_dims", "stat_dims"]
 
 _ROW_MEAN_FLOOR = 1e-15  # the paper's guard on mean(row) in eps_mode="floor"
+CHUNK_NUMEL = 1 << 24  # 64 MiB of fp32: banks above this are processed in groups of slices
 
 
 class GradStats(NamedTuple):
@@ -69,6 +75,27 @@ def _compute(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def _chunks(t: Tensor, bank: bool) -> list[slice]:
+    """Slice ranges along dim 0 that split a large bank into groups of whole slices (one range otherwise)."""
+    n0 = t.shape[0] if t.ndim else 1
+    if not bank or t.numel() <= CHUNK_NUMEL or n0 <= 1:
+        return [slice(None)]
+    per = max(1, CHUNK_NUMEL // max(1, t.numel() // n0))
+    return [slice(a, min(a + per, n0)) for a in range(0, n0, per)]
+
+
+def _at(t, sl: slice):
+    """``t[sl]`` for tensors (None and floats pass through)."""
+    return t[sl] if isinstance(t, Tensor) and sl != slice(None) else t
+
+
+def _cat(parts: list):
+    """Join per-chunk results along dim 0 (None and floats pass through)."""
+    if len(parts) == 1 or not isinstance(parts[0], Tensor):
+        return parts[0]
+    return torch.cat(parts)
+
+
 def grad_stats(
     grads: Sequence[Tensor],
     row_vars: Sequence[Optional[Tensor]],
@@ -79,16 +106,20 @@ def grad_stats(
     """Pass 1: sums of g^2 (nothing is written)."""
     out = []
     for g, row_var, bank, dtype in zip(grads, row_vars, banks, dtypes):
-        sq = _compute(g, dtype).square()
-        dims = unit_dims(g.ndim, bank)
-        if row_var is None:
-            out.append(GradStats(sq.sum(dims, keepdim=True) if dims else sq, None, None, None, None))
-            continue
-        row = sq.sum(-1, keepdim=True)
-        col = sq.sum(-2, keepdim=True)
-        rc = row.sum(-2, keepdim=True)
-        out.append(GradStats(rc.sum(dims, keepdim=True), rc, row, col, row_var.sum(-2, keepdim=True)))
+        parts = [_stats_one(_at(g, sl), _at(row_var, sl), bank, dtype) for sl in _chunks(g, bank)]
+        out.append(GradStats(*(_cat(list(f)) for f in zip(*parts))))
     return out
+
+
+def _stats_one(g: Tensor, row_var: Optional[Tensor], bank: bool, dtype: torch.dtype) -> GradStats:
+    sq = _compute(g, dtype).square()
+    dims = unit_dims(g.ndim, bank)
+    if row_var is None:
+        return GradStats(sq.sum(dims, keepdim=True) if dims else sq, None, None, None, None)
+    row = sq.sum(-1, keepdim=True)
+    col = sq.sum(-2, keepdim=True)
+    rc = row.sum(-2, keepdim=True)
+    return GradStats(rc.sum(dims, keepdim=True), rc, row, col, row_var.sum(-2, keepdim=True))
 
 
 def _bias_correction(step: Tensor, bank: bool, beta1: Optional[float], beta2: float, dtype) -> Tensor | float:
@@ -125,20 +156,19 @@ def update_moments_(
 ) -> list[Moments]:
     """Pass 2: update step counts, second moments and momentum in place; return what the clip needs.
 
+    floor: ``denom = sqrt(max(row/max(mean(row),1e-15), eps)) * sqrt(max(col, eps))`` or ``sqrt(max(v, eps))``.
+    add:   ``g^2 + eps`` is accumulated instead and ``denom = sqrt(row/mean(row)) * sqrt(col)`` or ``sqrt(v)``.
+
     A compact first moment (int8 with ``exp_avg_scales``, or bf16: `skewadam.kernels.quant`) is decoded, updated in
     the compute dtype and stored back here; ``u`` is then formed from the stored value, as pass 3 will read it.
     ``seed`` and ``param_ids`` key the stochastic rounding of a bf16 first moment.
-
-    floor: ``denom = sqrt(max(row/max(mean(row),1e-15), eps)) * sqrt(max(col, eps))`` or ``sqrt(max(v, eps))``.
-    add:   ``g^2 + eps`` is accumulated instead and ``denom = sqrt(row/mean(row)) * sqrt(col)`` or ``sqrt(v)``.
     """
-    add = eps if eps_mode == "add" else 0.0
-    floor = eps if eps_mode == "floor" else 0.0
+    hyper = dict(beta1=beta1, beta2=beta2, eps=eps, eps_mode=eps_mode)
     out = []
     for i, (g, step, st, bank, shape) in enumerate(zip(grads, steps, stats, banks, shapes)):
         m, v, row_var, col_var = exp_avgs[i], exp_avg_sqs[i], row_vars[i], col_vars[i]
+        scale = exp_avg_scales[i] if exp_avg_scales is not None else None
         dtype = (row_var if row_var is not None else v).dtype
-        g = _compute(g, dtype)
         active = None
         if bank:
             active = st.sumsq > 0  # an expert that saw no token has an all-zero slice: leave it untouched
@@ -148,54 +178,67 @@ def update_moments_(
         corr = _bias_correction(step, bank, beta1 if m is not None else None, beta2, dtype)
         if bank:
             corr = corr.view(-1, *([1] * (g.ndim - 1)))
-
-        def ema_(state: Tensor, target: Tensor) -> None:
-            if active is None:
-                state.lerp_(target, 1.0 - beta2)
-            else:
-                state.copy_(torch.where(active, state.lerp(target, 1.0 - beta2), state))
-
-        if row_var is not None:
-            R, C = shape[-2], shape[-1]
-            ema_(row_var, st.row / C + add)
-            ema_(col_var, st.col / R + add)
-            rsum = st.row_var_sum * beta2 + (st.rc_sumsq / C + R * add) * (1.0 - beta2)
-            if active is not None:
-                rsum = torch.where(active, rsum, st.row_var_sum)
-            rmean = rsum / R
-            if eps_mode == "floor":
-                rinv = (row_var / rmean.clamp(min=_ROW_MEAN_FLOOR)).clamp_(min=floor).rsqrt_()
-                cinv = col_var.clamp(min=floor).rsqrt()
-            else:
-                rinv = (row_var / rmean.clamp(min=torch.finfo(dtype).tiny)).rsqrt_()
-                cinv = col_var.rsqrt()
-            scale_row = rinv * corr
-        else:
-            ema_(v, g.square() + add if add else g.square())
-            rinv = cinv = None
-        src = g
-        if m is not None and m.dtype == dtype:
-            if active is None:
-                m.lerp_(g, 1.0 - beta1)
-            else:
-                m.copy_(torch.where(active, m.lerp(g, 1.0 - beta1), m))
-            src = m
-        elif m is not None:
-            scale = exp_avg_scales[i] if exp_avg_scales is not None else None
-            m32 = load_momentum(m, scale, dtype)
-            new = m32.lerp(g, 1.0 - beta1)
-            if active is not None:
-                new = torch.where(active, new, m32)
-            key = rounding_key(seed, param_ids[i] if param_ids is not None else i, int(step.sum().item()))
-            store_momentum_(m, scale, new, key)
-            src = load_momentum(m, scale, dtype)
-        if row_var is not None:
-            u = src * scale_row * cinv
-        else:
-            u = src * corr / (v.clamp(min=floor) if floor else v).sqrt()
-        dims = unit_dims(g.ndim, bank)
-        out.append(Moments(u.square().sum(dims, keepdim=True) if dims else u.square(), corr, rinv, cinv, active))
+        key = rounding_key(seed, param_ids[i] if param_ids is not None else i, int(step.sum().item()))
+        unit = math.prod(g.shape[1:]) if bank else 0
+        parts = [
+            _moments_one(_at(g, sl), _at(m, sl), _at(scale, sl), _at(v, sl), _at(row_var, sl), _at(col_var, sl),
+                         GradStats(*(_at(t, sl) for t in st)), _at(active, sl), _at(corr, sl), bank, shape, dtype,
+                         key=key, offset=(sl.start or 0) * unit, **hyper)
+            for sl in _chunks(g, bank)
+        ]
+        out.append(Moments(*(_cat(list(f)) for f in zip(*parts))))
     return out
+
+
+def _moments_one(g, m, scale, v, row_var, col_var, st, active, corr, bank, shape, dtype, *,
+                 beta1, beta2, eps, eps_mode, key, offset) -> Moments:
+    add = eps if eps_mode == "add" else 0.0
+    floor = eps if eps_mode == "floor" else 0.0
+    g = _compute(g, dtype)
+
+    def ema_(state: Tensor, target: Tensor) -> None:
+        if active is None:
+            state.lerp_(target, 1.0 - beta2)
+        else:
+            state.copy_(torch.where(active, state.lerp(target, 1.0 - beta2), state))
+
+    rinv = cinv = None
+    if row_var is not None:
+        R, C = shape[-2], shape[-1]
+        ema_(row_var, st.row / C + add)
+        ema_(col_var, st.col / R + add)
+        rsum = st.row_var_sum * beta2 + (st.rc_sumsq / C + R * add) * (1.0 - beta2)
+        if active is not None:
+            rsum = torch.where(active, rsum, st.row_var_sum)
+        rmean = rsum / R
+        if eps_mode == "floor":
+            rinv = (row_var / rmean.clamp(min=_ROW_MEAN_FLOOR)).clamp_(min=floor).rsqrt_()
+            cinv = col_var.clamp(min=floor).rsqrt()
+        else:
+            rinv = (row_var / rmean.clamp(min=torch.finfo(dtype).tiny)).rsqrt_()
+            cinv = col_var.rsqrt()
+    else:
+        ema_(v, g.square() + add if add else g.square())
+    src = g
+    if m is not None and m.dtype == dtype:
+        if active is None:
+            m.lerp_(g, 1.0 - beta1)
+        else:
+            m.copy_(torch.where(active, m.lerp(g, 1.0 - beta1), m))
+        src = m
+    elif m is not None:
+        m32 = load_momentum(m, scale, dtype)
+        new = m32.lerp(g, 1.0 - beta1)
+        if active is not None:
+            new = torch.where(active, new, m32)
+        store_momentum_(m, scale, new, key, offset)
+        src = load_momentum(m, scale, dtype)
+    if row_var is not None:
+        u = src * (rinv * corr) * cinv
+    else:
+        u = src * corr / (v.clamp(min=floor) if floor else v).sqrt()
+    dims = unit_dims(g.ndim, bank)
+    return Moments(u.square().sum(dims, keepdim=True) if dims else u.square(), corr, rinv, cinv, active)
 
 
 def apply_updates_(
@@ -221,21 +264,27 @@ def apply_updates_(
     decay = 1.0 - lr * weight_decay
     for i, (p, g, step, mo, bank, shape) in enumerate(zip(params, grads, steps, moments, banks, shapes)):
         m, v = exp_avgs[i], exp_avg_sqs[i]
-        dtype = mo.u_sumsq.dtype
+        scale = exp_avg_scales[i] if exp_avg_scales is not None else None
         n = math.prod(shape[1:] if bank else shape)
         clip = (mo.u_sumsq / n).sqrt_().clamp_(min=1.0).reciprocal_()
-        if m is not None:
-            src = load_momentum(m, exp_avg_scales[i] if exp_avg_scales is not None else None, dtype)
-        else:
-            src = _compute(g, dtype)
-        if mo.rinv is not None:
-            u = src * (mo.rinv * (mo.corr * clip)) * mo.cinv
-        else:
-            u = src * (mo.corr * clip) / (v.clamp(min=floor) if floor else v).sqrt()
-        p32 = _compute(p, dtype)
-        new = torch.add(p32 * decay if decay != 1.0 else p32, u, alpha=-lr)
-        if mo.active is not None:
-            new = torch.where(mo.active, new, p32)
-        if p.dtype == torch.bfloat16:
-            new = stochastic_round_bf16(new, rounding_key(seed, param_ids[i], int(step.sum().item())))
-        p.copy_(new)
+        key = rounding_key(seed, param_ids[i], int(step.sum().item())) if p.dtype == torch.bfloat16 else 0
+        unit = math.prod(p.shape[1:]) if bank else 0
+        for sl in _chunks(p, bank):
+            _apply_one(_at(p, sl), _at(g, sl), _at(m, sl), _at(scale, sl), _at(v, sl), Moments(*(_at(t, sl) for t in mo)),
+                       _at(clip, sl), lr=lr, decay=decay, floor=floor, key=key, offset=(sl.start or 0) * unit)
+
+
+def _apply_one(p, g, m, scale, v, mo: Moments, clip, *, lr, decay, floor, key, offset) -> None:
+    dtype = mo.u_sumsq.dtype
+    src = load_momentum(m, scale, dtype) if m is not None else _compute(g, dtype)
+    if mo.rinv is not None:
+        u = src * (mo.rinv * (mo.corr * clip)) * mo.cinv
+    else:
+        u = src * (mo.corr * clip) / (v.clamp(min=floor) if floor else v).sqrt()
+    p32 = _compute(p, dtype)
+    new = torch.add(p32 * decay if decay != 1.0 else p32, u, alpha=-lr)
+    if mo.active is not None:
+        new = torch.where(mo.active, new, p32)
+    if p.dtype == torch.bfloat16:
+        new = stochastic_round_bf16(new, key, offset)
+    p.copy_(new)

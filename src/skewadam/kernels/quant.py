@@ -63,13 +63,13 @@ def load_momentum(m: Tensor, scale: Optional[Tensor], dtype: torch.dtype) -> Ten
     return m if m.dtype == dtype else m.to(dtype)
 
 
-def store_momentum_(m: Tensor, scale: Optional[Tensor], x: Tensor, key: int) -> None:
+def store_momentum_(m: Tensor, scale: Optional[Tensor], x: Tensor, key: int, offset: int = 0) -> None:
     """Write ``x`` into the first moment's storage: int8 block-wise, or bf16 with unbiased stochastic rounding
     (round-to-nearest would stall the EMA: ``(1 - beta1) * (g - m)`` is often below half a bf16 ULP of ``m``)."""
     if m.dtype == torch.int8:
         quantize_(m, scale, x)
     elif m.dtype == torch.bfloat16 and x.dtype != torch.bfloat16:
-        m.copy_(stochastic_round_bf16(x, mix32(key + _MOMENTUM_STREAM)))
+        m.copy_(stochastic_round_bf16(x, mix32(key + _MOMENTUM_STREAM), offset))
     else:
         m.copy_(x)
 

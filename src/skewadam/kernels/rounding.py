@@ -46,16 +46,18 @@ def _mix32_(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(x >> 16)
 
 
-def stochastic_round_bf16(x: torch.Tensor, key: int) -> torch.Tensor:
-    """Round the fp32 tensor ``x`` to bf16, unbiased; elements are indexed in row-major order of ``x``.
+def stochastic_round_bf16(x: torch.Tensor, key: int, offset: int = 0) -> torch.Tensor:
+    """Round the fp32 tensor ``x`` to bf16, unbiased; element ``i`` (row-major) draws the bits of index
+    ``offset + i``, so a tensor rounded in pieces draws exactly the bits it would draw whole.
 
     Example:
         >>> x = torch.full((100_000,), 1.0 + 2**-10)
         >>> stochastic_round_bf16(x, key=1).float().mean()  # ~ 1.0009766, though every output is 1.0 or 1.0078125
     """
     n = x.numel()
-    pair = torch.arange((n + 1) // 2, device=x.device, dtype=torch.int64)
+    first, skip = offset >> 1, offset & 1
+    pair = torch.arange(first, (offset + n + 1) >> 1, device=x.device, dtype=torch.int64)
     h = _mix32_(pair.mul_(_GOLDEN).add_(key).bitwise_and_(_M32))
-    r = torch.stack((h & 0xFFFF, h >> 16), dim=-1).view(-1)[:n].to(torch.int32)
+    r = torch.stack((h & 0xFFFF, h >> 16), dim=-1).view(-1)[skip : skip + n].to(torch.int32)
     bits = x.contiguous().view(torch.int32).view(-1) + r
     return bits.bitwise_and_(-65536).view(torch.float32).view(x.shape).to(torch.bfloat16)
