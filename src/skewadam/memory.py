@@ -266,6 +266,10 @@ OPTIMIZERS: dict[str, OptimizerModel] = {
     "skewadam+factored-router": _skewadam("SkewAdam, router factored", _tier_flags(router={"use_factored": True})),
     "skewadam-uniform": _skewadam("SkewAdam, momentum + factored everywhere",
                                   {t.value: {"use_momentum": True, "use_factored": True} for t in Tier}),
+    "skewadam-bf16m": _skewadam("SkewAdam, bf16 momentum",
+                                {t.value: {**TIER_STATE[t], "momentum_dtype": "bf16"} for t in Tier}),
+    "skewadam-int8m": _skewadam("SkewAdam, int8 block-wise momentum",
+                                {t.value: {**TIER_STATE[t], "momentum_dtype": "int8"} for t in Tier}),
 }
 
 

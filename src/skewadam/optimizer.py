@@ -29,8 +29,10 @@ except ImportError:  # pragma: no cover
 __all__ = ["SkewAdam"]
 
 _EPS_DEFAULT = {"floor": 1e-8, "add": 1e-30}
+_MOMENTUM_DTYPES = ("fp32", "bf16", "int8")
 _GROUP_KEYS = frozenset(
-    {"params", "lr", "betas", "eps", "weight_decay", "eps_mode", "tier", "use_momentum", "use_factored", "bank", "seed"}
+    {"params", "lr", "betas", "eps", "weight_decay", "eps_mode", "tier", "use_momentum", "use_factored", "bank", "seed",
+     "momentum_dtype"}
 )
 # Keys other torch APIs put into param groups: named parameters, LR schedulers' bookkeeping.
 _FOREIGN_KEYS = frozenset({"param_names", "initial_lr"})
@@ -50,6 +52,7 @@ class _Work(NamedTuple):
     steps: list[Tensor]
     exp_avgs: list[Optional[Tensor]]
     exp_avg_sqs: list[Optional[Tensor]]
+    exp_avg_scales: list[Optional[Tensor]]
     row_vars: list[Optional[Tensor]]
     col_vars: list[Optional[Tensor]]
     banks: list[bool]
@@ -107,7 +110,10 @@ class SkewAdam(Optimizer):
         eps_mode: ``"floor"`` (the paper's) or ``"add"`` (Adafactor's).
         tier: default tier of groups that name none. Default ``"backbone"``.
         use_momentum, use_factored, bank: per-group overrides of the tier's state (``None`` = tier default).
-        seed: seed of the stochastic rounding of bf16 parameters.
+        momentum_dtype: storage of the first moment: ``"fp32"`` (the statistics dtype), ``"bf16"`` (stochastically
+            rounded) or ``"int8"`` (block-wise, 256 per fp32 scale; tensors with < 2 dims stay fp32); see
+            `skewadam.kernels.quant`. Compact momentum runs on the eager kernels.
+        seed: seed of the stochastic rounding of bf16 parameters (and bf16 momentum).
         skip_nonfinite: if any gradient holds inf/NaN, skip the whole step (weights and state untouched) and count
             it in ``skipped_steps``, as AMP's GradScaler does. On by default: costs one host sync per step on GPU.
 
@@ -132,12 +138,14 @@ class SkewAdam(Optimizer):
         use_momentum: Optional[bool] = None,
         use_factored: Optional[bool] = None,
         bank: Optional[bool] = None,
+        momentum_dtype: str = "fp32",
         seed: int = 0,
         skip_nonfinite: bool = True,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode, tier=tier,
             use_momentum=use_momentum, use_factored=use_factored, bank=bank, seed=seed,
+            momentum_dtype=momentum_dtype,
         )
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_steps = 0
@@ -229,7 +237,7 @@ class SkewAdam(Optimizer):
 
     # ------------------------------------------------------------------ step
     def _init_group(self, group: dict, first_id: int) -> Optional[_Work]:
-        w = _Work(group, *([] for _ in range(12)))
+        w = _Work(group, *([] for _ in range(13)))
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
@@ -243,7 +251,8 @@ class SkewAdam(Optimizer):
             state = self.state[p]
             if not state:
                 spec = state_spec(
-                    p.shape, p.dtype, use_momentum=group["use_momentum"], use_factored=group["use_factored"], bank=bank
+                    p.shape, p.dtype, use_momentum=group["use_momentum"], use_factored=group["use_factored"],
+                    bank=bank, momentum_dtype=group["momentum_dtype"],
                 )
                 for key, st in spec.items():
                     state[key] = _new_state(p, key, st, bank)
@@ -251,7 +260,7 @@ class SkewAdam(Optimizer):
             w.local_params.append(_local(p))
             w.grads.append(_local(p.grad))
             w.steps.append(_local(state["step"]))
-            for lst, key in ((w.exp_avgs, "exp_avg"), (w.exp_avg_sqs, "exp_avg_sq"),
+            for lst, key in ((w.exp_avgs, "exp_avg"), (w.exp_avg_sqs, "exp_avg_sq"), (w.exp_avg_scales, "exp_avg_scale"),
                              (w.row_vars, "row_var"), (w.col_vars, "col_var")):
                 lst.append(_local(state.get(key)))
             w.banks.append(bank)
@@ -297,7 +306,7 @@ class SkewAdam(Optimizer):
             moments.append(impl.update_moments_(
                 w.grads, w.steps, w.exp_avgs, w.exp_avg_sqs, w.row_vars, w.col_vars, st,
                 banks=w.banks, shapes=w.shapes, beta1=g["betas"][0], beta2=g["betas"][1],
-                eps=g["eps"], eps_mode=g["eps_mode"],
+                eps=g["eps"], eps_mode=g["eps_mode"], **_compact_kwargs(w),
             ))
         self._reduce(work, [[[(m.u_sumsq, impl.unit_dims(gr.ndim, b))] for m, gr, b in zip(mo, w.grads, w.banks)]
                             for w, mo in zip(work, moments)])
@@ -307,6 +316,7 @@ class SkewAdam(Optimizer):
                 w.local_params, w.grads, w.steps, w.exp_avgs, w.exp_avg_sqs, mo,
                 banks=w.banks, shapes=w.shapes, lr=g["lr"], weight_decay=g["weight_decay"],
                 eps=g["eps"], eps_mode=g["eps_mode"], seed=g["seed"], param_ids=w.param_ids,
+                **({"exp_avg_scales": w.exp_avg_scales} if w.group["momentum_dtype"] != "fp32" else {}),
             )
         return loss
 
@@ -344,6 +354,10 @@ def _validate_group(group: dict, idx: int) -> None:
     wd = group["weight_decay"]
     if not isinstance(wd, (int, float)) or not math.isfinite(wd) or wd < 0:
         raise ValueError(f"Invalid weight_decay value in {where}: {wd!r} (expected a float >= 0)")
+    if group["momentum_dtype"] not in _MOMENTUM_DTYPES:
+        raise ValueError(
+            f"Invalid momentum_dtype in {where}: {group['momentum_dtype']!r} (expected one of {_MOMENTUM_DTYPES})"
+        )
     for flag in ("use_momentum", "use_factored", "bank"):
         if group[flag] is not None and not isinstance(group[flag], bool):
             raise ValueError(f"Invalid {flag} in {where}: {group[flag]!r} (expected True, False or None)")
@@ -381,6 +395,13 @@ def _new_state(p: Tensor, key: str, st, bank: bool) -> Tensor:
     # Per-tensor step counts stay on the host like torch's (read each step); a bank's live with its parameter.
     device = p.device if (key != "step" or bank) else torch.device("cpu")
     return torch.zeros(st.shape, dtype=st.dtype, device=device)
+
+
+def _compact_kwargs(w: _Work) -> dict[str, Any]:
+    """What pass 2 needs for a compact first moment (nothing for fp32 momentum, so every kernel takes the call)."""
+    if w.group["momentum_dtype"] == "fp32":
+        return {}
+    return {"exp_avg_scales": w.exp_avg_scales, "seed": w.group["seed"], "param_ids": w.param_ids}
 
 
 def _all_finite(tensors: list[Tensor], reducer: Optional[Reducer] = None) -> bool:
