@@ -60,7 +60,7 @@ def test_compact_momentum_trains_like_fp32_momentum(momentum_dtype):
     w32 = _train("fp32")[0]
     assert loss == pytest.approx(loss_fp32, rel=0.05)
     assert not torch.equal(w, w32)  # the compact storage really is in the loop
-    assert ((w - w32).norm() / w32.norm()).item() < 0.02
+    assert ((w - w32).norm() / w32.norm()).item() < 0.05
 
 
 @pytest.mark.parametrize("momentum_dtype", ["int8", "bf16"])
