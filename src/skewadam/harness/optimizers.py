@@ -13,10 +13,13 @@ Default learning rates are the paper's (3e-4 for AdamW and SkewAdam), and torch'
 |                           | to AdamW's RMS; AdamW on embeddings, norms, router and the 3-D expert banks   |
 | skewadam-floor            | SkewAdam, paper tiers, eps_mode="floor" (the paper's)                         |
 | skewadam-add              | SkewAdam, paper tiers, eps_mode="add" (Adafactor's)                           |
+| skewadam-int8             | skewadam-add, backbone momentum block-wise int8 (momentum_dtype="int8")       |
+| skewadam-bf16m            | skewadam-add, backbone momentum in bf16 (momentum_dtype="bf16")               |
 | skewadam-expert-momentum  | ablation: experts also keep momentum                                          |
 | skewadam-factored-router  | ablation: the router's second moment factored too                             |
 | skewadam-uniform          | ablation: every tier momentum + factored                                      |
-The ablations use SkewAdam's default ``eps_mode``.
+The ablations and compact-momentum arms use ``eps_mode="add"``, the better of the two in the study (``docs/study``),
+so that each varies one thing against ``skewadam-add``.
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ def _skewadam(**kwargs) -> Builder:
     return build
 
 
+_skewadam_add = _skewadam(eps_mode="add")
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adamw": OptimizerSpec(_adamw, lr=3e-4),
     # lr is Adafactor's maximum relative step (torch's default); weight decay is multiplied by lr, so 1.5e-3 gives
@@ -108,10 +112,12 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adafactor": OptimizerSpec(_adafactor, lr=1e-2, weight_decay=1.5e-3),
     "muon": OptimizerSpec(_muon, lr=3e-4),
     "skewadam-floor": OptimizerSpec(_skewadam(eps_mode="floor"), lr=3e-4),
-    "skewadam-add": OptimizerSpec(_skewadam(eps_mode="add"), lr=3e-4),
-    "skewadam-expert-momentum": OptimizerSpec(_skewadam(), lr=3e-4, tier_options={"expert": {"use_momentum": True}}),
-    "skewadam-factored-router": OptimizerSpec(_skewadam(), lr=3e-4, tier_options={"router": {"use_factored": True}}),
-    "skewadam-uniform": OptimizerSpec(_skewadam(), lr=3e-4, tier_options={
+    "skewadam-add": OptimizerSpec(_skewadam_add, lr=3e-4),
+    "skewadam-int8": OptimizerSpec(_skewadam(eps_mode="add", momentum_dtype="int8"), lr=3e-4),
+    "skewadam-bf16m": OptimizerSpec(_skewadam(eps_mode="add", momentum_dtype="bf16"), lr=3e-4),
+    "skewadam-expert-momentum": OptimizerSpec(_skewadam_add, lr=3e-4, tier_options={"expert": {"use_momentum": True}}),
+    "skewadam-factored-router": OptimizerSpec(_skewadam_add, lr=3e-4, tier_options={"router": {"use_factored": True}}),
+    "skewadam-uniform": OptimizerSpec(_skewadam_add, lr=3e-4, tier_options={
         "expert": {"use_momentum": True}, "router": {"use_momentum": True, "use_factored": True}}),
 }
 DEFAULT_OPTIMIZERS = ("adamw", "adafactor", "muon", "skewadam-floor", "skewadam-add")
