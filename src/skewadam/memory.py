@@ -730,8 +730,9 @@ def measure_peak(
             raise RuntimeError("device='cuda' but torch.cuda.is_available() is False")
         result = _measure_here(**args)
     elif device == "cpu":
+        # the child steps with the kernel the estimate assumes (not whatever "auto" finds there)
         proc = subprocess.run([sys.executable, "-m", "skewadam.memory", json.dumps(args)],
-                              capture_output=True, text=True, check=False)
+                              capture_output=True, text=True, check=False, env={**os.environ, "SKEWADAM_IMPL": impl})
         if proc.returncode:
             raise RuntimeError(f"measuring in a fresh process failed:\n{proc.stderr[-3000:]}")
         result = json.loads(proc.stdout.strip().splitlines()[-1])
