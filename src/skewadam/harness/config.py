@@ -113,8 +113,10 @@ def smoke() -> BenchConfig:
     return BenchConfig(base=RunConfig(model="tiny", steps=2, batch_size=2, eval_interval=1, eval_batches=1))
 
 
-#: issue 9's learning-rate grid per optimizer (the default run's lrs are at or below each one's best at 200 steps)
-STUDY_LRS: dict[str, tuple[float, ...]] = {"adafactor": (3e-3, 1e-2, 3e-2)}
+#: issue 9's learning-rate grid per optimizer: 3 lrs around each one's best at 200 steps, as found by
+#: ``examples/study.py`` (docs/study); the default lrs are at or below these bests
+STUDY_LRS: dict[str, tuple[float, ...]] = {"skewadam-floor": (3e-3, 1e-2, 3e-2), "adafactor": (3e-2, 1e-1, 3e-1),
+                                           "muon": (3e-3, 1e-2, 3e-2)}
 STUDY_LR_DEFAULT = (3e-4, 1e-3, 3e-3)
 
 
