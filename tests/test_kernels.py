@@ -192,6 +192,20 @@ def test_cpp_updates_noncontiguous_parameters_in_place_like_eager():
         assert (a - b).abs().max() <= 1e-12
 
 
+def test_a_step_bumps_the_version_counters_of_what_it_writes(impl):
+    # as torch's in-place ops do: autograd then refuses a backward through a weight the step has changed
+    for reducer in (None, lambda items: None):  # one process, and the three passes of the distributed seam
+        params, opt = _run(impl, SPECS[:6], 1, torch.float32, reducer=reducer)
+        versions = {id(t): t._version for p in params for t in (p, *opt.state[p].values())}
+        loss = (params[2] * params[2]).sum()
+        opt.step()
+        for p in params:
+            for t in (p, *opt.state[p].values()):
+                assert t._version > versions[id(t)]
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
 @needs_cpp
 def test_cpp_step_allocates_less_than_one_fp32_copy_of_the_largest_parameter():
     from skewadam.harness.bench_step import step_transient_bytes

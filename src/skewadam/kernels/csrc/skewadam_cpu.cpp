@@ -353,10 +353,11 @@ void run_items(int64_t n, int64_t elements, const F& f) {
   });
 }
 
-// Tensors to work on in place, contiguous: a non-contiguous one is copied, and written back by `finish`.
+// Tensors to work on in place, contiguous: a non-contiguous one is copied, and written back by `finish`, which also
+// bumps the version counters of the tensors written (as torch's in-place ops do, so autograd notices).
 struct Contig {
   std::vector<std::pair<Tensor, Tensor>> writeback;
-  std::vector<Tensor> keep;
+  std::vector<Tensor> keep, written;
   const void* read(const Tensor& t) {
     TORCH_CHECK(t.device().is_cpu(), "skewadam C++ CPU kernel: got a tensor on ", t.device(),
                 "; use impl='eager' for parameters off the CPU");
@@ -367,13 +368,17 @@ struct Contig {
   void* write(const Tensor& t) {
     TORCH_CHECK(t.device().is_cpu(), "skewadam C++ CPU kernel: got a tensor on ", t.device(),
                 "; use impl='eager' for parameters off the CPU");
-    if (t.is_contiguous()) return t.numel() ? t.data_ptr() : nullptr;
+    if (t.is_contiguous()) {
+      written.push_back(t);
+      return t.numel() ? t.data_ptr() : nullptr;
+    }
     writeback.emplace_back(t, t.contiguous());
     return writeback.back().second.data_ptr();
   }
   void* write(const OptTensor& t) { return t ? write(*t) : nullptr; }
   void finish() {
-    for (auto& [orig, work] : writeback) orig.copy_(work);
+    for (auto& [orig, work] : writeback) orig.copy_(work);  // an in-place op: bumps orig's version itself
+    for (Tensor& t : written) t.unsafeGetTensorImpl()->bump_version();
   }
 };
 
