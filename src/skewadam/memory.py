@@ -638,6 +638,19 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_rss() -> int:
+    """Peak resident set size of this process's own address space, in bytes (``VmHWM``; Linux).
+
+    Not ``getrusage(...).ru_maxrss``: Linux carries that across ``fork``/``exec``, so a process started by a large
+    parent (a long pytest session, say) reports the parent's size as its own peak.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line: peak RSS is only measured on Linux")
+
+
 def _train_steps(model: nn.Module, opt: torch.optim.Optimizer, batch: int, seq: int, steps: int) -> None:
     from .models import MoETransformer
 
@@ -658,7 +671,6 @@ def _measure_here(spec: str, overrides: dict, optimizer: str, batch: int, seq: i
                   device: str, steps: int) -> dict[str, Any]:
     """Train ``steps`` steps in this process and return the measured peak growth (see `measure_peak`)."""
     import gc
-    import resource
 
     from .classify import classify
     from .presets import load_model
@@ -683,7 +695,7 @@ def _measure_here(spec: str, overrides: dict, optimizer: str, batch: int, seq: i
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base  # ru_maxrss: KiB on Linux
+        peak = peak_rss() - base
     return {"measured": peak, "method": "cuda max_memory_allocated" if device == "cuda" else "peak RSS growth"}
 
 
@@ -701,7 +713,7 @@ def measure_peak(
     """Measure the peak memory of real training steps and set it beside `plan`'s estimate.
 
     The model (``spec``: preset or ``config.json``, with config ``overrides``) is built on ``device`` and trained
-    ``steps`` steps on random tokens. CPU: the growth of the peak resident set size (``ru_maxrss``) over the
+    ``steps`` steps on random tokens. CPU: the growth of the peak resident set size (``VmHWM``) over the
     resident size after a warm-up, in a fresh Python process (the peak RSS of this one is not resettable). CUDA:
     ``torch.cuda.max_memory_allocated`` growth, in this process.
 

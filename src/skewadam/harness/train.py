@@ -14,7 +14,6 @@ import dataclasses
 import json
 import math
 import os
-import resource
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ import torch
 
 from ..classify import classify
 from ..data import eval_batches, get_batch, load_corpus
-from ..memory import measure_state
+from ..memory import measure_state, peak_rss
 from ..models import MoETransformer, get_config
 from .config import RunConfig, run_name
 from .optimizers import build_optimizer
@@ -46,7 +45,7 @@ def lr_factor(step: int, steps: int, warmup_frac: float) -> float:
 def _peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return peak_rss()
 
 
 @torch.no_grad()
