@@ -178,7 +178,9 @@ def update_moments_(
         corr = _bias_correction(step, bank, beta1 if m is not None else None, beta2, dtype)
         if bank:
             corr = corr.view(-1, *([1] * (g.ndim - 1)))
-        key = rounding_key(seed, param_ids[i] if param_ids is not None else i, int(step.sum().item()))
+        key = 0  # only a bf16 first moment draws rounding bits: read the step (a host sync on GPU) only then
+        if m is not None and m.dtype == torch.bfloat16 and dtype != torch.bfloat16:
+            key = rounding_key(seed, param_ids[i] if param_ids is not None else i, int(step.sum().item()))
         unit = math.prod(g.shape[1:]) if bank else 0
         parts = [
             _moments_one(_at(g, sl), _at(m, sl), _at(scale, sl), _at(v, sl), _at(row_var, sl), _at(col_var, sl),
