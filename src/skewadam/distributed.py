@@ -27,23 +27,32 @@ parameters and need no reduction. Under ``ZeroRedundancyOptimizer`` each rank st
 non-finite gradient would skip only the partitions that hold it; ``zero.optim._reducer = DTensorReducer()`` makes all
 ranks skip together.)
 
+Stochastic rounding (bf16 parameters and bf16 momentum) draws its bits per element from a key and the element's
+local index; `rounding_stream` mixes the global offset of the shard's first element into the key, so shards of one
+parameter draw independent bits (the same local positions would otherwise round alike on every rank) while replicas
+of one shard (``Replicate`` mesh dims, HSDP) draw the same bits and stay identical.
+
 To disable the reductions (e.g. as a negative control), set the seam yourself before the first step:
 ``optimizer._reducer = lambda items: None``.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from .kernels.rounding import mix32
 from .state import StateTensor
 
-__all__ = ["state_placements", "new_state_dtensor", "check_layout", "DTensorReducer"]
+__all__ = ["state_placements", "new_state_dtensor", "check_layout", "rounding_stream", "DTensorReducer"]
 
 _DEEPSPEED_ATTRS = ("ds_shape", "ds_tensor", "ds_id", "ds_numel")
 
@@ -137,6 +146,22 @@ def new_state_dtensor(param: DTensor, key: str, st: StateTensor) -> Tensor:
         zeros, param.device_mesh, placements, run_check=False,
         shape=torch.Size(st.shape), stride=torch.empty(st.shape, device="meta").stride(),
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _first_element(shape: torch.Size, mesh, placements: tuple[Placement, ...]) -> int:
+    """Row-major global index of the local shard's first element."""
+    _, offset = compute_local_shape_and_global_offset(shape, mesh, placements)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    return sum(o * st for o, st in zip(offset, strides))
+
+
+def rounding_stream(param: DTensor, index: int) -> int:
+    """The stochastic-rounding stream of ``param``'s local shard (the ``param_index`` of
+    `skewadam.kernels.rounding.rounding_key`): ``index`` itself for the shard holding global element 0, so that one
+    process draws what it always drew, else ``index`` mixed with the global index of the shard's first element."""
+    first = _first_element(param.shape, param.device_mesh, tuple(param.placements))
+    return index if first == 0 else index ^ mix32(mix32(first) ^ (first >> 32))
 
 
 class DTensorReducer:

@@ -65,6 +65,15 @@ def _local(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _rounding_stream(p: Tensor, index: int) -> int:
+    """The key index of ``p``'s stochastic rounding; a shard's own stream for DTensor shards."""
+    if isinstance(p, DTensor):
+        from .distributed import rounding_stream
+
+        return rounding_stream(p, index)
+    return index
+
+
 class SkewAdam(Optimizer):
     r"""Adam with state allocated by tier: factored second moments, momentum only where it pays.
 
@@ -280,7 +289,7 @@ class SkewAdam(Optimizer):
             w.banks.append(bank)
             w.shapes.append(p.shape)
             w.dtypes.append((w.row_vars[-1] if w.row_vars[-1] is not None else w.exp_avg_sqs[-1]).dtype)
-            w.param_ids.append(first_id + i)
+            w.param_ids.append(_rounding_stream(p, first_id + i))
         return w if w.params else None
 
     def _reduce(self, work: list[_Work], per_group: list[list[list[tuple[Tensor, tuple[int, ...]]]]]) -> None:

@@ -152,6 +152,13 @@ def test_int8_momentum_of_a_last_dim_sharded_parameter_is_refused(results):
 
 
 @pytest.mark.distributed
+def test_bf16_shards_round_with_their_own_bits_and_replicas_alike(results):
+    for fig in _get(results, "rounding_streams"):
+        assert fig["rounded_both_ways"] == [0.99609375, 1.0]  # 1 - lr lies between these: the rounding was random
+        assert fig["shards_differ"] and fig["first_shard_as_one_process"] and fig["replicas_equal"]
+
+
+@pytest.mark.distributed
 def test_fsdp2_example_trains(tmp_path):
     proc = torchrun("examples/train_fsdp.py", "--steps", "2", "--checkpoint", str(tmp_path / "ckpt"))
     lines = [l for l in proc.stdout.splitlines() if l.startswith("step")]

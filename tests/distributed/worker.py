@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -386,6 +386,28 @@ def check_zero_nonfinite_skipped_everywhere() -> dict:
     return {"skipped_steps": opt.optim.skipped_steps, "unchanged": max_diff(before, after, state=False) == 0.0}
 
 
+def check_rounding_streams() -> dict:
+    """bf16 weight of equal values and equal gradients: one step lands every element between two bf16 values
+    (1 - lr), so each rounds up or down by its own coin. Row shards must flip differently (they used to draw the same
+    bits at the same local positions), the first shard as one process does, replicas identically."""
+    def stepped(placements):
+        p = torch.nn.Parameter(distribute_tensor(torch.ones(8, 256, dtype=torch.bfloat16), MESH, placements))
+        p.grad = distribute_tensor(torch.ones(8, 256, dtype=torch.bfloat16), MESH, placements)
+        SkewAdam([p], lr=1e-3, weight_decay=0.0).step()
+        return p
+    one = torch.nn.Parameter(torch.ones(8, 256, dtype=torch.bfloat16))
+    one.grad = torch.ones_like(one)
+    SkewAdam([one], lr=1e-3, weight_decay=0.0).step()
+    rows = stepped([Shard(0)]).full_tensor()
+    replica = stepped([Replicate()]).to_local()
+    replicas = [torch.empty_like(replica) for _ in range(W)]
+    dist.all_gather(replicas, replica)
+    return {"rounded_both_ways": sorted(rows.unique().float().tolist()),
+            "shards_differ": not torch.equal(rows[:4], rows[4:]),
+            "first_shard_as_one_process": torch.equal(rows[:4], one.detach()[:4]),
+            "replicas_equal": torch.equal(replicas[0], replicas[1])}
+
+
 def check_refusals() -> dict:
     """Error messages (or "accepted") for a Partial parameter, a Partial gradient, and int8 momentum scales of a
     parameter sharded on its last dim (its blocks would straddle ranks)."""
@@ -431,6 +453,7 @@ def main(out_dir: Path) -> None:
         "nonfinite_agreement": check_nonfinite_skipped_everywhere,
         "zero_nonfinite_agreement": check_zero_nonfinite_skipped_everywhere,
         "refusals": check_refusals,
+        "rounding_streams": check_rounding_streams,
     }
     only = set(sys.argv[2:])
     results = {}
