@@ -616,7 +616,8 @@ def plan(
 # ------------------------------------------------------------------------------------------------ measured peak
 def build_optimizer(name: str, model: nn.Module, labels: Mapping[str, str], lr: float = 1e-4) -> torch.optim.Optimizer:
     """The real optimizer a `plan` row describes, for ``model`` labelled by ``labels`` (tier groups carry ``tier``,
-    so `measure_state` reports per tier for torch optimizers too). 8-bit optimizers are not built here."""
+    so `measure_state` reports per tier for torch optimizers too). Of the 8-bit rows, torchao's is built (it needs
+    ``torchao``); bitsandbytes' is not."""
     named = dict(model.named_parameters())
     groups = [{"params": [named[n] for n, t in labels.items() if t == tier], "tier": tier}
               for tier in (t.value for t in Tier) if tier in labels.values()]
@@ -629,7 +630,12 @@ def build_optimizer(name: str, model: nn.Module, labels: Mapping[str, str], lr: 
         return torch.optim.AdamW(groups, lr=lr)
     if name == "adafactor":
         return torch.optim.Adafactor(groups, lr=lr)
-    raise ValueError(f"cannot build {name!r}: use adamw, adafactor or a skewadam variant of {list(OPTIMIZERS)}")
+    if name == "adamw8bit-torchao":
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(groups, lr=lr)
+    raise ValueError(f"cannot build {name!r}: use adamw, adafactor, adamw8bit-torchao or a skewadam variant of "
+                     f"{list(OPTIMIZERS)}")
 
 
 def _rss() -> int:

@@ -8,6 +8,7 @@ Default learning rates are the paper's (3e-4 for AdamW and SkewAdam), and torch'
 | name                      | what                                                                          |
 |---------------------------|-------------------------------------------------------------------------------|
 | adamw                     | torch.optim.AdamW (fused)                                                     |
+| adamw8bit-torchao         | torchao.optim.AdamW8bit (block-wise 8-bit moments; needs ``torchao``)          |
 | adafactor                 | torch.optim.Adafactor (factored second moment, no momentum)                   |
 | muon                      | torch.optim.Muon on the 2-D hidden matrices (attention, dense FFN), lr matched |
 |                           | to AdamW's RMS; AdamW on embeddings, norms, router and the 3-D expert banks   |
@@ -74,6 +75,25 @@ def _adamw(groups, lr):
     return torch.optim.AdamW(groups, lr=lr, fused=True)
 
 
+def _adamw8bit_torchao(groups, lr):
+    """torchao's AdamW8bit. It compiles its per-tensor step with ``torch.compile``; on CPU that costs minutes of
+    compilation in every fresh run process (209 s measured for the first step), so parameters on CPU take the same
+    step eagerly (``torch.compiler.set_stance("force_eager")``): the same math and state, not torchao's speed."""
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError as e:
+        raise ImportError("the adamw8bit-torchao arm needs torchao: pip install 'skewadam[bench]' (or torchao)") from e
+
+    class EagerOnCPU(AdamW8bit):
+        def step(self, closure=None):
+            if any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
+                with torch.compiler.set_stance("force_eager"):
+                    return super().step(closure)
+            return super().step(closure)
+
+    return EagerOnCPU(groups, lr=lr)
+
+
 def _adafactor(groups, lr):
     return torch.optim.Adafactor(groups, lr=lr)
 
@@ -107,6 +127,7 @@ def _skewadam(**kwargs) -> Builder:
 _skewadam_add = _skewadam(eps_mode="add")
 OPTIMIZERS: dict[str, OptimizerSpec] = {
     "adamw": OptimizerSpec(_adamw, lr=3e-4),
+    "adamw8bit-torchao": OptimizerSpec(_adamw8bit_torchao, lr=3e-4),
     # lr is Adafactor's maximum relative step (torch's default); weight decay is multiplied by lr, so 1.5e-3 gives
     # the same decay per step as AdamW's 0.05 at 3e-4
     "adafactor": OptimizerSpec(_adafactor, lr=1e-2, weight_decay=1.5e-3),
