@@ -322,16 +322,22 @@ class _Allocations(TorchDispatchMode):
 
 @pytest.mark.parametrize("optimizer,param_dtype,impl,batch,seq", [
     ("skewadam", "fp32", "eager", 4, 64), ("skewadam", "bf16", "eager", 4, 64), ("skewadam", "bf16", "cpp", 1, 8),
-    ("adamw", "fp32", "eager", 1, 8),
+    ("adamw", "fp32", "eager", 1, 8), ("skewadam", "fp32", "eager-chunked", 1, 8),
 ])
 def test_peak_estimate_is_within_5_percent_of_tracked_tensor_bytes(optimizer, param_dtype, impl, batch, seq,
                                                                    monkeypatch):
+    """eager-chunked: expert banks (16 x 128 x 64) twice the largest other tensor, processed 2 slices at a time."""
     from skewadam import kernels
+    from skewadam.kernels import eager
 
+    if impl == "eager-chunked":
+        impl = "eager"
+        monkeypatch.setattr(eager, "CHUNK_NUMEL", 2 * 128 * 64)
     if impl not in kernels.impls():
         pytest.skip("the C++ kernel does not build here")
     monkeypatch.setenv("SKEWADAM_IMPL", impl)
-    overrides = dict(vocab_size=1024, block_size=64, d_model=64, n_head=4, n_kv_head=2, d_ff=128, d_expert=128)
+    overrides = dict(vocab_size=1024, block_size=64, d_model=64, n_head=4, n_kv_head=2, d_ff=128, d_expert=128,
+                     n_experts=16)
     dtype = torch.bfloat16 if param_dtype == "bf16" else torch.float32
     torch.manual_seed(0)
     with _Allocations() as tracked:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .kernels.eager import chunk_slices
 from .state import COUNTER_KEYS, StateTensor, is_bank, state_spec
 from .tiers import TIER_STATE, Tier
 
@@ -233,9 +234,9 @@ class OptimizerModel(NamedTuple):
     16-bit parameters (mixed precision); SkewAdam writes bf16 weights itself with stochastic rounding and keeps none.
     ``step_buffers``: peak temporaries of ``step()``, in fp32 copies of the largest tensor, when it steps fp32 and
     bf16 tensors (measured on a reference MoE, torch 2.13 CPU: torch's single-tensor AdamW and Adafactor, SkewAdam's
-    eager kernels, which allocate per tensor, a whole expert bank at once; `plan` counts none for SkewAdam's C++
-    kernel, whose scratch is row/column-sized; bitsandbytes' fused kernel updates in place; torchao's assumed as
-    AdamW's). ``shared``: state allocated once per optimizer, not per tensor.
+    eager kernels, which allocate per tensor and take a large expert bank a chunk of whole slices at a time; `plan`
+    counts none for SkewAdam's C++ kernel, whose scratch is row/column-sized; bitsandbytes' fused kernel updates in
+    place; torchao's assumed as AdamW's). ``shared``: state allocated once per optimizer, not per tensor.
     """
 
     label: str
@@ -576,6 +577,9 @@ def plan(
         activations = bwd_peak = after_bwd = None
         unmodelled = str(e)
     largest = max((math.prod(s) for s, _ in trainable), default=0)
+    # SkewAdam's eager kernels take a large expert bank a chunk of whole slices at a time
+    largest_chunk = max((chunk_slices(s, is_bank(len(s), t, None)) * math.prod(s[1:]) if s else 1
+                         for s, t in trainable), default=0)
     rows = {}
     for opt in chosen:
         m = OPTIMIZERS[opt]
@@ -584,7 +588,7 @@ def plan(
         state = _plan_state(m, trainable, stepped)
         static = n_params * itemsize + master + state.total
         buffers = 0 if (m.tiers is not None and impl == "cpp") else m.step_buffers[stepped.itemsize < 4]
-        temporaries = buffers * largest * 4
+        temporaries = buffers * (largest_chunk if m.tiers is not None else largest) * 4
         peak = None if unmodelled else static + max(bwd_peak, after_bwd + temporaries)
         rows[opt] = OptimizerPlan(opt, m.label, n_params * itemsize, n_trainable * itemsize, master, state,
                                   activations, temporaries, peak)
@@ -600,7 +604,8 @@ def plan(
         "writes bf16 weights with stochastic rounding (no master copy)",
         "8-bit AdamW as bitsandbytes (block 2048, tensors < 4096 elements in fp32) and torchao (block 256) "
         "store it; their small-tensor and shared-table rules included",
-        "step temporaries: fp32 scratch copies of the largest tensor (a whole expert bank), as many as the "
+        "step temporaries: fp32 scratch copies of the largest tensor (a whole expert bank; for SkewAdam's eager "
+        "kernels, the largest chunk of whole bank slices of at most 2^24 elements), as many as the "
         f"implementation allocates (measured, torch 2.13 CPU: AdamW 3, Adafactor 2, SkewAdam eager 4 (fp32) / 9 "
         f"(bf16), SkewAdam C++ 0; bitsandbytes' fused kernel 0; torchao assumed 3); SkewAdam kernel here: {impl}",
         "one process: divide parameters, gradients and state by the shard count under FSDP/ZeRO-3; tensor bytes "

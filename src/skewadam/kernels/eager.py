@@ -34,7 +34,8 @@ from torch import Tensor
 from .quant import load_momentum, store_momentum_
 from .rounding import rounding_key, stochastic_round_bf16
 
-__all__ = ["GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "unit_dims", "stat_dims"]
+__all__ = ["GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "unit_dims", "stat_dims",
+           "chunk_slices"]
 
 _ROW_MEAN_FLOOR = 1e-15  # the paper's guard on mean(row) in eps_mode="floor"
 CHUNK_NUMEL = 1 << 24  # 64 MiB of fp32: banks above this are processed in groups of slices
@@ -75,12 +76,22 @@ def _compute(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def chunk_slices(shape: Sequence[int], bank: bool) -> int:
+    """Slices of dim 0 the kernels process at a time: whole slices up to `CHUNK_NUMEL` elements for a large bank
+    (at least one), all of dim 0 otherwise."""
+    n0 = shape[0] if shape else 1
+    numel = math.prod(shape)
+    if not bank or numel <= CHUNK_NUMEL or n0 <= 1:
+        return n0
+    return max(1, CHUNK_NUMEL // max(1, numel // n0))
+
+
 def _chunks(t: Tensor, bank: bool) -> list[slice]:
     """Slice ranges along dim 0 that split a large bank into groups of whole slices (one range otherwise)."""
     n0 = t.shape[0] if t.ndim else 1
-    if not bank or t.numel() <= CHUNK_NUMEL or n0 <= 1:
+    per = chunk_slices(t.shape, bank)
+    if per >= n0:
         return [slice(None)]
-    per = max(1, CHUNK_NUMEL // max(1, t.numel() // n0))
     return [slice(a, min(a + per, n0)) for a in range(0, n0, per)]
 
 
