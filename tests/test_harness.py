@@ -11,6 +11,7 @@ from skewadam.cli import main as cli_main
 from skewadam.harness.bench import parse_lrs, parse_optimizers
 from skewadam.harness.config import BenchConfig, RunConfig, run_name
 from skewadam.harness.optimizers import OPTIMIZERS, build_optimizer
+from skewadam.harness.report import sweep_table
 from skewadam.harness.train import lr_factor, train
 from skewadam.models import MoETransformer, get_config
 
@@ -108,10 +109,10 @@ def _cli(*args, cwd):
 def test_cli_bench_writes_logs_table_and_plots_then_resumes_and_reports(tmp_path):
     out = tmp_path / "run"
     args = ["bench", "--preset", "smoke", "--optimizers", "adamw,skewadam-add", "--out", str(out), "--no-progress"]
-    first = _cli(*args, cwd=tmp_path)
+    first = _cli(*args, "--jobs", "2", cwd=tmp_path)  # both runs at once
     assert first.returncode == 0, first.stderr
     assert "| adamw | 0.0003 | 1 |" in first.stdout and "(1.00x)" in first.stdout
-    assert "started from identical weights" in first.stdout
+    assert "started from identical weights" in first.stdout and "2 runs into" in first.stdout and "2 at a time" in first.stdout
     for f in ("results.md", "val_ppl.png", "memory.png", "balance.png", "runs/adamw_lr0.0003_seed0.json"):
         assert (out / f).stat().st_size > 0, f
     log = json.loads((out / "runs/skewadam-add_lr0.0003_seed0.json").read_text())
@@ -129,10 +130,25 @@ def test_cli_bench_writes_logs_table_and_plots_then_resumes_and_reports(tmp_path
     assert (out / "val_ppl.png").exists() and "skewadam-add" in report.stdout
 
 
+def test_sweep_table_marks_the_best_lr_and_names_sweeps_whose_best_is_at_an_edge():
+    def row(mean, seeds=3):
+        return {"seeds": seeds, "diverged": 0, "best_val_ppl": (mean, 0.1 if seeds > 1 else 0.0)}
+
+    summary = {("adamw", 1e-3): row(13.0), ("adamw", 3e-3): row(12.0), ("adamw", 1e-2): row(14.0),
+               ("adafactor", 3e-2): row(11.0, seeds=1), ("adafactor", 1e-1): row(10.0)}
+    table = sweep_table(summary)
+    assert "| adamw | 0.001: 13.000 ± 0.100 (3 seeds) | **0.003: 12.000 ± 0.100** (3 seeds) |" in table
+    assert "| adafactor | 0.03: 11.000 | **0.1: 10.000 ± 0.100** (3 seeds) |" in table
+    assert table.endswith("Not bracketed (best lr at an edge of the lrs tried; extend with `--lrs NAME=...` into the "
+                          "same `--out`): adafactor (best 0.1, tried 0.03 to 0.1).")
+    assert sweep_table({("adamw", 1e-3): row(13.0)}) is None  # one lr: no sweep
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--optimizers", "adam"], "use any of adamw"),
     (["--model", "huge"], "unknown model"),
     (["--data", "missing.txt"], "does not exist"),
+    (["--jobs", "0"], "--jobs must be >= 1"),
 ])
 def test_cli_bench_rejects_bad_input_before_any_run(tmp_path, flags, message):
     with pytest.raises(SystemExit, match=message):

@@ -3,7 +3,8 @@
 Each (optimizer, lr, seed) run is a fresh Python process (`skewadam.harness.train`), so its peak RSS is its own; runs
 with the same seed start from the same weights and see the same batches. Logs go to ``OUT/runs/<run>.json``; a run
 whose log exists is skipped, so re-running the same command with the same ``--out`` resumes an interrupted bench (or
-a study: ``--preset study``). At the end ``OUT/results.md`` and the plots are written (`skewadam.harness.report`).
+a study: ``--preset study``). ``--jobs N`` runs N at a time. At the end ``OUT/results.md`` and the plots are written
+(`skewadam.harness.report`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
@@ -94,39 +96,47 @@ def _child_env() -> dict[str, str]:
 
 
 def run_bench(bench: BenchConfig, out: Path, *, tensorboard: Optional[str] = None, progress: bool = True,
-              plots: bool = True) -> int:
-    """Run every missing run of ``bench`` into ``out`` (one subprocess each), then render the report.
-    Returns the number of failed runs."""
+              plots: bool = True, jobs: int = 1) -> int:
+    """Run every missing run of ``bench`` into ``out`` (one subprocess each, ``jobs`` at a time), then render the
+    report. Returns the number of failed runs."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "runs").mkdir(exist_ok=True)
     (out / "jobs").mkdir(exist_ok=True)
     _check_resume(out, bench)
     runs = bench.runs()
-    failed = []
-    print(f"skewadam bench: {len(runs)} runs into {out}", flush=True)
+    print(f"skewadam bench: {len(runs)} runs into {out}" + (f", {jobs} at a time" if jobs > 1 else ""), flush=True)
+    todo = []
     for i, cfg in enumerate(runs, 1):
+        if (out / "runs" / f"{run_name(cfg)}.json").exists():
+            print(f"[{i}/{len(runs)}] {run_name(cfg)}: done earlier, skipped", flush=True)
+        else:
+            todo.append((i, cfg))
+
+    def one(i: int, cfg: RunConfig) -> Optional[str]:
+        """Run one config in a fresh process; its name if it failed."""
         name = run_name(cfg)
         log_path = out / "runs" / f"{name}.json"
-        if log_path.exists():
-            print(f"[{i}/{len(runs)}] {name}: done earlier, skipped", flush=True)
-            continue
         job = out / "jobs" / f"{name}.json"
         job.write_text(json.dumps({"config": dataclasses.asdict(cfg), "log_path": str(log_path.resolve()),
-                                   "tensorboard": tensorboard, "progress": progress}, indent=1))
+                                   "tensorboard": tensorboard, "progress": progress and jobs == 1}, indent=1))
         t0 = time.perf_counter()
-        try:
-            rc = subprocess.run([sys.executable, "-m", "skewadam.harness.train", str(job)], env=_child_env()).returncode
-        except KeyboardInterrupt:
-            print(f"\ninterrupted; finished runs are kept. Resume with the same command and --out {out}",
-                  file=sys.stderr)
-            raise
+        rc = subprocess.run([sys.executable, "-m", "skewadam.harness.train", str(job)], env=_child_env()).returncode
         if rc != 0 or not log_path.exists():
-            failed.append(name)
             print(f"[{i}/{len(runs)}] {name}: FAILED (exit code {rc}); see the output above", flush=True)
-            continue
+            return name
         summary = json.loads(log_path.read_text())["summary"]
         print(f"[{i}/{len(runs)}] {name}: best val ppl {summary['best_val_ppl']:.3f}, "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
+        return None
+
+    try:
+        with ThreadPoolExecutor(jobs) as pool:
+            failed = [name for name in pool.map(lambda a: one(*a), todo) if name]
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; finished runs are kept. Resume with the same command and --out {out}", file=sys.stderr)
+        raise
     from .report import render
 
     if any((out / "runs").glob("*.json")):
@@ -163,6 +173,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{flag}", type=kind, help=what + ("" if default is None else f" (default: {default})"))
     p.add_argument("--device", choices=("cpu", "cuda"), help="cuda: bf16 weights (default cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads per run (default: torch's)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time, each its own process (default 1; with N > 1 timings share the CPU: set "
+                        "--threads so that jobs x threads <= cores)")
     p.add_argument("--out", type=Path, help="run directory; an existing one is resumed (default: "
                                             "bench-runs/<date-time>)")
     p.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard event files under DIR")
@@ -182,6 +195,8 @@ def _cli(args: argparse.Namespace) -> int:
                             seeds=args.seeds if args.seeds is not None else bench.seeds)
     except ValueError as e:
         raise SystemExit(f"skewadam bench: {e}")
+    if args.jobs < 1:
+        raise SystemExit(f"skewadam bench: --jobs must be >= 1, got {args.jobs}")
     out = args.out or Path("bench-runs") / time.strftime("%Y%m%d-%H%M%S")
     return 1 if run_bench(bench, out, tensorboard=args.tensorboard, progress=not args.no_progress,
-                          plots=not args.no_plots) else 0
+                          plots=not args.no_plots, jobs=args.jobs) else 0

@@ -113,9 +113,15 @@ def sweep_table(summary, order: Optional[list[str]] = None) -> Optional[str]:
         for lr in sorted(lrs):
             mean, std = summary[(opt, lr)]["best_val_ppl"]
             mark = "**" if lr == best[opt][0] else ""
+            n = summary[(opt, lr)]["seeds"]
             value = "diverged" if not math.isfinite(mean) else f"{mean:.3f}" + (f" ± {std:.3f}" if std else "")
-            cells.append(f"{mark}{lr:g}: {value}{mark}")
+            cells.append(f"{mark}{lr:g}: {value}{mark}" + (f" ({n} seeds)" if n > 1 else ""))
         lines.append(f"| {opt} | " + " | ".join(cells + [""] * (width - len(cells))) + " |")
+    edges = [f"{opt} (best {best[opt][0]:g}, tried {min(lrs):g} to {max(lrs):g})"
+             for opt, lrs in lrs_by_opt.items() if len(lrs) > 1 and best[opt][0] in (min(lrs), max(lrs))]
+    if edges:
+        lines += ["", "Not bracketed (best lr at an edge of the lrs tried; extend with `--lrs NAME=...` into the same "
+                  "`--out`): " + "; ".join(edges) + "."]
     return "\n".join(lines)
 
 
