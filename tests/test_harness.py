@@ -47,6 +47,7 @@ def test_every_optimizer_trains_and_logs_state_by_tier(name):
     assert s["state_bytes"] == sum(s["state_bytes_by_tier"].values()) > 0
     assert s["tokens_per_s"] > 0 and s["opt_time_s"] > 0 and s["peak_memory_bytes"] >= s["baseline_memory_bytes"] > 0
     assert log["config"]["lr"] == OPTIMIZERS[name].lr
+    assert json.loads(json.dumps(log))["steps"][0]["lr"] > 0  # the log is plain JSON (torchao keeps lr a tensor)
 
 
 def test_state_bytes_follow_the_paper_tiers():

@@ -91,7 +91,7 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
     baseline_memory = _peak_memory(device)
     lr, wd = cfg.resolved_lr, cfg.resolved_weight_decay
     optimizer = build_optimizer(cfg.optimizer, model, lr, wd)
-    base_lrs = [g["lr"] for g in optimizer.param_groups]
+    base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
 
     writer = None
     if tensorboard:
@@ -129,7 +129,10 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
         # set the learning rate of this step
         factor = lr_factor(step, cfg.steps, cfg.warmup_frac)
         for group, base in zip(optimizer.param_groups, base_lrs):
-            group["lr"] = base * factor
+            if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr a tensor (no recompile per value)
+                group["lr"].fill_(base * factor)
+            else:
+                group["lr"] = base * factor
 
         # forward, backward, clip, step
         x, y = get_batch(corpus.train, cfg.batch_size, T, data_gen)
