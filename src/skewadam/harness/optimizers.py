@@ -26,6 +26,7 @@ so that each varies one thing against ``skewadam-add``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable
 
 import torch
@@ -79,10 +80,15 @@ def _adamw8bit_torchao(groups, lr):
     """torchao's AdamW8bit. It compiles its per-tensor step with ``torch.compile``; on CPU that costs minutes of
     compilation in every fresh run process (209 s measured for the first step), so parameters on CPU take the same
     step eagerly (``torch.compiler.set_stance("force_eager")``): the same math and state, not torchao's speed."""
+    log = logging.getLogger("torchao")
+    level = log.level
+    log.setLevel(logging.ERROR)  # on a CPU-only build, each of its CUDA extensions logs a failure to load
     try:
         from torchao.optim import AdamW8bit
     except ImportError as e:
         raise ImportError("the adamw8bit-torchao arm needs torchao: pip install 'skewadam[bench]' (or torchao)") from e
+    finally:
+        log.setLevel(level)
 
     class EagerOnCPU(AdamW8bit):
         def step(self, closure=None):
