@@ -253,7 +253,8 @@ def render(run_dir: str | Path, baseline: str = "adamw", plots: bool = True) -> 
         f"Model `{cfg['model']}` ({model['params']:,} parameters: "
         + ", ".join(f"{t} {n:,}" for t, n in model["params_by_tier"].items())
         + f"), data {first['data']['name']}, {cfg['steps']} steps of {cfg['batch_size']} x {model['block_size']} "
-        f"tokens, device {cfg['device']}, {first['threads']} threads, seeds {seeds}. "
+        f"tokens, device {cfg['device']}, {' or '.join(map(str, sorted({r['threads'] for r in runs})))} threads, "
+        f"seeds {seeds}. "
         f"Machine load (1-min average) during the runs: {_load_range(runs)}. {_same_init(runs)}",
         "",
         results_table(summary, baseline, order),
