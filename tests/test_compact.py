@@ -91,6 +91,13 @@ def test_compact_momentum_state_dict_round_trip_is_bitwise(momentum_dtype, impl)
     assert torch.equal(w.view(torch.int16), w2.view(torch.int16))
 
 
+def test_bf16_momentum_of_fp64_parameters_is_refused_with_the_alternatives():
+    p = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float64))
+    with pytest.raises(TypeError, match="momentum_dtype='bf16'.*fp64 parameters.*'fp32'.*'int8'"):
+        SkewAdam([p], momentum_dtype="bf16")
+    SkewAdam([p], momentum_dtype="int8")  # int8 takes any float dtype
+
+
 def test_momentum_dtype_is_validated():
     with pytest.raises(ValueError, match="momentum_dtype"):
         SkewAdam([torch.nn.Parameter(torch.zeros(2, 2))], momentum_dtype="fp8")

@@ -415,6 +415,11 @@ def _validate_param(p: Tensor, group: dict, idx: int) -> None:
         )
     if not p.is_floating_point():
         raise TypeError(f"{where}: parameters must be floating point, got {p.dtype}")
+    if group["momentum_dtype"] == "bf16" and p.dtype == torch.float64:
+        raise TypeError(
+            f"{where}: momentum_dtype='bf16' rounds fp32 momentum to bf16; fp64 parameters keep their momentum in "
+            f"fp64 (momentum_dtype='fp32', the statistics dtype) or int8 (momentum_dtype='int8')"
+        )
     if group["bank"] and p.ndim < 1:
         raise ValueError(f"{where}: bank=True needs parameters with a leading expert dim, got a 0-d tensor")
     if torch.distributed.is_available():  # flattened (FSDP1, DeepSpeed ZeRO-3) or Partial shards are refused
