@@ -126,7 +126,7 @@ class SkewAdam(Optimizer):
         use_momentum, use_factored, bank: per-group overrides of the tier's state (``None`` = tier default).
         momentum_dtype: storage of the first moment: ``"fp32"`` (the statistics dtype), ``"bf16"`` (stochastically
             rounded) or ``"int8"`` (block-wise, 256 per fp32 scale; tensors with < 2 dims stay fp32); see
-            `skewadam.kernels.quant`. Compact momentum runs on the eager kernels.
+            `skewadam.kernels.quant`. Every kernel (eager and C++) handles it, with the same stored bytes.
         seed: seed of the stochastic rounding of bf16 parameters (and bf16 momentum).
         skip_nonfinite: if any gradient holds inf/NaN, skip the whole step (weights and state untouched) and count
             it in ``skipped_steps``, as AMP's GradScaler does. On by default: costs one host sync per step on GPU.
@@ -317,8 +317,6 @@ class SkewAdam(Optimizer):
 
             self._reducer = DTensorReducer()
         impl = kernels.select(self._impl, work[0].local_params[0].device)
-        if any(w.group["momentum_dtype"] != "fp32" for w in work):
-            impl = kernels.eager  # compact momentum is decoded/encoded by the eager kernels only
         if self._reducer is None and hasattr(impl, "step_"):  # one process: the kernel runs the whole step at once
             if not impl.step_(
                 [w.local_params for w in work], [w.grads for w in work], [w.steps for w in work],
@@ -328,6 +326,7 @@ class SkewAdam(Optimizer):
                 eps=[w.group["eps"] for w in work], eps_mode=[w.group["eps_mode"] for w in work],
                 lr=[w.group["lr"] for w in work], weight_decay=[w.group["weight_decay"] for w in work],
                 seed=[w.group["seed"] for w in work], skip_nonfinite=self.skip_nonfinite,
+                exp_avg_scales=[w.exp_avg_scales for w in work],
             ):
                 self.skipped_steps += 1
             return loss
@@ -416,6 +415,11 @@ def _validate_param(p: Tensor, group: dict, idx: int) -> None:
         )
     if not p.is_floating_point():
         raise TypeError(f"{where}: parameters must be floating point, got {p.dtype}")
+    if group["momentum_dtype"] == "bf16" and p.dtype == torch.float64:
+        raise TypeError(
+            f"{where}: momentum_dtype='bf16' rounds fp32 momentum to bf16; fp64 parameters keep their momentum in "
+            f"fp64 (momentum_dtype='fp32', the statistics dtype) or int8 (momentum_dtype='int8')"
+        )
     if group["bank"] and p.ndim < 1:
         raise ValueError(f"{where}: bank=True needs parameters with a leading expert dim, got a 0-d tensor")
     if torch.distributed.is_available():  # flattened (FSDP1, DeepSpeed ZeRO-3) or Partial shards are refused

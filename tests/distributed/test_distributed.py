@@ -61,6 +61,7 @@ EQUIVALENT = [
     "fsdp2_uneven",  # dim-0 shards, uneven (vocab 67, 3 experts, 9 positions)
     "fsdp2_empty_shards",  # one expert: router and banks empty on rank 1
     "fsdp2_torchtitan_shard1",  # experts Shard(1) (fewer experts than ranks), attention Shard(1)
+    "fsdp2_int8_momentum",  # fsdp2_uneven with int8 backbone momentum (blocks along the unsharded last dim)
     "ddp",
     "zero_redundancy",
     "ep_shard0_fsdp_strided",  # experts (_StridedShard(0), Shard(0)) on (efsdp, ep)

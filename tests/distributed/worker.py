@@ -80,12 +80,12 @@ def build(cfg, seed: int = 0) -> MoETransformer:
     return MoETransformer(cfg).double()
 
 
-def groups(named) -> list[dict]:
+def groups(named, momentum_dtype: str = "fp32") -> list[dict]:
     """SkewAdam groups per tier by name; the expert tier also exercises ``eps_mode="add"``."""
     tiers = {"backbone": [], "expert": [], "router": []}
     for name, p in named:
         tiers["expert" if ".experts." in name else "router" if ".router." in name else "backbone"].append(p)
-    return [dict(params=tiers["backbone"], tier="backbone", weight_decay=0.1),
+    return [dict(params=tiers["backbone"], tier="backbone", weight_decay=0.1, momentum_dtype=momentum_dtype),
             dict(params=tiers["expert"], tier="expert", weight_decay=0.1, eps_mode="add"),
             dict(params=tiers["router"], tier="router")]
 
@@ -105,10 +105,10 @@ def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def reference(cfg, data) -> tuple[dict, dict]:
+def reference(cfg, data, momentum_dtype: str = "fp32") -> tuple[dict, dict]:
     """One process, global batch: final parameters and optimizer state by name."""
     model = build(cfg)
-    opt = SkewAdam(groups(model.named_parameters()), lr=LR)
+    opt = SkewAdam(groups(model.named_parameters(), momentum_dtype), lr=LR)
     for idx, tgt in data:
         model(idx, tgt).loss.backward()
         opt.step()
@@ -170,15 +170,15 @@ def fsdp_model(cfg, placement_fn=None, seed: int = 0):
     return model
 
 
-def check_fsdp2(n_experts: int, placement_fn=None, disable_reducer: bool = False) -> dict:
+def check_fsdp2(n_experts: int, placement_fn=None, disable_reducer: bool = False, momentum_dtype: str = "fp32") -> dict:
     cfg = config(n_experts)
     data = batches()
     model = fsdp_model(cfg, placement_fn)
-    opt = SkewAdam(groups(model.named_parameters()), lr=LR)
+    opt = SkewAdam(groups(model.named_parameters(), momentum_dtype), lr=LR)
     if disable_reducer:
         opt._reducer = lambda items: None
     train(backward(model), opt, data)
-    out = {"max_diff": max_diff(reference(cfg, data), snapshot(model.named_parameters(), opt))}
+    out = {"max_diff": max_diff(reference(cfg, data, momentum_dtype), snapshot(model.named_parameters(), opt))}
     if not disable_reducer:
         out.update(comm_figures(opt, len(data)))
         out["grad_bytes_per_rank"] = sum(p.to_local().numel() * 8 for p in model.parameters())
@@ -444,6 +444,7 @@ def main(out_dir: Path) -> None:
         "fsdp2_empty_shards": lambda: check_fsdp2(1),
         "fsdp2_torchtitan_shard1": lambda: check_fsdp2(1, torchtitan_placement),
         "fsdp2_negative_control": lambda: check_fsdp2(3, disable_reducer=True),
+        "fsdp2_int8_momentum": lambda: check_fsdp2(3, momentum_dtype="int8"),
         "ddp": check_ddp,
         "zero_redundancy": check_zero,
         **{name: (lambda pe=pe: check_layout_run(*pe)) for name, pe in LAYOUTS.items()},

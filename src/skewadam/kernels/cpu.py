@@ -5,7 +5,9 @@ ATen's thread pool, with the same math in the same dtype, so the distributed sea
 unchanged. For one process, `step_` runs the whole step in one call and fuses passes 2 and 3: a bank slice or tensor
 that fits in a core's L2 cache is read from memory once for both; the result is bitwise equal to the three passes.
 Partial sums are added in a fixed block order, so results do not depend on the number of threads. bf16 parameters
-are rounded with exactly the bits of `skewadam.kernels.rounding`.
+are rounded with exactly the bits of `skewadam.kernels.rounding`. A compact first moment (bf16 or int8,
+`skewadam.kernels.quant`) is decoded and encoded in the kernel with quant.py's operations in its order, so the stored
+momentum bytes and scales are eager's.
 
 The extension is compiled on first use with `torch.utils.cpp_extension.load` (``-O3 -march=native -fopenmp``, about
 a minute; the time is printed once) and cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
@@ -142,11 +144,20 @@ def update_moments_(
     beta2: float,
     eps: float,
     eps_mode: str,
+    exp_avg_scales: Optional[Sequence[Optional[Tensor]]] = None,
+    seed: int = 0,
+    param_ids: Optional[Sequence[int]] = None,
 ) -> list[Moments]:
-    """Pass 2 (`skewadam.kernels.eager.update_moments_`): step counts, moments, per-unit sum of u^2."""
+    """Pass 2 (`skewadam.kernels.eager.update_moments_`): step counts, moments, per-unit sum of u^2.
+
+    A compact first moment (bf16, or int8 with ``exp_avg_scales``) is decoded, updated and stored back with the
+    bytes `skewadam.kernels.quant` writes; ``seed`` and ``param_ids`` key a bf16 one's stochastic rounding.
+    """
+    n = len(grads)
     out = _ext().update_moments(
         grads, steps, exp_avgs, exp_avg_sqs, row_vars, col_vars, stats, banks, shapes, beta1, beta2, eps,
-        eps_mode == "add",
+        eps_mode == "add", list(exp_avg_scales) if exp_avg_scales is not None else [None] * n, seed & 0xFFFFFFFF,
+        list(param_ids) if param_ids is not None else list(range(n)),
     )
     return [Moments(u, corr_t if corr_t is not None else corr_f, rinv, cinv, active)
             for u, corr_t, corr_f, rinv, cinv, active in out]
@@ -168,6 +179,7 @@ def apply_updates_(
     eps_mode: str,
     seed: int,
     param_ids: Sequence[int],
+    exp_avg_scales: Optional[Sequence[Optional[Tensor]]] = None,
 ) -> None:
     """Pass 3 (`skewadam.kernels.eager.apply_updates_`): clip, decay, write; bf16 rounded stochastically."""
     corr = [mo.corr for mo in moments]
@@ -176,6 +188,7 @@ def apply_updates_(
         [c if isinstance(c, Tensor) else None for c in corr], [0.0 if isinstance(c, Tensor) else c for c in corr],
         [mo.rinv for mo in moments], [mo.cinv for mo in moments], [mo.active for mo in moments],
         banks, shapes, lr, weight_decay, eps, eps_mode == "add", seed & 0xFFFFFFFF, param_ids,
+        list(exp_avg_scales) if exp_avg_scales is not None else [None] * len(params),
     )
 
 
@@ -198,10 +211,12 @@ def step_(
     weight_decay: Sequence[float],
     seed: Sequence[int],
     skip_nonfinite: bool,
+    exp_avg_scales: Optional[Sequence[Sequence[Optional[Tensor]]]] = None,
 ) -> bool:
     """The whole step of one process (no reduction seam), in one call: passes 1-3 of every param group.
 
     Lists are per param group (the tensor lists of the three pass functions, and each group's hyperparameters).
+    ``exp_avg_scales`` holds the int8 momentum's scales (None where the first moment is not int8, or omitted).
     Bitwise equal to `grad_stats`, `update_moments_` and `apply_updates_` run in turn, but the statistics never
     become tensors, and passes 2 and 3 run back to back on each unit that fits in a core's L2 cache.
 
@@ -210,8 +225,10 @@ def step_(
     """
     hypers = [_ext().Hyper(b[0], b[1], e, m == "add", l, w, s & 0xFFFFFFFF)
               for b, e, m, l, w, s in zip(betas, eps, eps_mode, lr, weight_decay, seed)]
-    return _ext().step(params, grads, steps, exp_avgs, exp_avg_sqs, row_vars, col_vars, banks, shapes, param_ids,
-                       hypers, skip_nonfinite)
+    if exp_avg_scales is None:
+        exp_avg_scales = [[None] * len(ps) for ps in params]
+    return _ext().step(params, grads, steps, exp_avgs, exp_avg_scales, exp_avg_sqs, row_vars, col_vars, banks, shapes,
+                       param_ids, hypers, skip_nonfinite)
 
 
 def stochastic_round_bf16(x: Tensor, key: int) -> Tensor:

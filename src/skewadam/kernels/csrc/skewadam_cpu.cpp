@@ -23,6 +23,8 @@
 // largest unit's elements.
 //
 // Stochastic rounding: bit-identical to skewadam/kernels/rounding.py (same hash, key and element index).
+// Compact first moment (bf16, or int8 with an fp32 scale per 256 values along the last dim): decoded, updated and
+// encoded with quant.py's operations in its order ("compact momentum" below), so the stored bytes are eager's.
 // Indexing is int64 throughout; a single row must hold fewer than 2^31 elements.
 //
 // Shape legend: E units (bank slices), M matrices [R, C] of a factored tensor (all leading dims), R rows, C columns.
@@ -52,6 +54,9 @@ constexpr int64_t kMinBlockRows = 64;             // bounds pass 1's column part
 constexpr int64_t kFuseBytes = int64_t(5) << 18;  // 1.25 MiB: a unit whose pass-3 source fits a core's L2 is fused
 constexpr int64_t kSerialBelow = int64_t(1) << 18;  // elements: less work than this runs on one thread
 constexpr double kRowMeanFloor = 1e-15;           // the paper's guard on mean(row), eager.py's _ROW_MEAN_FLOOR
+constexpr int64_t kQBlock = 256;                  // int8 momentum: elements per scale along the last dim (quant.py)
+constexpr uint32_t kMomentumStream = 0x5BD1E995u;  // quant.py's _MOMENTUM_STREAM: bf16 momentum's rounding bits
+enum MomFmt : int { kMomPlain = 0, kMomBF16 = 1, kMomInt8 = 2 };  // first moment in the math dtype, bf16 or int8
 
 // ------------------------------------------------------------------------------------------------ elements
 template <class P>
@@ -387,7 +392,7 @@ struct Geo {
   int64_t numel = 0, units = 1, unit_numel = 0;
   bool bank = false, factored = false;
   int64_t M = 0, R = 0, C = 0, mats_per_unit = 0, rows_per_block = 1, blocks_per_mat = 0;  // factored
-  int64_t blocks_per_unit = 0;
+  int64_t blocks_per_unit = 0, block_len = kBlock;  // full: elements per block (whole rows for int8 momentum)
   double Rg = 1, Cg = 1, ng = 1;  // global rows, columns, unit numel
 
   int64_t blocks() const { return units * blocks_per_unit; }
@@ -400,12 +405,14 @@ struct Geo {
   }
   void range(int64_t b, int64_t& e0, int64_t& e1) const {
     const int64_t u = b / blocks_per_unit, k = b % blocks_per_unit;
-    e0 = u * unit_numel + k * kBlock;
-    e1 = std::min(u * unit_numel + unit_numel, e0 + kBlock);
+    e0 = u * unit_numel + k * block_len;
+    e1 = std::min(u * unit_numel + unit_numel, e0 + block_len);
   }
 };
 
-Geo make_geo(const Tensor& g, bool bank, bool factored, at::IntArrayRef global_shape) {
+// `align`: a full tensor's blocks hold whole runs of `align` elements (int8 momentum: rows, so no int8 block straddles
+// two work items).
+Geo make_geo(const Tensor& g, bool bank, bool factored, at::IntArrayRef global_shape, int64_t align = 1) {
   Geo geo;
   const int64_t nd = g.dim();
   TORCH_CHECK(int64_t(global_shape.size()) == nd, "skewadam: global shape ", global_shape,
@@ -435,7 +442,9 @@ Geo make_geo(const Tensor& g, bool bank, bool factored, at::IntArrayRef global_s
     geo.Rg = double(global_shape[nd - 2]);
     geo.Cg = double(global_shape[nd - 1]);
   } else {
-    geo.blocks_per_unit = (geo.unit_numel + kBlock - 1) / kBlock;
+    align = std::max<int64_t>(align, 1);
+    geo.block_len = std::max<int64_t>(1, kBlock / align) * align;
+    geo.blocks_per_unit = (geo.unit_numel + geo.block_len - 1) / geo.block_len;
   }
   return geo;
 }
@@ -504,6 +513,11 @@ struct Param {
   std::vector<double> partial;   // per block: sum of g^2 or of u^2
   std::vector<double> sumsq_buf;  // storage of sumsq on the single-process path (room for a double or float)
   uint32_t key = 0;              // stochastic rounding key (bf16 parameters)
+  // first moment's storage (see "compact momentum"): format, int8 scales [rows, mNB], last dim, bf16 rounding key
+  int mfmt = 0;
+  float* mscale = nullptr;
+  int64_t mC = 1, mNB = 1;
+  uint32_t mkey = 0;
 };
 
 template <class T>
@@ -611,10 +625,11 @@ void count_steps(Param& q, const Hyper& h, int64_t param_id) {
     if (q.m) c /= 1.0 - std::pow(h.beta1, t);
     q.corr[u] = c;
   }
-  if (q.dtype == at::kBFloat16) {
+  if (q.dtype == at::kBFloat16 || q.mfmt == kMomBF16) {
     double t = 0;  // the step count after this update, summed over bank slices: rounding_key's `step`
     for (int64_t u = 0; u < (G.bank ? G.units : 1); ++u) t += double(step[u]);
     q.key = rounding_key(h.seed, param_id, int64_t(t));
+    q.mkey = mix32(q.key + kMomentumStream);  // bf16 momentum: quant.store_momentum_'s key
   }
 }
 
@@ -651,10 +666,229 @@ void update_factored(const Param& q, const Stats& s, const Hyper& h, int64_t m_b
   }
 }
 
+// ------------------------------------------------------------------------------------------------ compact momentum
+// The first moment stored as quant.py stores it, with the same operations in the same order (so the same bytes):
+//   bf16: m = SR(x), rounding.py's bits with key mix32(key + kMomentumStream) and the element's index in the tensor.
+//   int8: per block of kQBlock elements along the last dim (the last one padded), scale = absmax (stored fp32),
+//         q = copysign(round(sqrt(|x| / max(absmax, tiny)) * 127), x) (round half to even), and decoded
+//         x = (|c| * c) * scale with c = q / 127.
+// Pass 2 decodes m, takes lerp(m, g, 1 - beta1), stores it, and forms u from the stored value decoded (what pass 3
+// reads), as eager does. Walked in chunks of at most kQBlock elements that never straddle an int8 block.
+
+// First-moment storage of q from exp_avg (and exp_avg_scale for int8), validated; `write` for passes that update it.
+void set_momentum(Param& q, Contig& ct, const OptTensor& m, const OptTensor& scale, bool write) {
+  q.m = nullptr;
+  q.mfmt = kMomPlain;
+  if (!m) return;
+  const at::ScalarType T = math_dtype(q.dtype), st = m->scalar_type();
+  q.m = write ? ct.write(*m) : const_cast<void*>(ct.read(*m));
+  if (st == T) return;
+  if (st == at::kBFloat16) {
+    TORCH_CHECK(T == at::kFloat, "skewadam C++ CPU kernel: bf16 momentum needs fp32 or bf16 parameters, got ",
+                q.dtype);
+    q.mfmt = kMomBF16;
+    return;
+  }
+  TORCH_CHECK(st == at::kChar, "skewadam C++ CPU kernel: momentum of a ", q.dtype, " parameter must be ", T,
+              ", bf16 or int8, got ", st);
+  TORCH_CHECK(m->dim() >= 1 && scale && scale->scalar_type() == at::kFloat,
+              "skewadam C++ CPU kernel: int8 momentum needs its float32 exp_avg_scale");
+  q.mC = m->size(-1);
+  q.mNB = std::max<int64_t>(1, (q.mC + kQBlock - 1) / kQBlock);
+  TORCH_CHECK(scale->numel() == (q.mC ? m->numel() / q.mC : 0) * q.mNB, "skewadam C++ CPU kernel: exp_avg_scale of ",
+              "shape ", scale->sizes(), " does not hold one scale per ", kQBlock, " momentum values of shape ",
+              m->sizes());
+  q.mscale = static_cast<float*>(write ? ct.write(*scale) : const_cast<void*>(ct.read(*scale)));
+  q.mfmt = kMomInt8;
+}
+
+// The alignment of a full tensor's blocks (make_geo): whole rows for int8 momentum.
+int64_t mom_align(const Param& q, bool factored) { return q.mfmt == kMomInt8 && !factored ? q.mC : 1; }
+
+// f(e, n, k): elements [e0, e1) as chunks [e, e + n) of at most kQBlock, each inside int8 block k (int8: e0 starts a
+// row, e1 ends one).
+template <class F>
+inline void mom_chunks(const Param& q, int64_t e0, int64_t e1, const F& f) {
+  for (int64_t e = e0; e < e1;) {
+    int64_t n = std::min(kQBlock, e1 - e), k = 0;
+    if (q.mfmt == kMomInt8) {
+      const int64_t row = e / q.mC, col = e - row * q.mC;
+      TORCH_INTERNAL_ASSERT(col % kQBlock == 0, "skewadam: an int8 momentum chunk straddles a block");
+      n = std::min(n, q.mC - col);
+      k = row * q.mNB + col / kQBlock;
+    }
+    f(e, n, k);
+    e += n;
+  }
+}
+
+// x = (|c| * c) * scale, c = q / 127 (quant.dequantize).
+template <class T>
+inline T decode_int8(int8_t v, T scale) {
+  const T c = T(v) / T(127);
+  return std::abs(c) * c * scale;
+}
+
+// out[j] = the stored first moment of elements [e, e + n), decoded to T (chunk of int8 block k).
+template <class T>
+inline void mom_load(const Param& q, int64_t e, int64_t n, int64_t k, T* __restrict out) {
+  if (q.mfmt == kMomBF16) {
+    const uint16_t* m = at_<uint16_t>(q.m) + e;
+    for (int64_t j = 0; j < n; ++j) out[j] = T(Elem<c10::BFloat16>::load(m[j]));
+    return;
+  }
+  const int8_t* m = at_<int8_t>(q.m) + e;
+  const T s = T(q.mscale[k]);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) out[j] = decode_int8(m[j], s);
+}
+
+// m = lerp(m, g, w1) on elements [e, e + n), stored compactly; out = the stored value decoded (what pass 3 reads).
+template <class E>
+inline void mom_update(const Param& q, int64_t e, int64_t n, int64_t k, typename E::T w1, bool hi1,
+                       typename E::T* __restrict out) {
+  using T = typename E::T;
+  const auto* g = at_<typename E::raw>(q.g) + e;
+  T x[kQBlock];
+  mom_load<T>(q, e, n, k, x);
+  for (int64_t j = 0; j < n; ++j) x[j] = lerp(x[j], E::load(g[j]), w1, hi1);
+  if (q.mfmt == kMomBF16) {
+    if constexpr (std::is_same_v<T, float>) {
+      uint16_t* m = at_<uint16_t>(q.m) + e;
+      const Rounder r = rounder(e, q.mkey);
+      write_runs<Elem<c10::BFloat16>, 1>(m, 0, n, &r, [&](int, uint32_t j) { return x[j]; });
+      for (int64_t j = 0; j < n; ++j) out[j] = Elem<c10::BFloat16>::load(m[j]);
+    }
+    return;
+  }
+  int8_t* m = at_<int8_t>(q.m) + e;
+  T absmax = T(0);
+  for (int64_t j = 0; j < n; ++j) absmax = std::max(absmax, std::abs(x[j]));
+  q.mscale[k] = float(absmax);
+  const T a = std::max(absmax, std::numeric_limits<T>::min()), s = T(float(absmax));
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) {
+    const int8_t v = int8_t(std::copysign(std::nearbyint(std::sqrt(std::abs(x[j]) / a) * T(127)), x[j]));
+    m[j] = v;
+    out[j] = decode_int8(v, s);
+  }
+}
+
+// acc[j % kLanes] += u(j)^2 for j < n.
+template <class T, class F>
+inline void add_squares(T* __restrict acc, int64_t n, const F& u) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+#pragma omp simd
+    for (int l = 0; l < kLanes; ++l) {
+      const T x = u(j + l);
+      acc[l] += x * x;
+    }
+  }
+  for (int l = 0; l < n - j; ++l) {
+    const T x = u(j + l);
+    acc[l] += x * x;
+  }
+}
+
+// Pass 2 of block b with compact momentum (p2_block's math): returns the block's sum of u^2.
+template <class E>
+double p2_compact(const Param& q, const Stats& s, const Hyper& h, int64_t b) {
+  using T = typename E::T;
+  const Geo& G = q.geo;
+  const T w1 = T(1.0 - h.beta1);
+  const bool hi1 = std::abs(double(w1)) >= 0.5;
+  T acc[kLanes] = {};
+  T src[kQBlock];
+  if (G.factored) {  // u = src * (rinv_i * corr) * cinv_j
+    int64_t mt, i0, i1;
+    G.rows(b, mt, i0, i1);
+    const int64_t C = G.C;
+    const T corr = T(q.corr[G.unit_of_mat(mt)]);
+    const T* rinv = s.at<T>(s.rinv, mt, G.R);
+    const T* cinv = s.at<T>(s.cinv, mt, C);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t off = (mt * G.R + i) * C;
+      const T sc = rinv[i] * corr;
+      mom_chunks(q, off, off + C, [&](int64_t e, int64_t n, int64_t k) {
+        mom_update<E>(q, e, n, k, w1, hi1, src);
+        const T* cj = cinv + (e - off);
+        add_squares(acc, n, [&](int64_t j) { return src[j] * sc * cj[j]; });
+      });
+    }
+    return double(lanes_sum(acc));
+  }
+  // full: v = lerp(v, g^2 + add, 1 - beta2); u = src * corr / sqrt(max(v, floor))
+  int64_t e0, e1;
+  G.range(b, e0, e1);
+  const T corr = T(q.corr[b / G.blocks_per_unit]);
+  const T add = h.add_mode ? T(h.eps) : T(0), floor = h.add_mode ? T(0) : T(h.eps);
+  const T w2 = T(1.0 - h.beta2);
+  const bool hi2 = std::abs(double(w2)) >= 0.5;
+  const auto* g = at_<typename E::raw>(q.g);
+  T* v = at_<T>(q.v);
+  mom_chunks(q, e0, e1, [&](int64_t e, int64_t n, int64_t k) {
+    mom_update<E>(q, e, n, k, w1, hi1, src);
+    T* ve = v + e;
+    for (int64_t j = 0; j < n; ++j) {
+      const T x = E::load(g[e + j]);
+      ve[j] = lerp(ve[j], x * x + add, w2, hi2);
+    }
+    add_squares(acc, n, [&](int64_t j) { return src[j] * corr / std::sqrt(std::max(ve[j], floor)); });
+  });
+  return double(lanes_sum(acc));
+}
+
+// Pass 3 of block b with compact momentum (p3_block's math, src = the stored momentum decoded).
+template <class E>
+void p3_compact(const Param& q, const Stats& s, const Hyper& h, int64_t b) {
+  using T = typename E::T;
+  const Geo& G = q.geo;
+  auto* p = at_<typename E::raw>(q.p);
+  const T decay = T(1.0 - h.lr * h.weight_decay), nlr = T(-h.lr);
+  T src[kQBlock];
+  if (G.factored) {  // p = p*decay + nlr * (src * (rinv_i * corr * clip) * cinv_j)
+    int64_t mt, i0, i1;
+    G.rows(b, mt, i0, i1);
+    const int64_t C = G.C, u = G.unit_of_mat(mt);
+    const T cc = T(q.corr[u]) * T(q.clip[u]);
+    const T* rinv = s.at<T>(s.rinv, mt, G.R);
+    const T* cinv = s.at<T>(s.cinv, mt, C);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t off = (mt * G.R + i) * C;
+      const T sc = rinv[i] * cc;
+      mom_chunks(q, off, off + C, [&](int64_t e, int64_t n, int64_t k) {
+        mom_load<T>(q, e, n, k, src);
+        const T* cj = cinv + (e - off);
+        const Rounder r = rounder(e, q.key);
+        write_runs<E, 1>(p + e, 0, n, &r, [&](int, uint32_t j) {
+          return E::load(p[e + j]) * decay + nlr * (src[j] * sc * cj[j]);
+        });
+      });
+    }
+    return;
+  }
+  // full: p = p*decay + nlr * (src * (corr * clip) / sqrt(max(v, floor)))
+  int64_t e0, e1;
+  G.range(b, e0, e1);
+  const int64_t u = b / G.blocks_per_unit;
+  const T cc = T(q.corr[u]) * T(q.clip[u]);
+  const T floor = h.add_mode ? T(0) : T(h.eps);
+  const T* v = at_<T>(q.v);
+  mom_chunks(q, e0, e1, [&](int64_t e, int64_t n, int64_t k) {
+    mom_load<T>(q, e, n, k, src);
+    const Rounder r = rounder(e, q.key);
+    write_runs<E, 1>(p + e, 0, n, &r, [&](int, uint32_t j) {
+      return E::load(p[e + j]) * decay + nlr * (src[j] * cc / std::sqrt(std::max(v[e + j], floor)));
+    });
+  });
+}
+
 // Pass 2, one block: momentum and full second moment EMAs in place; returns the block's sum of u^2.
 template <class E>
 double p2_block(const Param& q, const Stats& s, const Hyper& h, int64_t b) {
   using T = typename E::T;
+  if (q.mfmt != kMomPlain) return p2_compact<E>(q, s, h, b);
   const Geo& G = q.geo;
   const auto* g = at_<typename E::raw>(q.g);
   T* m = at_<T>(q.m);
@@ -715,6 +949,7 @@ template <class E>
 void p3_block(const Param& q, const Stats& s, const Hyper& h, int64_t b) {
   using T = typename E::T;
   using raw = typename E::raw;
+  if (q.mfmt != kMomPlain) return p3_compact<E>(q, s, h, b);
   const Geo& G = q.geo;
   const raw* g = at_<raw>(q.g);
   const T* m = at_<T>(q.m);
@@ -856,14 +1091,15 @@ void split_units(std::vector<Param>& qs, const std::vector<const Hyper*>& hs,
 // apply_updates. Returns false, having written nothing, when skip_nonfinite and some gradient holds inf or NaN.
 bool step(const std::vector<std::vector<Tensor>>& params, const std::vector<std::vector<Tensor>>& grads,
           const std::vector<std::vector<Tensor>>& steps, const std::vector<std::vector<OptTensor>>& exp_avgs,
+          const std::vector<std::vector<OptTensor>>& exp_avg_scales,
           const std::vector<std::vector<OptTensor>>& exp_avg_sqs, const std::vector<std::vector<OptTensor>>& row_vars,
           const std::vector<std::vector<OptTensor>>& col_vars, const std::vector<std::vector<bool>>& banks,
           const std::vector<std::vector<std::vector<int64_t>>>& shapes,
           const std::vector<std::vector<int64_t>>& param_ids, const std::vector<Hyper>& hypers, bool skip_nonfinite) {
   const size_t ng = params.size();
-  TORCH_CHECK(grads.size() == ng && steps.size() == ng && exp_avgs.size() == ng && exp_avg_sqs.size() == ng &&
-                  row_vars.size() == ng && col_vars.size() == ng && banks.size() == ng && shapes.size() == ng &&
-                  param_ids.size() == ng && hypers.size() == ng,
+  TORCH_CHECK(grads.size() == ng && steps.size() == ng && exp_avgs.size() == ng && exp_avg_scales.size() == ng &&
+                  exp_avg_sqs.size() == ng && row_vars.size() == ng && col_vars.size() == ng && banks.size() == ng &&
+                  shapes.size() == ng && param_ids.size() == ng && hypers.size() == ng,
               "skewadam C++ CPU kernel: per-group lists of different lengths");
   Contig ct;
   std::vector<Param> qs;
@@ -874,8 +1110,9 @@ bool step(const std::vector<std::vector<Tensor>>& params, const std::vector<std:
   for (size_t gi = 0; gi < ng; ++gi) {
     const size_t n = params[gi].size();
     TORCH_CHECK(grads[gi].size() == n && steps[gi].size() == n && exp_avgs[gi].size() == n &&
-                    exp_avg_sqs[gi].size() == n && row_vars[gi].size() == n && col_vars[gi].size() == n &&
-                    banks[gi].size() == n && shapes[gi].size() == n && param_ids[gi].size() == n,
+                    exp_avg_scales[gi].size() == n && exp_avg_sqs[gi].size() == n && row_vars[gi].size() == n &&
+                    col_vars[gi].size() == n && banks[gi].size() == n && shapes[gi].size() == n &&
+                    param_ids[gi].size() == n,
                 "skewadam C++ CPU kernel: tensor lists of different lengths in group ", gi);
     for (size_t i = 0; i < n; ++i) {
       Param& q = qs.emplace_back();
@@ -884,18 +1121,19 @@ bool step(const std::vector<std::vector<Tensor>>& params, const std::vector<std:
       TORCH_CHECK(params[gi][i].scalar_type() == q.dtype, "skewadam C++ CPU kernel: gradient dtype ", q.dtype,
                   " differs from the parameter's ", params[gi][i].scalar_type());
       const at::ScalarType T = math_dtype(q.dtype);
-      for (const OptTensor* t : {&exp_avgs[gi][i], &exp_avg_sqs[gi][i], &row_vars[gi][i], &col_vars[gi][i]})
+      for (const OptTensor* t : {&exp_avg_sqs[gi][i], &row_vars[gi][i], &col_vars[gi][i]})
         TORCH_CHECK(!t->has_value() || (*t)->scalar_type() == T, "skewadam C++ CPU kernel: state of a ", q.dtype,
                     " parameter must be ", T, ", got ", (*t)->scalar_type());
       TORCH_CHECK(steps[gi][i].scalar_type() == at::kFloat, "skewadam C++ CPU kernel: step counts must be float32");
       q.g = ct.read(g);
       q.p = ct.write(params[gi][i]);
       q.step = static_cast<float*>(ct.write(steps[gi][i]));
-      q.m = ct.write(exp_avgs[gi][i]);
+      set_momentum(q, ct, exp_avgs[gi][i], exp_avg_scales[gi][i], true);
       q.v = ct.write(exp_avg_sqs[gi][i]);
       q.row_var = ct.write(row_vars[gi][i]);
       q.col_var = ct.write(col_vars[gi][i]);
-      q.geo = make_geo(g, banks[gi][i], row_vars[gi][i].has_value(), shapes[gi][i]);
+      const bool factored = row_vars[gi][i].has_value();
+      q.geo = make_geo(g, banks[gi][i], factored, shapes[gi][i], mom_align(q, factored));
       q.partial.assign(q.geo.blocks(), 0.0);
       q.clip.assign(q.geo.units, 1.0);
       q.sumsq_buf.assign(q.geo.units, 0.0);
@@ -928,7 +1166,8 @@ bool step(const std::vector<std::vector<Tensor>>& params, const std::vector<std:
     Param& q = qs[i];
     const Geo& G = q.geo;
     with_elem(q, [&](auto e) { count_steps<typename decltype(e)::T>(q, *hs[i], ids[i]); });
-    const int64_t src_bytes = G.unit_numel * (q.m ? c10::elementSize(math_dtype(q.dtype)) : c10::elementSize(q.dtype));
+    const int64_t m_bytes = q.mfmt == kMomPlain ? c10::elementSize(math_dtype(q.dtype)) : q.mfmt == kMomBF16 ? 2 : 1;
+    const int64_t src_bytes = G.unit_numel * (q.m ? m_bytes : int64_t(c10::elementSize(q.dtype)));
     largest = std::max(largest, G.unit_numel);
     for (int64_t u = 0; u < G.units; ++u) {
       if (!q.active[u] || G.blocks_per_unit == 0) continue;
@@ -1033,13 +1272,16 @@ std::vector<std::tuple<Tensor, OptTensor, double, OptTensor, OptTensor, OptTenso
     const std::vector<OptTensor>& exp_avg_sqs, const std::vector<OptTensor>& row_vars,
     const std::vector<OptTensor>& col_vars, const std::vector<std::vector<OptTensor>>& stats,
     const std::vector<bool>& banks, const std::vector<std::vector<int64_t>>& shapes, double beta1, double beta2,
-    double eps, bool add_mode) {
+    double eps, bool add_mode, const std::vector<OptTensor>& exp_avg_scales, int64_t seed,
+    const std::vector<int64_t>& param_ids) {
   const size_t n = grads.size();
   TORCH_CHECK(steps.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && row_vars.size() == n &&
-                  col_vars.size() == n && stats.size() == n && banks.size() == n && shapes.size() == n,
+                  col_vars.size() == n && stats.size() == n && banks.size() == n && shapes.size() == n &&
+                  exp_avg_scales.size() == n && param_ids.size() == n,
               "skewadam C++ CPU kernel: tensor lists of different lengths");
   Contig ct;
-  const Hyper h{beta1, beta2, eps, add_mode};
+  Hyper h{beta1, beta2, eps, add_mode};
+  h.seed = seed;
   std::vector<Param> qs(n);
   std::vector<std::tuple<Tensor, OptTensor, double, OptTensor, OptTensor, OptTensor>> out;
   std::vector<std::pair<int32_t, int64_t>> blocks;
@@ -1050,17 +1292,17 @@ std::vector<std::tuple<Tensor, OptTensor, double, OptTensor, OptTensor, OptTenso
     q.dtype = g.scalar_type();
     q.g = ct.read(g);
     q.step = static_cast<float*>(ct.write(steps[i]));
-    q.m = ct.write(exp_avgs[i]);
+    set_momentum(q, ct, exp_avgs[i], exp_avg_scales[i], true);
     q.v = ct.write(exp_avg_sqs[i]);
     q.row_var = ct.write(row_vars[i]);
     q.col_var = ct.write(col_vars[i]);
-    q.geo = make_geo(g, banks[i], row_vars[i].has_value(), shapes[i]);
+    q.geo = make_geo(g, banks[i], row_vars[i].has_value(), shapes[i], mom_align(q, row_vars[i].has_value()));
     const Geo& G = q.geo;
     TORCH_CHECK(stats[i].size() == 5 && stats[i][0], "skewadam C++ CPU kernel: GradStats has 5 fields");
     q.sumsq = const_cast<void*>(ct.read(*stats[i][0]));
     auto opts = g.options().dtype(math_dtype(q.dtype));
     OptTensor rinv, cinv, corr_t, active_t;
-    with_elem(q, [&](auto e) { count_steps<typename decltype(e)::T>(q, h, 0); });
+    with_elem(q, [&](auto e) { count_steps<typename decltype(e)::T>(q, h, param_ids[i]); });
     if (G.factored) {
       q.st.rc = const_cast<void*>(ct.read(*stats[i][1]));
       q.st.row = const_cast<void*>(ct.read(*stats[i][2]));
@@ -1110,12 +1352,12 @@ void apply_updates(const std::vector<Tensor>& params, const std::vector<Tensor>&
                    const std::vector<OptTensor>& actives,
                    const std::vector<bool>& banks, const std::vector<std::vector<int64_t>>& shapes, double lr,
                    double weight_decay, double eps, bool add_mode, int64_t seed,
-                   const std::vector<int64_t>& param_ids) {
+                   const std::vector<int64_t>& param_ids, const std::vector<OptTensor>& exp_avg_scales) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && steps.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
                   u_sumsqs.size() == n && corr_ts.size() == n && corr_fs.size() == n && rinvs.size() == n &&
                   cinvs.size() == n && actives.size() == n && banks.size() == n && shapes.size() == n &&
-                  param_ids.size() == n,
+                  param_ids.size() == n && exp_avg_scales.size() == n,
               "skewadam C++ CPU kernel: tensor lists of different lengths");
   Contig ct;
   Hyper h;
@@ -1135,11 +1377,11 @@ void apply_updates(const std::vector<Tensor>& params, const std::vector<Tensor>&
     q.g = ct.read(g);
     q.p = ct.write(params[i]);
     q.step = static_cast<float*>(const_cast<void*>(ct.read(steps[i])));
-    q.m = exp_avgs[i] ? const_cast<void*>(ct.read(*exp_avgs[i])) : nullptr;
+    set_momentum(q, ct, exp_avgs[i], exp_avg_scales[i], false);
     q.v = exp_avg_sqs[i] ? const_cast<void*>(ct.read(*exp_avg_sqs[i])) : nullptr;
     q.st.rinv = rinvs[i] ? const_cast<void*>(ct.read(*rinvs[i])) : nullptr;
     q.st.cinv = cinvs[i] ? const_cast<void*>(ct.read(*cinvs[i])) : nullptr;
-    q.geo = make_geo(g, banks[i], rinvs[i].has_value(), shapes[i]);
+    q.geo = make_geo(g, banks[i], rinvs[i].has_value(), shapes[i], mom_align(q, rinvs[i].has_value()));
     const Geo& G = q.geo;
     q.active.assign(G.units, 1);
     q.corr.assign(G.units, corr_fs[i]);
