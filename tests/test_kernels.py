@@ -261,6 +261,11 @@ def test_bench_step_prints_times_ratios_and_memory(capsys):
     out = capsys.readouterr().out
     for name in ("SkewAdam", "AdamW fused", "AdamW foreach", "Adafactor", "transient MiB", "load average"):
         assert name in out
+    # the bench's arms too, built with their own param groups (Muon's hidden matrices, the int8 momentum)
+    assert main(["bench-step", "--preset", "tiny", "--rounds", "1", "--steps", "1", "--warmup", "1",
+                 "--optimizers", "muon", "skewadam-int8"]) == 0
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[3:]]
+    assert rows == ["SkewAdam", "muon", "skewadam-int8"]
 
 
 @needs_cpp

@@ -49,6 +49,22 @@ OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]], float, str], torch.optim.O
 _DEFAULT = ("SkewAdam", "AdamW fused", "AdamW foreach", "Adafactor")
 
 
+def _names() -> list[str]:
+    """Every name `bench_step` takes: its own, then `skewadam bench`'s arms (built as the bench builds them)."""
+    from .optimizers import OPTIMIZERS as ARMS
+
+    return list(OPTIMIZERS) + [n for n in ARMS if n not in OPTIMIZERS]
+
+
+def _build(name: str, model: torch.nn.Module, lr: float, impl: str):
+    from ..classify import param_groups
+    from .optimizers import OPTIMIZERS as ARMS, build_optimizer
+
+    if name in OPTIMIZERS:
+        return OPTIMIZERS[name](param_groups(model), lr, impl)
+    return build_optimizer(name, model, lr, ARMS[name].weight_decay)
+
+
 def step_transient_bytes(optimizer: torch.optim.Optimizer) -> Optional[int]:
     """Peak bytes allocated during one ``optimizer.step()`` beyond those held before it (torch's CPU profiler), or
     None where this torch's profiler does not report allocations."""
@@ -108,21 +124,22 @@ def bench_step(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Time ``optimizers`` stepping copies of the model preset; return per-optimizer times, ratios and memory.
+    Names are `OPTIMIZERS`' or `skewadam bench`'s arms (`skewadam.harness.optimizers`: its param groups and weight
+    decay; ``impl`` applies to `OPTIMIZERS`' SkewAdam entries).
 
     Returns:
         The settings, the model's ``params``, ``tensors`` and ``largest`` tensor (elements), the SkewAdam
         ``kernel`` used on CPU, the load average before and after, and ``results``: per optimizer ``median_s``,
         ``ratio`` (paired median of the first optimizer's time over this one's) and ``transient_bytes``.
     """
-    from ..classify import param_groups
     from ..kernels import select
     from ..models import MoETransformer, get_config
 
     if not optimizers:
         raise ValueError("bench_step needs at least one optimizer")
-    unknown = [n for n in optimizers if n not in OPTIMIZERS]
+    unknown = [n for n in optimizers if n not in _names()]
     if unknown:
-        raise ValueError(f"unknown optimizer(s) {unknown}: use any of {list(OPTIMIZERS)}")
+        raise ValueError(f"unknown optimizer(s) {unknown}: use any of {_names()}")
     if clock not in ("wall", "cpu"):
         raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
     if dtype not in _DTYPES:
@@ -137,7 +154,7 @@ def bench_step(
         model = copy.deepcopy(base)
         for p, q in zip(model.parameters(), base.parameters()):
             p.grad = q.grad.clone()  # deepcopy does not copy .grad
-        opts[name] = OPTIMIZERS[name](param_groups(model), lr, impl)
+        opts[name] = _build(name, model, lr, impl)
     first = optimizers[0]
     memory = {}
     for name, opt in opts.items():
@@ -189,11 +206,11 @@ def format_report(res: dict[str, Any]) -> str:
         f"{res['threads']} threads, {res['clock']} clock, {res['rounds']} rounds x {res['steps']} steps, "
         f"load average {l1:.1f} -> {l2:.1f} on {os.cpu_count()} CPUs" + (
             f", SkewAdam kernel: {res['kernel']}"),
-        f"{'optimizer':<16} {'median ms':>10} {first + ' / this':>22} {'transient MiB':>14}",
+        f"{'optimizer':<24} {'median ms':>10} {first + ' / this':>22} {'transient MiB':>14}",
     ]
     for name, r in res["results"].items():
         mem = "n/a" if r["transient_bytes"] is None else f"{r['transient_bytes'] / 2**20:.2f}"
-        lines.append(f"{name:<16} {r['median_s'] * 1e3:>10.2f} {r['ratio']:>21.3f}x {mem:>14}")
+        lines.append(f"{name:<24} {r['median_s'] * 1e3:>10.2f} {r['ratio']:>21.3f}x {mem:>14}")
     return "\n".join(lines)
 
 
@@ -236,9 +253,9 @@ def register_cli(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                    help="override model config fields, e.g. --set n_layer=18 d_ff=512 d_expert=384")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="parameter dtype (default: fp32)")
-    p.add_argument("--optimizers", nargs="+", choices=[n for n in OPTIMIZERS if n != "SkewAdam"], metavar="NAME",
+    p.add_argument("--optimizers", nargs="+", choices=[n for n in _names() if n != "SkewAdam"], metavar="NAME",
                    help="compared with SkewAdam (default: " + ", ".join(repr(n) for n in _DEFAULT[1:]) +
-                        "; also 'SkewAdam eager')")
+                        "; also 'SkewAdam eager' and the arms of `skewadam bench`, e.g. skewadam-int8, muon)")
     p.add_argument("--impl", choices=("auto", "cpp", "eager"), default="auto", help="SkewAdam's kernel (default: auto)")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default: 15)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per optimizer per round (default: 5)")
