@@ -184,6 +184,17 @@ inline T lanes_sum(const T* a) {
   return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
+// body(j, k) for j < n, element j accumulating into lane k = j % kLanes; whole groups of kLanes vectorised.
+template <class F>
+inline void for_lanes(int64_t n, const F& body) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+#pragma omp simd
+    for (int k = 0; k < kLanes; ++k) body(j + k, k);
+  }
+  for (int k = 0; k < n - j; ++k) body(j + k, k);
+}
+
 // f(ns, i, q): rows [i0, i1) as groups of kStreams rows i, i + q, i + 2q, ...; the rows left over one at a time.
 template <class F>
 inline void row_groups(int64_t i0, int64_t i1, const F& f) {
@@ -206,28 +217,15 @@ inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t
                     typename E::T* __restrict out, int64_t out_stride) {
   using T = typename E::T;
   T acc[NS][kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-#pragma omp simd
-    for (int k = 0; k < kLanes; ++k) {
-      T c = col[j + k];
-      for (int s = 0; s < NS; ++s) {
-        const T x = E::load(g[s * stride + j + k]);
-        acc[s][k] += x * x;
-        c += x * x;
-      }
-      col[j + k] = c;
-    }
-  }
-  for (int k = 0; k < n - j; ++k) {
-    T c = col[j + k];
+  for_lanes(n, [&](int64_t jk, int k) {
+    T c = col[jk];
     for (int s = 0; s < NS; ++s) {
-      const T x = E::load(g[s * stride + j + k]);
+      const T x = E::load(g[s * stride + jk]);
       acc[s][k] += x * x;
       c += x * x;
     }
-    col[j + k] = c;
-  }
+    col[jk] = c;
+  });
   for (int s = 0; s < NS; ++s) out[s * out_stride] = lanes_sum(acc[s]);
 }
 
@@ -235,20 +233,12 @@ inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t
 template <class E, int NS>
 inline void p1_run(const typename E::raw* __restrict g, int64_t stride, int64_t n, typename E::T* __restrict acc) {
   using T = typename E::T;
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-#pragma omp simd
-    for (int k = 0; k < kLanes; ++k)
-      for (int s = 0; s < NS; ++s) {
-        const T x = E::load(g[s * stride + j + k]);
-        acc[k] += x * x;
-      }
-  }
-  for (int k = 0; k < n - j; ++k)
+  for_lanes(n, [&](int64_t jk, int k) {
     for (int s = 0; s < NS; ++s) {
-      const T x = E::load(g[s * stride + j + k]);
+      const T x = E::load(g[s * stride + jk]);
       acc[k] += x * x;
     }
+  });
 }
 
 // Pass 2, factored, NS rows: momentum EMA in place; u = src * scale_s * cinv_j, sum of u^2 into acc.
@@ -270,12 +260,7 @@ inline void p2_rows(const typename E::raw* __restrict g, typename E::T* __restri
       acc[k] += u * u;
     }
   };
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-#pragma omp simd
-    for (int k = 0; k < kLanes; ++k) body(j + k, k);
-  }
-  for (int k = 0; k < n - j; ++k) body(j + k, k);
+  for_lanes(n, body);
 }
 
 // Pass 2, full, NS runs: second-moment (and momentum) EMAs in place; u = src * corr / sqrt(max(v, floor)).
@@ -298,12 +283,7 @@ inline void p2_run(const typename E::raw* __restrict g, typename E::T* __restric
       acc[k] += u * u;
     }
   };
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-#pragma omp simd
-    for (int k = 0; k < kLanes; ++k) body(j + k, k);
-  }
-  for (int k = 0; k < n - j; ++k) body(j + k, k);
+  for_lanes(n, body);
 }
 
 // Pass 3, factored, NS rows: p = p*decay + nlr * (src * scale_s * cinv_j).
@@ -777,18 +757,10 @@ inline void mom_update(const Param& q, int64_t e, int64_t n, int64_t k, typename
 // acc[j % kLanes] += u(j)^2 for j < n.
 template <class T, class F>
 inline void add_squares(T* __restrict acc, int64_t n, const F& u) {
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-#pragma omp simd
-    for (int l = 0; l < kLanes; ++l) {
-      const T x = u(j + l);
-      acc[l] += x * x;
-    }
-  }
-  for (int l = 0; l < n - j; ++l) {
-    const T x = u(j + l);
-    acc[l] += x * x;
-  }
+  for_lanes(n, [&](int64_t j, int k) {
+    const T x = u(j);
+    acc[k] += x * x;
+  });
 }
 
 // Pass 2 of block b with compact momentum (p2_block's math): returns the block's sum of u^2.
