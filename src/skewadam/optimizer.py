@@ -65,9 +65,10 @@ def _local(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _rounding_stream(p: Tensor, index: int) -> int:
-    """The key index of ``p``'s stochastic rounding; a shard's own stream for DTensor shards."""
-    if isinstance(p, DTensor):
+def _rounding_stream(p: Tensor, index: int, momentum_dtype: str) -> int:
+    """The key index of ``p``'s stochastic rounding; a shard's own stream for DTensor shards that round (bf16
+    weights or bf16 momentum)."""
+    if isinstance(p, DTensor) and (p.dtype == torch.bfloat16 or momentum_dtype == "bf16"):
         from .distributed import rounding_stream
 
         return rounding_stream(p, index)
@@ -289,7 +290,7 @@ class SkewAdam(Optimizer):
             w.banks.append(bank)
             w.shapes.append(p.shape)
             w.dtypes.append((w.row_vars[-1] if w.row_vars[-1] is not None else w.exp_avg_sqs[-1]).dtype)
-            w.param_ids.append(_rounding_stream(p, first_id + i))
+            w.param_ids.append(_rounding_stream(p, first_id + i, group["momentum_dtype"]))
         return w if w.params else None
 
     def _reduce(self, work: list[_Work], per_group: list[list[list[tuple[Tensor, tuple[int, ...]]]]]) -> None:
@@ -342,7 +343,8 @@ class SkewAdam(Optimizer):
             moments.append(impl.update_moments_(
                 w.grads, w.steps, w.exp_avgs, w.exp_avg_sqs, w.row_vars, w.col_vars, st,
                 banks=w.banks, shapes=w.shapes, beta1=g["betas"][0], beta2=g["betas"][1],
-                eps=g["eps"], eps_mode=g["eps_mode"], **_compact_kwargs(w),
+                eps=g["eps"], eps_mode=g["eps_mode"], exp_avg_scales=w.exp_avg_scales, seed=g["seed"],
+                param_ids=w.param_ids,
             ))
         self._reduce(work, [[[(m.u_sumsq, impl.unit_dims(gr.ndim, b))] for m, gr, b in zip(mo, w.grads, w.banks)]
                             for w, mo in zip(work, moments)])
@@ -352,7 +354,7 @@ class SkewAdam(Optimizer):
                 w.local_params, w.grads, w.steps, w.exp_avgs, w.exp_avg_sqs, mo,
                 banks=w.banks, shapes=w.shapes, lr=g["lr"], weight_decay=g["weight_decay"],
                 eps=g["eps"], eps_mode=g["eps_mode"], seed=g["seed"], param_ids=w.param_ids,
-                **({"exp_avg_scales": w.exp_avg_scales} if w.group["momentum_dtype"] != "fp32" else {}),
+                exp_avg_scales=w.exp_avg_scales,
             )
         return loss
 
@@ -436,13 +438,6 @@ def _new_state(p: Tensor, key: str, st, bank: bool) -> Tensor:
     # Per-tensor step counts stay on the host like torch's (read each step); a bank's live with its parameter.
     device = p.device if (key != "step" or bank) else torch.device("cpu")
     return torch.zeros(st.shape, dtype=st.dtype, device=device)
-
-
-def _compact_kwargs(w: _Work) -> dict[str, Any]:
-    """What pass 2 needs for a compact first moment (nothing for fp32 momentum, so every kernel takes the call)."""
-    if w.group["momentum_dtype"] == "fp32":
-        return {}
-    return {"exp_avg_scales": w.exp_avg_scales, "seed": w.group["seed"], "param_ids": w.param_ids}
 
 
 def _all_finite(tensors: list[Tensor], reducer: Optional[Reducer] = None) -> bool:
