@@ -270,18 +270,24 @@ def test_makes_progress_with_lr_schedulers(case, dtype, noncontiguous, scheduler
         assert opt.param_groups[0]["lr"] == pytest.approx(0.05 * 0.7**3)
 
 
-@pytest.mark.parametrize("case", CASE_PARAMS)
-def test_per_group_lr_scales_the_first_update(case):
-    """Step 1 moves each group by ``lr * (u + wd * p)``: twice the lr, exactly twice the move."""
+def _twin_groups_stepped(case, key: str, first: dict, second: dict):
+    """Two groups of equal fp64 params with equal grads, differing only in ``key`` (``first``/``second``), after one
+    step; returns the optimizer, the initial values and both groups' params."""
     a, b = make_params(torch.float64), make_params(torch.float64)
-    kwargs = {k: v for k, v in case.kwargs.items() if k != "lr"}
-    opt = SkewAdam([{"params": a, "lr": 1e-3}, {"params": b, "lr": 2e-3}], **kwargs)
+    kwargs = {k: v for k, v in case.kwargs.items() if k != key}
+    opt = SkewAdam([{"params": a, **first}, {"params": b, **second}], **kwargs)
     p0 = [p.detach().clone() for p in a]
-    gen = torch.Generator().manual_seed(0)
-    make_grads(a, gen)
+    make_grads(a, torch.Generator().manual_seed(0))
     for p, q in zip(a, b):
         q.grad = p.grad.clone()
     opt.step()
+    return opt, p0, a, b
+
+
+@pytest.mark.parametrize("case", CASE_PARAMS)
+def test_per_group_lr_scales_the_first_update(case):
+    """Step 1 moves each group by ``lr * (u + wd * p)``: twice the lr, exactly twice the move."""
+    _, p0, a, b = _twin_groups_stepped(case, "lr", {"lr": 1e-3}, {"lr": 2e-3})
     for x0, x, y in zip(p0, a, b):
         torch.testing.assert_close(x0 - y.detach(), 2 * (x0 - x.detach()), rtol=1e-9, atol=1e-15)
         assert not torch.equal(x0, x.detach())
@@ -290,15 +296,7 @@ def test_per_group_lr_scales_the_first_update(case):
 @pytest.mark.parametrize("case", CASE_PARAMS)
 def test_per_group_weight_decay_is_decoupled(case):
     """Same grads, weight decay in one group only: the difference after one step is exactly ``-lr * wd * p``."""
-    a, b = make_params(torch.float64), make_params(torch.float64)
-    kwargs = {k: v for k, v in case.kwargs.items() if k != "weight_decay"}
-    opt = SkewAdam([{"params": a}, {"params": b, "weight_decay": 0.2}], **kwargs)
-    p0 = [p.detach().clone() for p in a]
-    gen = torch.Generator().manual_seed(0)
-    make_grads(a, gen)
-    for p, q in zip(a, b):
-        q.grad = p.grad.clone()
-    opt.step()
+    opt, p0, a, b = _twin_groups_stepped(case, "weight_decay", {}, {"weight_decay": 0.2})
     lr = opt.param_groups[1]["lr"]
     for x0, x, y in zip(p0, a, b):
         torch.testing.assert_close(y.detach() - x.detach(), -lr * 0.2 * x0, rtol=1e-9, atol=1e-15)
