@@ -18,8 +18,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from . import kernels
-from .state import is_bank, state_spec
-from .tiers import TIER_STATE, Tier
+from .state import MOMENTUM_DTYPES, StateBytes, is_bank, measure_state, state_flags, state_spec
+from .tiers import Tier
 
 try:  # DTensor (FSDP2, tensor/expert parallelism); absent on builds without torch.distributed
     from torch.distributed.tensor import DTensor
@@ -29,7 +29,6 @@ except ImportError:  # pragma: no cover
 __all__ = ["SkewAdam"]
 
 _EPS_DEFAULT = {"floor": 1e-8, "add": 1e-30}
-_MOMENTUM_DTYPES = ("fp32", "bf16", "int8")
 _GROUP_KEYS = frozenset(
     {"params", "lr", "betas", "eps", "weight_decay", "eps_mode", "tier", "use_momentum", "use_factored", "bank", "seed",
      "momentum_dtype"}
@@ -178,20 +177,18 @@ class SkewAdam(Optimizer):
     def from_model(cls, model: torch.nn.Module, **kwargs: Any) -> "SkewAdam":
         """Build SkewAdam with one param group per tier, labelled automatically (`skewadam.classify`).
 
-        Keyword arguments are those of `skewadam.classify.param_groups` plus SkewAdam's own.
+        Keyword arguments are those of `skewadam.groups.param_groups` plus SkewAdam's own.
 
         Example:
             >>> optimizer = SkewAdam.from_model(model, lr=3e-4, weight_decay=0.05)
         """
-        from .classify import split_kwargs, param_groups
+        from .groups import param_groups, split_kwargs
 
         group_kwargs, opt_kwargs = split_kwargs(kwargs)
         return cls(param_groups(model, **group_kwargs), **opt_kwargs)
 
-    def state_bytes(self):
-        """Bytes actually held in this optimizer's state, in total and per tier (`skewadam.memory.StateBytes`)."""
-        from .memory import measure_state
-
+    def state_bytes(self) -> StateBytes:
+        """Bytes actually held in this optimizer's state, in total and per tier (`skewadam.state.StateBytes`)."""
         return measure_state(self)
 
     # ------------------------------------------------------------------ groups and validation
@@ -208,11 +205,8 @@ class SkewAdam(Optimizer):
         for key, default in self.defaults.items():
             group.setdefault(key, default)
         _validate_group(group, idx)
-        tier = Tier.parse(group["tier"])
-        group["tier"] = tier.value
-        for flag, value in TIER_STATE[tier].items():
-            if group[flag] is None:
-                group[flag] = value
+        flags = state_flags(group)
+        group.update(tier=flags.tier, use_momentum=flags.use_momentum, use_factored=flags.use_factored)
         if group["eps"] is None:
             group["eps"] = _EPS_DEFAULT[group["eps_mode"]]
         if not isinstance(group["params"], (Tensor, set)):  # torch refuses sets itself
@@ -392,9 +386,9 @@ def _validate_group(group: dict, idx: int) -> None:
     wd = group["weight_decay"]
     if not isinstance(wd, (int, float)) or not math.isfinite(wd) or wd < 0:
         raise ValueError(f"Invalid weight_decay value in {where}: {wd!r} (expected a float >= 0)")
-    if group["momentum_dtype"] not in _MOMENTUM_DTYPES:
+    if group["momentum_dtype"] not in MOMENTUM_DTYPES:
         raise ValueError(
-            f"Invalid momentum_dtype in {where}: {group['momentum_dtype']!r} (expected one of {_MOMENTUM_DTYPES})"
+            f"Invalid momentum_dtype in {where}: {group['momentum_dtype']!r} (expected one of {MOMENTUM_DTYPES})"
         )
     for flag in ("use_momentum", "use_factored", "bank"):
         if group[flag] is not None and not isinstance(group[flag], bool):
