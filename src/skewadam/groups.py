@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
 
@@ -106,18 +106,20 @@ def describe(
     tier_options: Optional[dict[str, dict[str, Any]]] = None,
     *,
     labels: Optional[dict[str, str]] = None,
+    defaults: Optional[Mapping[str, Any]] = None,
 ) -> Census:
     """Census of ``model`` under SkewAdam: per tier the tensors, parameters, share and optimizer-state bytes.
 
     State bytes are those `skewadam.state.state_spec` allocates for each parameter under its tier's flags as
-    `skewadam.state.state_flags` resolves them from ``tier_options[tier]``, as the optimizer resolves its groups.
-    Warns when a tier is empty.
+    `skewadam.state.state_flags` resolves them from ``defaults`` (SkewAdam's constructor settings: ``momentum_dtype``,
+    ``use_momentum``, ...) overridden by ``tier_options[tier]``, exactly as the optimizer resolves its groups. Warns
+    when a tier is empty.
 
     Example:
-        >>> print(describe(model).table())
+        >>> print(describe(model, defaults={"momentum_dtype": "int8"}).table())
     """
     options = _check_tier_options(tier_options)
-    flags = {t: state_flags({**options.get(t, {}), "tier": t}) for t in _TIERS}
+    flags = {t: state_flags({**(defaults or {}), **options.get(t, {}), "tier": t}) for t in _TIERS}
     trainable, frozen = split_trainable(model)
     labels = classify(model, rules) if labels is None else labels
     rows = {t: [0, 0, 0, 0] for t in _TIERS}
@@ -192,6 +194,7 @@ def param_groups(
     tier_options: Optional[dict[str, dict[str, Any]]] = None,
     exempt_1d: bool = False,
     log: bool = True,
+    defaults: Optional[Mapping[str, Any]] = None,
 ) -> list[dict[str, Any]]:
     """SkewAdam param groups for ``model``: one per non-empty tier (two with ``exempt_1d``), labelled by `classify`.
 
@@ -199,14 +202,15 @@ def param_groups(
     tensors with < 2 dims (norms, biases, scalars) of each tier into a group without weight decay, as common practice
     does. ``tier_options={"router": {"lr": 1e-4}}`` overrides any group setting per tier (applied last; an exempted
     group keeps ``weight_decay=0``). Groups carry ``param_names``. With ``log`` the census goes to the ``skewadam``
-    logger (INFO).
+    logger (INFO), its state counted under ``defaults``: the SkewAdam settings the groups will inherit
+    (`SkewAdam.from_model` passes its own).
 
     Example:
         >>> opt = SkewAdam(param_groups(model, weight_decay=0.1, exempt_1d=True), lr=3e-4)
     """
     options = _check_tier_options(tier_options)
     labels = classify(model, rules)
-    census = describe(model, tier_options=tier_options, labels=labels)
+    census = describe(model, tier_options=tier_options, labels=labels, defaults=defaults)
     if log:
         logger.info("%s", census.table())
         if census.frozen_names:
