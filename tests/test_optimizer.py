@@ -1,4 +1,5 @@
-"""SkewAdam's math against the float64 reference, and the torch optimizer contract over `optim_db.CASES` x dtype."""
+"""SkewAdam's math against the float64 reference, and the torch optimizer contract over `optim_db.CASES` x dtype, each
+on every kernel available here (`optim_db.every_impl`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import reference
-from optim_db import CASES, DTYPES, Case, case_id, make_grads, make_params
+from optim_db import CASES, DTYPES, Case, case_id, every_impl, make_grads, make_params  # noqa: F401 (fixture)
 from reference import RefParam
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from skewadam import SkewAdam

@@ -1,6 +1,6 @@
 """Checkpoints: save -> torch.save -> torch.load(weights_only=True) -> load into a fresh model and optimizer -> keep
-stepping gives, bitwise, the run that was never interrupted (bf16 stochastic rounding and expert banks included); and
-`load_state_dict` refuses what does not fit, changing nothing."""
+stepping gives, bitwise, the run that was never interrupted (bf16 stochastic rounding and expert banks included), on
+every kernel; and `load_state_dict` refuses what does not fit, changing nothing."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from optim_db import every_impl  # noqa: F401 (autouse fixture: every test on every kernel)
 from skewadam import SkewAdam
 
 #: name -> (shape, group): every tier, ranks 0-d to 4-d, an expert bank.
