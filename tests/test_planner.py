@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from skewadam import SkewAdam, arms
 from skewadam.classify import classify
-from skewadam.harness.measure import measure_peak
+from skewadam.harness.measure import measure_peak, train_steps
 from skewadam.planner import format_bytes, plan
 from skewadam.presets import HF_PRESETS, load_model, preset_names
 from skewadam.state import measure_state
@@ -306,14 +306,7 @@ def test_peak_estimate_is_within_5_percent_of_tracked_tensor_bytes(optimizer, pa
     torch.manual_seed(0)
     with _Allocations() as tracked:
         model = load_model("cpu", device="cpu", dtype=dtype, overrides=overrides)
-        opt = arms.get(optimizer).build(model)
-        idx = torch.randint(0, 1024, (batch, seq))
-        for _ in range(2):  # the second step has the state from the start: the steady-state peak
-            out = model(idx, idx)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del out
+        train_steps(model, arms.get(optimizer).build(model), batch, seq, 2)  # step 2 has the state from the start
     estimate = plan(model, batch=batch, seq=seq, param_dtype=param_dtype, optimizers=[optimizer], impl=impl)
     assert tracked.peak == pytest.approx(estimate[optimizer].peak, rel=0.05)
 

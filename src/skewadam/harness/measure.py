@@ -21,7 +21,7 @@ from ..models import MoETransformer
 from ..planner import DTYPES, config_value, default_seq, plan
 from ..presets import load_model
 
-__all__ = ["measure_peak", "peak_rss", "rss"]
+__all__ = ["measure_peak", "train_steps", "peak_rss", "rss"]
 
 
 def rss() -> int:
@@ -43,7 +43,8 @@ def peak_rss() -> int:
     raise RuntimeError("/proc/self/status has no VmHWM line: peak RSS is only measured on Linux")
 
 
-def _train_steps(model: nn.Module, opt: torch.optim.Optimizer, batch: int, seq: int, steps: int) -> None:
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batch: int, seq: int, steps: int) -> None:
+    """``steps`` training steps of a language model (ours or a Transformers one) on seeded random tokens."""
     vocab = config_value(model, ("vocab_size",))
     device = next(model.parameters()).device
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -66,7 +67,7 @@ def _measure_here(spec: str, overrides: dict, optimizer: str, batch: int, seq: i
     # Warm up the same code paths on the tiny reference model, so that lazily loaded kernels and thread pools are
     # part of the baseline, not of the measurement.
     warm = load_model("tiny", device=device, dtype=dtype)
-    _train_steps(warm, arm.build(warm), 2, 16, 2)
+    train_steps(warm, arm.build(warm), 2, 16, 2)
     del warm
     gc.collect()
     if device == "cuda":
@@ -76,7 +77,7 @@ def _measure_here(spec: str, overrides: dict, optimizer: str, batch: int, seq: i
     else:
         base = rss()
     model = load_model(spec, device=device, dtype=dtype, overrides=overrides)
-    _train_steps(model, arm.build(model), batch, seq, steps)
+    train_steps(model, arm.build(model), batch, seq, steps)
     if device == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
