@@ -110,6 +110,10 @@ def test_cli_plan_set_overrides_a_config_value(capsys):
 def test_cli_plan_of_an_arm_without_a_memory_model_says_which_have_one(capsys):
     with pytest.raises(SystemExit, match=r"skewadam plan: no memory model of \['muon'\]: plan any of adamw"):
         _cli(["plan", "tiny", "--optimizer", "muon"], capsys)
+    with pytest.raises(SystemExit, match=r"skewadam plan: no memory model of \['muon'\]"):
+        _cli(["plan", "tiny", "--measure", "muon"], capsys)
+    with pytest.raises(SystemExit, match=r"skewadam bench-step: \['adamw8bit-bnb'\]: memory models only"):
+        _cli(["bench-step", "--optimizers", "adamw8bit"], capsys)
 
 
 # ------------------------------------------------------------------------------------------------------- bench

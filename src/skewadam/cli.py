@@ -144,15 +144,15 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         result = plan(model, batch=args.batch, seq=args.seq, param_dtype=args.param_dtype, top_k=args.top_k,
                       optimizers=args.optimizer, impl=args.impl)
+        result = dataclasses.replace(result, model=args.model)
+        measured = None
+        if args.measure:
+            from .harness.measure import measure_peak
+
+            measured = measure_peak(args.model, optimizer=args.measure, batch=args.batch, seq=result.seq,
+                                    param_dtype=args.param_dtype, device=args.device, overrides=overrides)
     except ValueError as e:
         raise SystemExit(f"skewadam plan: {e}") from None
-    result = dataclasses.replace(result, model=args.model)
-    measured = None
-    if args.measure:
-        from .harness.measure import measure_peak
-
-        measured = measure_peak(args.model, optimizer=args.measure, batch=args.batch, seq=result.seq,
-                                param_dtype=args.param_dtype, device=args.device, overrides=overrides)
     if args.json:
         out = result.to_dict()
         if measured:
@@ -348,11 +348,14 @@ def _bench_step(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     first, *others = arms.BENCH_STEP_DEFAULT
     names = tuple(dict.fromkeys((first, *(args.optimizers or others))))
-    res = bench_step(
-        preset=args.preset, overrides=parse_sets(args.set, json_values=False), dtype=args.dtype, optimizers=names,
-        rounds=args.rounds, steps=args.steps, warmup=args.warmup, impl=args.impl, clock=args.clock,
-        flush_mb=args.flush_mb, lr=args.lr, seed=args.seed,
-    )
+    try:
+        res = bench_step(
+            preset=args.preset, overrides=parse_sets(args.set, json_values=False), dtype=args.dtype,
+            optimizers=names, rounds=args.rounds, steps=args.steps, warmup=args.warmup, impl=args.impl,
+            clock=args.clock, flush_mb=args.flush_mb, lr=args.lr, seed=args.seed,
+        )
+    except ValueError as e:
+        raise SystemExit(f"skewadam bench-step: {e}") from None
     print(format_report(res))
     return 0
 
