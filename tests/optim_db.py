@@ -1,7 +1,9 @@
 """The SkewAdam configurations the generic optimizer-contract tests run over, in the manner of torch's ``optim_db``.
 
 `CASES` is a table of `Case(kwargs, desc)`: constructor keyword arguments that change the code path (tier, explicit
-state flags, bank handling, eps mode, weight decay). `DTYPES` lists the parameter dtypes each case runs in.
+state flags, bank handling, eps mode, weight decay). `DTYPES` lists the parameter dtypes each case runs in, and the
+autouse fixture `every_impl` (import it into a test module) runs each test of the module on every kernel available
+here (`skewadam.kernels.impls()`), as ``impl="auto"`` selects it.
 `make_params` builds one parameter of every rank the optimizer must handle (0-d to a 4-D conv weight), optionally
 non-contiguous, and `make_grads` fills their gradients from a seeded generator.
 
@@ -13,9 +15,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import pytest
 import torch
 
-__all__ = ["Case", "CASES", "DTYPES", "SHAPES", "make_params", "make_grads", "case_id"]
+from skewadam import kernels
+
+__all__ = ["Case", "CASES", "DTYPES", "SHAPES", "make_params", "make_grads", "case_id", "every_impl"]
 
 
 class Case(NamedTuple):
@@ -24,11 +29,11 @@ class Case(NamedTuple):
 
 
 CASES: list[Case] = [
-    Case({}, "default: backbone tier, momentum + factored, eps floor"),
+    Case({}, "default: backbone tier, momentum + factored, eps add (Adafactor's: accumulate g^2 + eps, no floor)"),
     Case({"tier": "expert"}, "expert tier: no momentum, factored; 3-d and 4-d tensors are banks"),
     Case({"tier": "router"}, "router tier: full exact second moment"),
     Case({"weight_decay": 0.1, "lr": 1e-2}, "decoupled weight decay"),
-    Case({"eps_mode": "add"}, "Adafactor's eps: accumulate g^2 + eps, no floor"),
+    Case({"eps_mode": "floor"}, "the paper's eps: the second moment floored at eps"),
     Case({"tier": "expert", "eps_mode": "add", "weight_decay": 0.05}, "expert banks with eps add and decay"),
     Case({"tier": "backbone", "use_momentum": False, "use_factored": False}, "explicit flags: plain RMSProp-like"),
     Case({"tier": "router", "use_momentum": True, "use_factored": True}, "explicit flags override the router tier"),
@@ -38,6 +43,13 @@ CASES: list[Case] = [
 ]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+
+
+@pytest.fixture(autouse=True, params=kernels.impls())
+def every_impl(request, monkeypatch) -> str:
+    """The kernel this run of the test uses: ``SKEWADAM_IMPL``, which ``impl="auto"`` (the default) follows."""
+    monkeypatch.setenv("SKEWADAM_IMPL", request.param)
+    return request.param
 
 #: One tensor of each rank: 0-d, 1-d, 2-d, a 3-d stacked-expert tensor and a 4-D conv-like weight.
 SHAPES: list[tuple[int, ...]] = [(), (5,), (6, 4), (3, 4, 5), (4, 2, 3, 3)]

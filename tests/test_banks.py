@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optim_db import every_impl  # noqa: F401 (autouse fixture: every test on every kernel)
 from skewadam import SkewAdam
 
 E, R, C = 4, 6, 5

@@ -1,11 +1,11 @@
-"""Automatic tiering (`skewadam.classify`): labels, user rules, param groups, the census and the ``tiers`` CLI.
+"""Automatic tiering (`skewadam.classify`): labels and user rules; and the param groups and census built on them
+(`skewadam.groups`). The ``tiers`` command is tested in test_cli.py.
 
 Transformers families are tested in test_hf_families.py; here: the reference model and plain-PyTorch MoE layouts.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import subprocess
@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from skewadam import SkewAdam
-from skewadam.classify import classify, describe, param_groups, register_cli, split_kwargs
+from skewadam.classify import classify
+from skewadam.groups import describe, param_groups, split_kwargs
 from skewadam.models import MoETransformer, get_config
 
 D, F, E = 16, 24, 4
@@ -376,47 +377,6 @@ def test_census_of_an_moe_model_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         describe(MoETransformer(get_config("tiny")))
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-def _run_cli(argv, capsys):
-    parser = argparse.ArgumentParser(prog="skewadam")
-    register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    assert args.func(args) == 0
-    return capsys.readouterr().out
-
-
-def test_cli_tiers_of_a_hf_config_json_builds_on_meta(tmp_path, capsys):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=8)
-    config.to_json_file(tmp_path / "config.json")
-    d = json.loads(_run_cli(["tiers", str(tmp_path), "--json"], capsys))
-    assert d["tiers"]["expert"]["params"] == 2 * 8 * 3 * 64 * 32  # 2 layers, 8 experts, gate/up/down [64, 32]
-    assert d["tiers"]["router"]["params"] == 2 * 8 * 32
-
-
-def test_cli_tiers_of_a_preset_prints_the_table(capsys):
-    out = _run_cli(["tiers", "paper-6.78b"], capsys)
-    assert "expert" in out and "6,442,450,944" in out  # 32 MoE experts' banks of the paper model, on meta
-
-
-def test_cli_tiers_json_with_rules_and_listing(capsys):
-    out = _run_cli(["tiers", "tiny", "--json", "--list", "--rule", r"\.ffn\.=expert"], capsys)
-    d = json.loads(out)
-    assert d["labels"]["blocks.0.ffn.w1.weight"] == "expert"
-    assert d["tiers"]["router"]["tensors"] == 1 and d["warnings"] == []
-
-
-def test_cli_tiers_of_a_missing_config_fails_clearly(tmp_path, capsys):
-    with pytest.raises(SystemExit, match="no such file"):
-        _run_cli(["tiers", str(tmp_path / "config.json")], capsys)
-
-
-def test_cli_tiers_of_an_unknown_preset_fails_clearly(capsys):
-    with pytest.raises(SystemExit, match="neither a preset nor a config.json path"):
-        _run_cli(["tiers", "no-such-preset"], capsys)
 
 
 def test_importing_classify_does_not_import_transformers():

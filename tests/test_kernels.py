@@ -254,20 +254,6 @@ def test_without_a_compiler_auto_warns_once_and_runs_eager(monkeypatch):
         _run("cpp", SPECS[:3], 1, torch.float64)
 
 
-def test_bench_step_prints_times_ratios_and_memory(capsys):
-    from skewadam.cli import main
-
-    assert main(["bench-step", "--preset", "tiny", "--rounds", "1", "--steps", "1", "--warmup", "1"]) == 0
-    out = capsys.readouterr().out
-    for name in ("SkewAdam", "AdamW fused", "AdamW foreach", "Adafactor", "transient MiB", "load average"):
-        assert name in out
-    # the bench's arms too, built with their own param groups (Muon's hidden matrices, the int8 momentum)
-    assert main(["bench-step", "--preset", "tiny", "--rounds", "1", "--steps", "1", "--warmup", "1",
-                 "--optimizers", "muon", "skewadam-int8"]) == 0
-    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[3:]]
-    assert rows == ["SkewAdam", "muon", "skewadam-int8"]
-
-
 @needs_cpp
 @pytest.mark.bigmem
 @pytest.mark.skipif(os.environ.get("SKEWADAM_BIGMEM") != "1", reason="needs ~9 GB; opt in with SKEWADAM_BIGMEM=1")

@@ -1,4 +1,5 @@
-"""SkewAdam's math against the float64 reference, and the torch optimizer contract over `optim_db.CASES` x dtype."""
+"""SkewAdam's math against the float64 reference, and the torch optimizer contract over `optim_db.CASES` x dtype, each
+on every kernel available here (`optim_db.every_impl`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import reference
-from optim_db import CASES, DTYPES, Case, case_id, make_grads, make_params
+from optim_db import CASES, DTYPES, Case, case_id, every_impl, make_grads, make_params  # noqa: F401 (fixture)
 from reference import RefParam
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from skewadam import SkewAdam
@@ -482,7 +483,8 @@ def _p(*shape, dtype=torch.float32):
 BAD_INPUTS = {
     "negative_lr": ({"lr": -1e-3}, ValueError, r"Invalid learning rate in param group 0: -0\.001"),
     "nan_lr": ({"lr": float("nan")}, ValueError, r"Invalid learning rate in param group 0"),
-    "tensor_lr": ({"lr": torch.tensor(1e-3)}, ValueError, r"param group 0: a Tensor lr is not supported.*lr\.item\(\)"),
+    "tensor_lr_of_2_elements": ({"lr": torch.tensor([1e-3, 1e-3])}, ValueError, r"^Tensor lr must be 1-element$"),
+    "negative_tensor_lr": ({"lr": torch.tensor(-1e-3)}, ValueError, r"Invalid learning rate in param group 0: tensor"),
     "beta1_one": ({"betas": (1.0, 0.999)}, ValueError, r"Invalid beta parameter at index 0 in param group 0: 1\.0"),
     "beta1_negative": ({"betas": (-0.1, 0.999)}, ValueError, r"Invalid beta parameter at index 0"),
     "beta2_one": ({"betas": (0.9, 1.0)}, ValueError, r"Invalid beta parameter at index 1 in param group 0: 1\.0"),
@@ -511,6 +513,23 @@ def test_invalid_hyperparameters_raise_naming_the_group(kwargs, error, pattern):
     # the same value given in a second param group names that group
     with pytest.raises(error, match=pattern.replace("group 0", "group 1")):
         SkewAdam([{"params": [_p(2, 3)]}, {"params": [_p(2, 3)], **kwargs}])
+
+
+@pytest.mark.parametrize("shape", [(), (1,)], ids=["0d", "1-element"])
+def test_a_tensor_lr_steps_like_its_float_and_schedulers_write_into_it(shape):
+    """torch.compile'd loops, torchao and torchtitan keep ``lr`` a tensor; LR schedulers then fill it in place."""
+    runs = []
+    for lr in (torch.full(shape, 2**-5), 2**-5):  # exact in fp32: both runs step with the same lr by construction
+        params = make_params(torch.float32)
+        opt = SkewAdam([{"params": params[:3]}, {"params": params[3:], "tier": "expert"}], lr=lr, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        for _ in range(4):
+            _steps(opt, params, 1)
+            sched.step()
+        runs.append(_snapshot(opt, params))
+        if isinstance(lr, torch.Tensor):
+            assert opt.param_groups[0]["lr"] is lr and lr.reshape(()).item() == 2**-7
+    _assert_same(*runs)
 
 
 def test_unknown_group_key_raises_listing_the_valid_keys():

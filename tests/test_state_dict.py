@@ -1,5 +1,6 @@
 """Checkpoints: save -> torch.save -> torch.load(weights_only=True) -> load into a fresh model and optimizer -> keep
-stepping gives, bitwise, the run that was never interrupted (bf16 stochastic rounding and expert banks included)."""
+stepping gives, bitwise, the run that was never interrupted (bf16 stochastic rounding and expert banks included), on
+every kernel; and `load_state_dict` refuses what does not fit, changing nothing."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from optim_db import every_impl  # noqa: F401 (autouse fixture: every test on every kernel)
 from skewadam import SkewAdam
 
 #: name -> (shape, group): every tier, ranks 0-d to 4-d, an expert bank.
@@ -153,3 +155,104 @@ def test_loaded_hyperparameters_replace_the_constructor_ones():
     _, fresh = _resume(_checkpoint(params, opt), torch.float32, False)
     assert fresh.param_groups[2]["lr"] == 0.5 and fresh.param_groups[0]["seed"] == 3
     assert [g["tier"] for g in fresh.param_groups] == ["backbone", "expert", "router"]
+
+
+# ------------------------------------------------------------------------------------------------ refused at load
+def _stepped(dtype=torch.float32):
+    params, opt = _build(dtype)
+    _run(opt, params, range(2))
+    return params, opt
+
+
+def _everything(params, opt) -> tuple:
+    """What a refused load must leave as it was: weights, state, hyperparameters, the skip count."""
+    state = {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in params.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return {n: p.detach().clone() for n, p in params.items()}, state, groups, opt.skipped_steps
+
+
+def _assert_unchanged(before, after) -> None:
+    for a, b in zip(before[:2], after[:2], strict=True):
+        assert a.keys() == b.keys()
+        for name in a:
+            if isinstance(a[name], dict):
+                assert a[name].keys() == b[name].keys() and all(torch.equal(a[name][k], b[name][k]) for k in a[name])
+            else:
+                assert torch.equal(a[name], b[name])
+    assert before[2:] == after[2:]
+
+
+@pytest.mark.parametrize("key,value", [("lr", -5), ("tier", "bogus"), ("betas", (2, 2)), ("eps_mode", "sqrt"),
+                                       ("momentum_dtype", "fp8")])
+def test_load_refuses_invalid_hyperparameters_with_the_constructors_message(key, value):
+    params, opt = _stepped()
+    bad = opt.state_dict()
+    bad["param_groups"][1][key] = value
+    target_params, target = _stepped()
+    before = _everything(target_params, target)
+    with pytest.raises(ValueError) as at_load:
+        target.load_state_dict(bad)
+    with pytest.raises(ValueError) as at_construction:
+        SkewAdam([{"params": [torch.nn.Parameter(torch.ones(2))]}, {"params": [torch.nn.Parameter(torch.ones(2))],
+                                                                    key: value}])
+    assert str(at_load.value) == str(at_construction.value) and "param group 1" in str(at_load.value)
+    _assert_unchanged(before, _everything(target_params, target))
+
+
+def test_load_refuses_a_torch_adamw_state_dict_and_says_what_it_is():
+    params, _ = _build(torch.float32)
+    adamw = torch.optim.AdamW([{"params": list(params.values())[:4]}, {"params": [params["experts.w1"]]},
+                               {"params": [params["router.weight"]]}])
+    for p in params.values():
+        p.grad = torch.ones_like(p)
+    adamw.step()
+    target_params, target = _stepped()
+    before = _everything(target_params, target)
+    with pytest.raises(ValueError, match=r"param group 0 of the state dict is not SkewAdam's: .*'amsgrad'.* and no "
+                                         r"tier; it looks like the state dict of torch.optim.AdamW"):
+        target.load_state_dict(adamw.state_dict())
+    _assert_unchanged(before, _everything(target_params, target))
+
+
+def test_load_refuses_state_without_exp_avg_where_the_group_has_momentum():
+    params, opt = _stepped()
+    bad = opt.state_dict()
+    del bad["state"][2]["exp_avg"]  # proj.weight: backbone, momentum on
+    target_params, target = _stepped()
+    before = _everything(target_params, target)
+    with pytest.raises(ValueError, match=r"state of parameter 2 of param group 0 \(tier 'backbone'\): state has keys "
+                                         r".*\(missing \['exp_avg'\]\)"):
+        target.load_state_dict(bad)
+    _assert_unchanged(before, _everything(target_params, target))
+
+
+def test_load_refuses_state_of_another_shape_or_momentum_dtype():
+    a = nn.Parameter(torch.randn(8, 6))
+    oa = SkewAdam([a])
+    a.grad = torch.randn_like(a)
+    oa.step()
+    b = nn.Parameter(torch.randn(16, 12))
+    ob = SkewAdam([b])
+    with pytest.raises(ValueError, match=r"state 'exp_avg' is \[8, 6\] torch.float32, expected \[16, 12\]"):
+        ob.load_state_dict(oa.state_dict())
+    assert not ob.state
+    int8 = oa.state_dict()
+    int8["param_groups"][0]["momentum_dtype"] = "int8"  # the state is fp32 momentum: it does not fit
+    with pytest.raises(ValueError, match=r"\(missing \['exp_avg_scale'\]\)"):
+        SkewAdam([nn.Parameter(a.detach().clone())]).load_state_dict(int8)
+
+
+def test_a_python_number_step_is_loaded_as_a_tensor():
+    """Older checkpoints and other tools save ``step`` as a number; the resumed run equals the tensor-step one."""
+    params, opt = _stepped()
+    resumed = []
+    for as_number in (False, True):
+        ckpt = _checkpoint(params, opt)  # its own tensors: a loaded state aliases them, as torch's does
+        if as_number:
+            for state in ckpt["optim"]["state"].values():
+                if state["step"].ndim == 0:  # a bank's step is one count per slice: it stays a tensor
+                    state["step"] = int(state["step"].item())
+        resumed.append(_resume(ckpt, torch.float32, False))
+        _run(resumed[-1][1], resumed[-1][0], range(2, 4))
+    assert all(s["step"].dtype == torch.float32 for s in resumed[1][1].state.values())
+    _assert_bitwise(*resumed[0], *resumed[1])

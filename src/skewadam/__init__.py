@@ -3,27 +3,41 @@
 Example:
     >>> from skewadam import SkewAdam
     >>> optimizer = SkewAdam.from_model(model, lr=3e-4, weight_decay=0.05)
+
+Layers, lowest first. A module imports only from layers below its own (lazy imports too); a package (``kernels``,
+``harness``, ``integrations``) is one unit whose modules import each other freely. ``tests/test_layout.py`` checks
+every import against this list.
+
+    1. tiers, models, data          tier labels; the reference MoE and its corpora (they import nothing of ours)
+    2. state                        state_spec, state_flags, check_state, measure_state
+    3. kernels, classify            the update kernels; automatic tiers
+    4. distributed, groups          DTensor placements and the cross-shard reducer; param groups and their census
+    5. optimizer                    SkewAdam
+    6. arms, presets                the optimizer arms (one registry); models by name
+    7. planner                      plan(): memory per arm
+    8. integrations, hf, harness    Transformers, torchtitan, Lightning; the benchmark (train, bench, report, measure)
+    9. cli, skewadam                the command line; this package's re-exports (skewadam/__init__.py)
+   10. __main__                     ``python -m skewadam``
+
+One known exception, ``state -> kernels.quant``: `state_spec` reads the int8 momentum block size from its codec (a leaf
+module that imports only ``kernels.rounding``), until the constant moves into ``state``.
 """
 
 from __future__ import annotations
 
-import importlib
-
-from .classify import classify, describe, param_groups
+from .classify import classify
+from .groups import describe, param_groups
 from .optimizer import SkewAdam
 from .state import state_spec
 from .tiers import Tier
 
-# Heavier parts load on first use, so `import skewadam` stays cheap and needs nothing beyond torch.
-_LAZY = {
-    "plan": "skewadam.memory",
-}
-
-__all__ = ["SkewAdam", "Tier", "classify", "describe", "param_groups", "state_spec", *_LAZY]
+__all__ = ["SkewAdam", "Tier", "classify", "describe", "param_groups", "state_spec", "plan"]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name == "plan":  # the planner loads on first use, so `import skewadam` stays cheap
+        from .planner import plan
+
+        return plan
     raise AttributeError(f"module 'skewadam' has no attribute {name!r}")

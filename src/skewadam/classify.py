@@ -1,4 +1,4 @@
-"""Automatic tiering: which parameters of an MoE model are ``backbone``, ``expert`` or ``router``.
+"""Automatic tiering: which parameters of an MoE model are ``backbone``, ``expert`` or ``router`` (data in, data out).
 
 Tiers (`skewadam.tiers`):
     expert    the weights of ROUTED experts, each of which sees only the tokens routed to it: stacked banks
@@ -26,8 +26,9 @@ Structure decides, names come last. In order:
        whose tensors flatten the experts (``[E*F, D]``, DBRX), or, next to experts the metadata declares, a router
        called ``router``/``gate``/... when no matrix size reveals it. ``gate`` never matches ``gate_proj``; ``shared_experts`` never matches
        ``experts``.
-Everything not labelled is backbone. Parameters with ``requires_grad=False`` are left out (`describe` reports them);
-tied parameters appear once, under their first name.
+Everything not labelled is backbone. Parameters with ``requires_grad=False`` are left out (`skewadam.groups.describe`
+reports them); tied parameters appear once, under their first name. Param groups and the census of the state they
+cost are `skewadam.groups`.
 
 Example:
     >>> from skewadam.models import MoETransformer, get_config
@@ -38,24 +39,16 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import logging
 import re
-import warnings
-from typing import Any, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 from torch import Tensor, nn
 
-from .state import is_bank, spec_nbytes, state_spec
-from .tiers import TIER_STATE, Tier
+from .tiers import Tier
 
-__all__ = ["classify", "describe", "param_groups", "split_kwargs", "Census", "TierCensus", "register_cli"]
+__all__ = ["classify", "split_trainable"]
 
-logger = logging.getLogger("skewadam")
-
-_TIERS = tuple(t.value for t in Tier)
 # Attribute names of children that hold routed experts / score them: the last resort, inside a structural block.
 _EXPERTS_NAME = re.compile(r"^(experts?|moe_experts|routed_experts)$")
 _ROUTER_NAME = re.compile(r"^(router|gate|gating|wg|classifier|router_gate|moe_gate)$")
@@ -81,7 +74,7 @@ def classify(model: nn.Module, rules: Optional[Sequence[tuple[str, str]]] = None
     Example:
         >>> classify(model, rules=[(r"\\.shared_expert\\.", "expert")])
     """
-    trainable, _ = _split_trainable(model)
+    trainable, _ = split_trainable(model)
     compiled = _compile_rules(rules)
     auto = _structural_labels(model)
     labels: dict[str, str] = {}
@@ -104,7 +97,8 @@ def classify(model: nn.Module, rules: Optional[Sequence[tuple[str, str]]] = None
     return labels
 
 
-def _split_trainable(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+def split_trainable(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """``({name: parameter}, {name: parameter})`` of the trainable and the frozen parameters (tied ones once)."""
     trainable, frozen = {}, {}
     for name, p in model.named_parameters():  # deduplicates tied parameters: first name wins
         (trainable if p.requires_grad else frozen)[name] = p
@@ -394,262 +388,3 @@ def _heavy(tree: _Model, root: str) -> bool:
         or any(p.ndim >= 3 for _, p in tree.direct[path])
         for path in tree.subtree(root)
     )
-
-
-# ---------------------------------------------------------------------------------------------------- census
-@dataclasses.dataclass
-class TierCensus:
-    """One tier's share of the model and what its optimizer state costs."""
-
-    tensors: int
-    params: int
-    share: float  # of all trainable parameters
-    state_bytes: int  # moments (exp_avg, exp_avg_sq, row_var, col_var), as `skewadam.state.state_spec` allocates
-    counter_bytes: int  # step counts
-
-
-@dataclasses.dataclass
-class Census:
-    """Per-tier counts of a model's trainable parameters, the optimizer state they cost, and the frozen ones."""
-
-    tiers: dict[str, TierCensus]
-    frozen_tensors: int
-    frozen_params: int
-    frozen_names: list[str]
-    model: str = ""
-
-    @property
-    def params(self) -> int:
-        return sum(t.params for t in self.tiers.values())
-
-    @property
-    def state_bytes(self) -> int:
-        return sum(t.state_bytes for t in self.tiers.values())
-
-    @property
-    def counter_bytes(self) -> int:
-        return sum(t.counter_bytes for t in self.tiers.values())
-
-    def table(self) -> str:
-        """The census as a fixed-width table."""
-        head = f"{'tier':<9} {'tensors':>8} {'params':>16} {'share':>7} {'state':>11} {'steps':>9}"
-        lines = [f"SkewAdam tiers of {self.model}" if self.model else "SkewAdam tiers", head, "-" * len(head)]
-        for tier, t in self.tiers.items():
-            lines.append(
-                f"{tier:<9} {t.tensors:>8,} {t.params:>16,} {t.share:>7.2%} {_bytes(t.state_bytes):>11} "
-                f"{_bytes(t.counter_bytes):>9}"
-            )
-        lines.append("-" * len(head))
-        total_t = sum(t.tensors for t in self.tiers.values())
-        lines.append(
-            f"{'total':<9} {total_t:>8,} {self.params:>16,} {1 if self.params else 0:>7.2%} "
-            f"{_bytes(self.state_bytes):>11} {_bytes(self.counter_bytes):>9}"
-        )
-        if self.frozen_tensors:
-            lines.append(f"frozen (requires_grad=False, not optimized): {self.frozen_tensors:,} tensors, "
-                         f"{self.frozen_params:,} params")
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "tiers": {k: dataclasses.asdict(v) for k, v in self.tiers.items()},
-            "params": self.params,
-            "state_bytes": self.state_bytes,
-            "counter_bytes": self.counter_bytes,
-            "frozen": {"tensors": self.frozen_tensors, "params": self.frozen_params, "names": self.frozen_names},
-        }
-
-
-def _bytes(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
-def describe(
-    model: nn.Module,
-    rules: Optional[Sequence[tuple[str, str]]] = None,
-    tier_options: Optional[dict[str, dict[str, Any]]] = None,
-    *,
-    labels: Optional[dict[str, str]] = None,
-) -> Census:
-    """Census of ``model`` under SkewAdam: per tier the tensors, parameters, share and optimizer-state bytes.
-
-    State bytes are those `skewadam.state.state_spec` allocates for each parameter under its tier's flags (overridden
-    by ``tier_options[tier]`` keys ``use_momentum``/``use_factored``/``bank``), with the optimizer's bank rule
-    (`skewadam.state.is_bank`). Warns when a tier is empty.
-
-    Example:
-        >>> print(describe(model).table())
-    """
-    options = _check_tier_options(tier_options)
-    trainable, frozen = _split_trainable(model)
-    labels = classify(model, rules) if labels is None else labels
-    rows = {t: [0, 0, 0, 0] for t in _TIERS}
-    for name, p in trainable.items():
-        tier = labels[name]
-        opt = options.get(tier, {})
-        flags = {k: opt.get(k) if opt.get(k) is not None else v for k, v in TIER_STATE[Tier(tier)].items()}
-        spec = state_spec(p.shape, p.dtype, **flags, bank=is_bank(p.ndim, tier, opt.get("bank")))
-        stats, counters = spec_nbytes(spec)
-        row = rows[tier]
-        row[0] += 1
-        row[1] += p.numel()
-        row[2] += stats
-        row[3] += counters
-    total = sum(r[1] for r in rows.values())
-    census = Census(
-        tiers={t: TierCensus(r[0], r[1], r[1] / total if total else 0.0, r[2], r[3]) for t, r in rows.items()},
-        frozen_tensors=len(frozen),
-        frozen_params=sum(p.numel() for p in frozen.values()),
-        frozen_names=list(frozen),
-        model=type(model).__name__,
-    )
-    _warn_empty(census)
-    return census
-
-
-def _warn_empty(census: Census) -> None:
-    empty = [t for t, c in census.tiers.items() if c.tensors == 0]
-    if not empty or census.params == 0:
-        return
-    if Tier.EXPERT.value in empty and Tier.ROUTER.value in empty:
-        msg = (
-            f"{census.model}: no expert and no router parameters found (a dense model?); SkewAdam then behaves like "
-            "factored Adam with momentum on everything. If this is an MoE model, label its tensors with "
-            "rules=[(pattern, tier), ...]"
-        )
-    else:
-        msg = (
-            f"{census.model}: tier(s) {empty} are empty; if the model has routed experts and a router, check "
-            "skewadam.classify(model) and add rules=[(pattern, tier), ...] for what it missed"
-        )
-    warnings.warn(msg, stacklevel=3)
-
-
-# ------------------------------------------------------------------------------------------------ param groups
-_GROUP_OPTIONS = ("rules", "tier_options", "exempt_1d", "log", "weight_decay")
-
-
-def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split `SkewAdam.from_model` keyword arguments into ``(param_groups kwargs, SkewAdam kwargs)``."""
-    group = {k: v for k, v in kwargs.items() if k in _GROUP_OPTIONS}
-    return group, {k: v for k, v in kwargs.items() if k not in _GROUP_OPTIONS}
-
-
-def _check_tier_options(tier_options: Optional[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    out = {}
-    for tier, opts in (tier_options or {}).items():
-        try:
-            key = Tier.parse(tier).value
-        except ValueError as e:
-            raise ValueError(f"tier_options: {e}") from None
-        if not isinstance(opts, dict):
-            raise ValueError(f"tier_options[{tier!r}] must be a dict of param group settings, e.g. {{'lr': 1e-4}}")
-        if "params" in opts or "tier" in opts:
-            raise ValueError(f"tier_options[{tier!r}] may not set 'params' or 'tier'; use rules=[...] to move tensors")
-        out[key] = dict(opts)
-    return out
-
-
-def param_groups(
-    model: nn.Module,
-    *,
-    weight_decay: float = 0.0,
-    rules: Optional[Sequence[tuple[str, str]]] = None,
-    tier_options: Optional[dict[str, dict[str, Any]]] = None,
-    exempt_1d: bool = False,
-    log: bool = True,
-) -> list[dict[str, Any]]:
-    """SkewAdam param groups for ``model``: one per non-empty tier (two with ``exempt_1d``), labelled by `classify`.
-
-    The paper's defaults: ``weight_decay`` on backbone and expert tensors, none on the router. ``exempt_1d`` moves
-    tensors with < 2 dims (norms, biases, scalars) of each tier into a group without weight decay, as common practice
-    does. ``tier_options={"router": {"lr": 1e-4}}`` overrides any group setting per tier (applied last; an exempted
-    group keeps ``weight_decay=0``). Groups carry ``param_names``. With ``log`` the census goes to the ``skewadam``
-    logger (INFO).
-
-    Example:
-        >>> opt = SkewAdam(param_groups(model, weight_decay=0.1, exempt_1d=True), lr=3e-4)
-    """
-    options = _check_tier_options(tier_options)
-    labels = classify(model, rules)
-    census = describe(model, tier_options=tier_options, labels=labels)
-    if log:
-        logger.info("%s", census.table())
-        if census.frozen_names:
-            logger.info("frozen parameters left out of the optimizer: %s", census.frozen_names)
-    trainable, _ = _split_trainable(model)
-    groups = []
-    for tier in _TIERS:
-        default_wd = 0.0 if tier == Tier.ROUTER.value else weight_decay
-        names = [n for n, t in labels.items() if t == tier]
-        split = [(names, False)]
-        if exempt_1d:
-            split = [([n for n in names if trainable[n].ndim >= 2], False), ([n for n in names if trainable[n].ndim < 2], True)]
-        for members, exempt in split:
-            if not members:
-                continue
-            group = {"params": [trainable[n] for n in members], "param_names": members, "tier": tier,
-                     "weight_decay": default_wd}
-            group.update(options.get(tier, {}))
-            if exempt:
-                group["weight_decay"] = 0.0
-            groups.append(group)
-    return groups
-
-
-# ----------------------------------------------------------------------------------------------------- CLI
-def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "tiers",
-        help="print the SkewAdam tier census of a model (config.json or preset), built on the meta device",
-        description="Label a model's parameters backbone/expert/router and print per-tier counts and optimizer state. "
-        "The model is built on the meta device, so any size costs no memory.",
-    )
-    p.add_argument("config", metavar="CONFIG", help="a Hugging Face config.json (or its folder), or a preset name")
-    p.add_argument("--json", action="store_true", help="print the census as JSON")
-    p.add_argument("--rule", action="append", default=[], metavar="PATTERN=TIER",
-                   help="user rule (regex on parameter names), first match wins; repeatable")
-    p.add_argument("--list", action="store_true", help="also list every parameter with its tier")
-    p.set_defaults(func=_cli_tiers)
-
-
-def _cli_tiers(args: argparse.Namespace) -> int:
-    rules = []
-    for r in args.rule:
-        pattern, sep, tier = r.rpartition("=")
-        if not sep:
-            raise SystemExit(f"--rule {r!r}: expected PATTERN=TIER, e.g. --rule '\\.router\\.=router'")
-        rules.append((pattern, tier))
-    model = _load_model(args.config)
-    labels = classify(model, rules)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        census = describe(model, labels=labels)
-    if args.json:
-        out = census.to_dict()
-        out["warnings"] = [str(w.message) for w in caught]
-        if args.list:
-            out["labels"] = labels
-        print(json.dumps(out, indent=2))
-    else:
-        print(census.table())
-        for w in caught:
-            print(f"warning: {w.message}")
-        if args.list:
-            for name, tier in labels.items():
-                print(f"{tier:<9} {name}")
-    return 0
-
-
-def _load_model(spec: str) -> nn.Module:
-    """The model of a preset name or a Hugging Face ``config.json``, on the meta device (`skewadam.presets`)."""
-    from .presets import load_model
-
-    try:
-        return load_model(spec, device="meta")
-    except (ValueError, OSError, ImportError) as e:
-        raise SystemExit(f"skewadam tiers: {e}") from None

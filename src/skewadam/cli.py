@@ -1,26 +1,374 @@
-"""The ``skewadam`` command. Each subcommand lives with the code it drives and registers itself here."""
+"""The ``skewadam`` command (also ``python -m skewadam``): every argument parser and every printed line lives here.
+
+Subcommands: ``tiers`` (`skewadam.classify`), ``plan`` (`skewadam.planner`, ``--measure``: `skewadam.harness.measure`),
+``bench`` and ``report`` (`skewadam.harness`), ``bench-step`` (`skewadam.harness.bench_step`). Optimizer names are
+the arms of `skewadam.arms`, the same for every subcommand.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import dataclasses
+import functools
+import json
 import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
 
-# (subcommand, module that defines `register_cli(subparsers)`): the module adds its parser and sets `func`.
-_SUBCOMMANDS = [
-    ("tiers", "skewadam.classify"),
-    ("plan", "skewadam.memory"),
-    ("bench", "skewadam.harness.bench"),
-    ("report", "skewadam.harness.report"),
-    ("bench-step", "skewadam.harness.bench_step"),
-]
+from . import arms
+
+__all__ = ["main", "build_parser", "parse_optimizers", "parse_lrs", "parse_sets"]
+
+
+def _arm(text: str) -> str:
+    """argparse type of an optimizer name: its arm's name (aliases accepted)."""
+    try:
+        return arms.canonical(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_sets(items: Sequence[str], *, json_values: bool = True) -> dict[str, Any]:
+    """``KEY=VALUE`` overrides of a model config; a VALUE is parsed as JSON (``json_values``) or as an int or a
+    float, else kept as a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE, e.g. --set n_experts=64")
+        out[key] = value
+        for parse in (json.loads,) if json_values else (int, float):
+            try:
+                out[key] = parse(value)
+                break
+            except ValueError:  # json.JSONDecodeError is one
+                continue
+    return out
+
+
+def _load_model(command: str, spec: str, overrides: dict[str, Any] | None = None):
+    """The model of a preset name or a Hugging Face ``config.json``, on the meta device (`skewadam.presets`)."""
+    from .presets import load_model
+
+    try:
+        return load_model(spec, device="meta", overrides=overrides)
+    except (ValueError, OSError, ImportError) as e:
+        raise SystemExit(f"skewadam {command}: {e}") from None
+
+
+# ----------------------------------------------------------------------------------------------------- tiers
+def _add_tiers(sub) -> None:
+    p = sub.add_parser(
+        "tiers",
+        help="print the SkewAdam tier census of a model (config.json or preset), built on the meta device",
+        description="Label a model's parameters backbone/expert/router and print per-tier counts and optimizer state. "
+        "The model is built on the meta device, so any size costs no memory.",
+    )
+    p.add_argument("config", metavar="CONFIG", help="a Hugging Face config.json (or its folder), or a preset name")
+    p.add_argument("--json", action="store_true", help="print the census as JSON")
+    p.add_argument("--rule", action="append", default=[], metavar="PATTERN=TIER",
+                   help="user rule (regex on parameter names), first match wins; repeatable")
+    p.add_argument("--list", action="store_true", help="also list every parameter with its tier")
+    p.set_defaults(func=_tiers)
+
+
+def _tiers(args: argparse.Namespace) -> int:
+    from .classify import classify
+    from .groups import describe
+
+    rules = []
+    for r in args.rule:
+        pattern, sep, tier = r.rpartition("=")
+        if not sep:
+            raise SystemExit(f"--rule {r!r}: expected PATTERN=TIER, e.g. --rule '\\.router\\.=router'")
+        rules.append((pattern, tier))
+    model = _load_model("tiers", args.config)
+    labels = classify(model, rules)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        census = describe(model, labels=labels)
+    if args.json:
+        out = census.to_dict()
+        out["warnings"] = [str(w.message) for w in caught]
+        if args.list:
+            out["labels"] = labels
+        print(json.dumps(out, indent=2))
+    else:
+        print(census.table())
+        for w in caught:
+            print(f"warning: {w.message}")
+        if args.list:
+            for name, tier in labels.items():
+                print(f"{tier:<9} {name}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ plan
+def _add_plan(sub) -> None:
+    from .planner import DTYPES
+
+    p = sub.add_parser(
+        "plan",
+        help="bytes of parameters, gradients, master weights and optimizer state, and an estimated peak, per optimizer",
+        description="Plan the memory of training MODEL with AdamW, 8-bit AdamW, Adafactor, SkewAdam and its tier "
+        "ablations. MODEL is a preset or a Hugging Face config.json (built on the meta device). The peak is an "
+        "estimate; its assumptions are printed.",
+    )
+    p.add_argument("model", metavar="MODEL", help="a preset (e.g. paper-6.78b, mixtral-8x7b) or a config.json path")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: context length, <= 4096)")
+    p.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32", help="parameter/activation dtype")
+    p.add_argument("--top-k", type=int, default=None, help="experts per token (default: from the config)")
+    p.add_argument("--impl", choices=["eager", "cpp"], default="eager",
+                   help="SkewAdam kernel for its step temporaries: eager (GPUs; default) or cpp (the C++ CPU kernel)")
+    p.add_argument("--optimizer", action="append", type=_arm, default=None, metavar="NAME",
+                   help="plan only these (repeatable; default: " + ", ".join(arms.PLAN_DEFAULT) + "; any of "
+                   + ", ".join(arms.names(planned=True)) + ")")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value (VALUE parsed as JSON), e.g. --set num_hidden_layers=4; repeatable")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
+    p.add_argument("--measure", metavar="OPTIMIZER", type=_arm, default=None,
+                   help="also train real steps with OPTIMIZER (adamw, adafactor, skewadam...) and print the measured "
+                   "peak beside the estimate (allocates the model!)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="device for --measure")
+    p.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .planner import format_bytes, plan
+
+    overrides = parse_sets(args.set)
+    model = _load_model("plan", args.model, overrides)
+    try:
+        result = plan(model, batch=args.batch, seq=args.seq, param_dtype=args.param_dtype, top_k=args.top_k,
+                      optimizers=args.optimizer, impl=args.impl)
+        result = dataclasses.replace(result, model=args.model)
+        measured = None
+        if args.measure:
+            from .harness.measure import measure_peak
+
+            measured = measure_peak(args.model, optimizer=args.measure, batch=args.batch, seq=result.seq,
+                                    param_dtype=args.param_dtype, device=args.device, overrides=overrides)
+    except ValueError as e:
+        raise SystemExit(f"skewadam plan: {e}") from None
+    if args.json:
+        out = result.to_dict()
+        if measured:
+            out["measured"] = measured
+        print(json.dumps(out, indent=2))
+    else:
+        print(result)
+        if measured:
+            print(f"\nmeasured ({measured['method']}, {args.measure}, {args.device}): "
+                  f"{format_bytes(measured['measured'])} ({measured['measured']:,} B) vs estimate "
+                  f"{format_bytes(measured['estimate'])}: ratio {measured['ratio']:.3f}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------- bench
+# flag -> RunConfig field, for the flags that override the preset's shared settings
+_RUN_FLAGS = ("model", "data", "steps", "batch_size", "block_size", "eval_interval", "eval_batches", "warmup_frac",
+              "grad_clip", "device", "threads")
+
+
+def parse_optimizers(text: str) -> tuple[str, ...]:
+    """``"adamw,skewadam"`` -> arm names; ``all`` = every arm the bench trains, ``default`` = the default five."""
+    from .harness.config import ALL
+
+    names: list[str] = []
+    for token in text.replace(" ", ",").split(","):
+        if token == "all":
+            names += ALL
+        elif token == "default":
+            names += arms.BENCH_DEFAULT
+        elif token:
+            try:
+                names.append(arms.canonical(token))
+            except ValueError:
+                raise ValueError(f"unknown optimizer {token!r} in --optimizers: use any of {', '.join(ALL)}, "
+                                 f"'default' or 'all'") from None
+    return tuple(dict.fromkeys(names))
+
+
+def parse_lrs(specs: list[str], optimizers: tuple[str, ...]) -> dict[str, tuple[float, ...]]:
+    """``--lrs`` specs -> lrs per optimizer. A spec is ``1e-4,3e-4`` (every optimizer), ``NAME=1e-4,3e-4`` (one),
+    or ``x0.3,x1,x3`` (multiples of each optimizer's default lr). Later specs override earlier ones."""
+    out: dict[str, tuple[float, ...]] = {}
+    for spec in specs:
+        name, _, values = spec.rpartition("=")
+        try:
+            targets = [arms.canonical(name)] if name else optimizers
+        except ValueError as e:
+            raise ValueError(f"--lrs {spec!r}: {e}") from None
+        for opt in targets:
+            try:
+                lrs = tuple(arms.get(opt).lr * float(v[1:]) if v.startswith("x") else float(v)
+                            for v in values.split(",") if v)
+            except ValueError:
+                raise ValueError(f"--lrs {spec!r}: expected numbers like 1e-4,3e-4 or multipliers like x0.3,x1,x3")
+            if not lrs or any(lr <= 0 for lr in lrs):
+                raise ValueError(f"--lrs {spec!r}: learning rates must be positive")
+            out[opt] = lrs
+    return out
+
+
+def _add_bench(sub) -> None:
+    from .harness import bench
+    from .harness.config import ALL, PRESETS, RunConfig
+
+    p = sub.add_parser(
+        "bench", help="compare optimizers training the reference MoE (memory, speed, quality), with plots",
+        description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="optimizers: " + ", ".join(ALL) + "\npresets: " + ", ".join(
+            f"{k} ({v.__doc__.splitlines()[0].rstrip('.')})" for k, v in PRESETS.items()))
+    p.add_argument("--preset", default="default", choices=sorted(PRESETS), help="starting settings (default: default)")
+    p.add_argument("--optimizers", metavar="LIST",
+                   help="comma-separated names, 'default' or 'all' (default: " + ",".join(arms.BENCH_DEFAULT) + ")")
+    p.add_argument("--lrs", nargs="+", metavar="SPEC", default=[],
+                   help="learning rates: '1e-4,3e-4' (all), 'adamw=1e-4,3e-4' (one) or 'x0.3,x1,x3' (multiples "
+                        "of each default)")
+    p.add_argument("--seeds", type=int, help="repeat each run with seeds 0..N-1 (default 1)")
+    p.add_argument("--model", help="model preset of skewadam.models: tiny, cpu, paper-6.78b (default: cpu)")
+    p.add_argument("--data", help="text file or folder of text files (default: the embedded Shakespeare)")
+    base = RunConfig()
+    for flag, kind, what in (("steps", int, "training steps"), ("batch-size", int, "sequences per step"),
+                             ("block-size", int, "tokens per sequence (default: the model's)"),
+                             ("eval-interval", int, "steps between evaluations"),
+                             ("eval-batches", int, "fixed validation batches"),
+                             ("warmup-frac", float, "linear warm-up fraction of the steps, then cosine to 0"),
+                             ("grad-clip", float, "max global grad norm, 0 = off")):
+        default = getattr(base, flag.replace("-", "_"))
+        p.add_argument(f"--{flag}", type=kind, help=what + ("" if default is None else f" (default: {default})"))
+    p.add_argument("--device", choices=("cpu", "cuda"), help="cuda: bf16 weights (default cpu)")
+    p.add_argument("--threads", type=int, help="torch CPU threads per run (default: torch's)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time, each its own process (default 1; with N > 1 timings share the CPU: set "
+                        "--threads so that jobs x threads <= cores)")
+    p.add_argument("--out", type=Path, help="run directory; an existing one is resumed (default: "
+                                            "bench-runs/<date-time>)")
+    p.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard event files under DIR")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .harness.bench import run_bench
+    from .harness.config import BenchConfig, get_preset
+
+    try:
+        bench = get_preset(args.preset)
+        overrides = {f: getattr(args, f) for f in _RUN_FLAGS if getattr(args, f) is not None}
+        base = dataclasses.replace(bench.base, **overrides)
+        optimizers = parse_optimizers(args.optimizers) if args.optimizers else bench.optimizers
+        lrs = {**{k: v for k, v in bench.lrs.items() if k in optimizers}, **parse_lrs(args.lrs, optimizers)}
+        bench = BenchConfig(base=base, optimizers=optimizers, lrs=lrs,
+                            seeds=args.seeds if args.seeds is not None else bench.seeds)
+    except ValueError as e:
+        raise SystemExit(f"skewadam bench: {e}")
+    if args.jobs < 1:
+        raise SystemExit(f"skewadam bench: --jobs must be >= 1, got {args.jobs}")
+    out = args.out or Path("bench-runs") / time.strftime("%Y%m%d-%H%M%S")
+    try:
+        failed = run_bench(bench, out, tensorboard=args.tensorboard, progress=not args.no_progress, jobs=args.jobs,
+                           echo=functools.partial(print, flush=True))
+    except ValueError as e:
+        raise SystemExit(f"skewadam bench: {e}") from None
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; finished runs are kept. Resume with the same command and --out {out}", file=sys.stderr)
+        raise
+    if any((out / "runs").glob("*.json")):
+        from .harness.report import render
+
+        print()
+        print(render(out, plots=not args.no_plots))
+    if failed:
+        print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def _add_report(sub) -> None:
+    from .harness import report
+
+    p = sub.add_parser("report", help="re-render the table and plots of a `skewadam bench` run directory",
+                       description=report.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="directory written by `skewadam bench` (--out)")
+    p.add_argument("--baseline", default="adamw", help="optimizer the ratios are taken to (default: adamw)")
+    p.add_argument("--no-plots", action="store_true", help="write results.md only")
+    p.set_defaults(func=_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .harness.report import render
+
+    print(render(args.run_dir, args.baseline, plots=not args.no_plots))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ bench-step
+def _add_bench_step(sub) -> None:
+    from .harness import bench_step
+    from .planner import DTYPES
+
+    first, *others = arms.BENCH_STEP_DEFAULT
+    p = sub.add_parser(
+        "bench-step", help="time one optimizer step: SkewAdam vs fused/foreach AdamW and Adafactor, with memory",
+        description=bench_step.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--preset", default="cpu", help="model preset of skewadam.models: tiny, cpu, ... (default: cpu)")
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="override model config fields, e.g. --set n_layer=18 d_ff=512 d_expert=384")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter dtype (default: fp32)")
+    p.add_argument("--optimizers", nargs="+", type=_arm, metavar="NAME",
+                   help=f"compared with {first} (default: {', '.join(others)}; any of "
+                        f"{', '.join(arms.names(buildable=True))})")
+    p.add_argument("--impl", choices=("auto", "cpp", "eager"), default="auto", help="SkewAdam's kernel (default: auto)")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default: 15)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per optimizer per round (default: 5)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall time, or the process's CPU time (steadier under load with --threads 1)")
+    p.add_argument("--flush-mb", type=int, default=0, metavar="MB",
+                   help="write an MB-sized buffer before each timed step, so the step starts with cold caches")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of every optimizer (default: 1e-3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_bench_step)
+
+
+def _bench_step(args: argparse.Namespace) -> int:
+    import torch
+
+    from .harness.bench_step import bench_step, format_report
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    first, *others = arms.BENCH_STEP_DEFAULT
+    names = tuple(dict.fromkeys((first, *(args.optimizers or others))))
+    try:
+        res = bench_step(
+            preset=args.preset, overrides=parse_sets(args.set, json_values=False), dtype=args.dtype,
+            optimizers=names, rounds=args.rounds, steps=args.steps, warmup=args.warmup, impl=args.impl,
+            clock=args.clock, flush_mb=args.flush_mb, lr=args.lr, seed=args.seed,
+        )
+    except ValueError as e:
+        raise SystemExit(f"skewadam bench-step: {e}") from None
+    print(format_report(res))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ main
+_SUBCOMMANDS = (_add_tiers, _add_plan, _add_bench, _add_report, _add_bench_step)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="skewadam", description=__doc__)
+    parser = argparse.ArgumentParser(prog="skewadam", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for _, module in _SUBCOMMANDS:
-        importlib.import_module(module).register_cli(sub)
+    for add in _SUBCOMMANDS:
+        add(sub)
     return parser
 
 

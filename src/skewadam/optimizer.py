@@ -8,6 +8,7 @@ cross-shard reduction seam between them.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import defaultdict
 from itertools import chain
@@ -18,8 +19,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from . import kernels
-from .state import is_bank, state_spec
-from .tiers import TIER_STATE, Tier
+from .state import MOMENTUM_DTYPES, StateBytes, check_state, is_bank, measure_state, state_flags, state_spec
+from .tiers import Tier
 
 try:  # DTensor (FSDP2, tensor/expert parallelism); absent on builds without torch.distributed
     from torch.distributed.tensor import DTensor
@@ -29,7 +30,6 @@ except ImportError:  # pragma: no cover
 __all__ = ["SkewAdam"]
 
 _EPS_DEFAULT = {"floor": 1e-8, "add": 1e-30}
-_MOMENTUM_DTYPES = ("fp32", "bf16", "int8")
 _GROUP_KEYS = frozenset(
     {"params", "lr", "betas", "eps", "weight_decay", "eps_mode", "tier", "use_momentum", "use_factored", "bank", "seed",
      "momentum_dtype"}
@@ -115,7 +115,7 @@ class SkewAdam(Optimizer):
 
     Args:
         params: parameters or param groups (dicts with ``params`` and any of the keys below).
-        lr: learning rate (a float; tensor ``lr`` is refused). Default 1e-3.
+        lr: learning rate: a float, or a 0-d (or 1-element) tensor that schedulers write into. Default 1e-3.
         betas: ``(beta1, beta2)``. Default (0.9, 0.999).
         eps: second-moment addend (``add``) or floor (``floor``). Default 1e-30 with ``eps_mode="add"``, 1e-8 with
             ``"floor"``.
@@ -178,27 +178,38 @@ class SkewAdam(Optimizer):
     def from_model(cls, model: torch.nn.Module, **kwargs: Any) -> "SkewAdam":
         """Build SkewAdam with one param group per tier, labelled automatically (`skewadam.classify`).
 
-        Keyword arguments are those of `skewadam.classify.param_groups` plus SkewAdam's own.
+        Keyword arguments are those of `skewadam.groups.param_groups` plus SkewAdam's own; the logged census counts
+        the state under SkewAdam's own (``momentum_dtype``, ...).
 
         Example:
             >>> optimizer = SkewAdam.from_model(model, lr=3e-4, weight_decay=0.05)
         """
-        from .classify import split_kwargs, param_groups
+        from .groups import param_groups, split_kwargs
 
         group_kwargs, opt_kwargs = split_kwargs(kwargs)
-        return cls(param_groups(model, **group_kwargs), **opt_kwargs)
+        return cls(param_groups(model, **group_kwargs, defaults=opt_kwargs), **opt_kwargs)
 
-    def state_bytes(self):
-        """Bytes actually held in this optimizer's state, in total and per tier (`skewadam.memory.StateBytes`)."""
-        from .memory import measure_state
-
+    def state_bytes(self) -> StateBytes:
+        """Bytes actually held in this optimizer's state, in total and per tier (`skewadam.state.StateBytes`)."""
         return measure_state(self)
 
     # ------------------------------------------------------------------ groups and validation
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not isinstance(param_group, dict):
             raise TypeError(f"param group must be a dict, got {type(param_group).__name__}")
-        idx = len(self.param_groups)
+        group = self._resolve_group(param_group, len(self.param_groups))
+        if not isinstance(group["params"], (Tensor, set)):  # torch refuses sets itself
+            group["params"] = list(group["params"])  # a generator must survive being validated
+        params = [group["params"]] if isinstance(group["params"], Tensor) else group["params"]
+        for p in params:
+            p = p[1] if isinstance(p, tuple) else p  # named parameters: (name, tensor)
+            if isinstance(p, Tensor):
+                _validate_param(p, group, len(self.param_groups))
+        super().add_param_group(group)
+
+    def _resolve_group(self, param_group: dict[str, Any], idx: int) -> dict[str, Any]:
+        """A copy of ``param_group`` with this optimizer's defaults filled in, validated, and its state flags, tier
+        and eps resolved (the constructor's path and `load_state_dict`'s)."""
         unknown = set(param_group) - _GROUP_KEYS - _FOREIGN_KEYS
         if unknown:
             raise ValueError(
@@ -208,21 +219,11 @@ class SkewAdam(Optimizer):
         for key, default in self.defaults.items():
             group.setdefault(key, default)
         _validate_group(group, idx)
-        tier = Tier.parse(group["tier"])
-        group["tier"] = tier.value
-        for flag, value in TIER_STATE[tier].items():
-            if group[flag] is None:
-                group[flag] = value
+        flags = state_flags(group)
+        group.update(tier=flags.tier, use_momentum=flags.use_momentum, use_factored=flags.use_factored)
         if group["eps"] is None:
             group["eps"] = _EPS_DEFAULT[group["eps_mode"]]
-        if not isinstance(group["params"], (Tensor, set)):  # torch refuses sets itself
-            group["params"] = list(group["params"])  # a generator must survive being validated
-        params = [group["params"]] if isinstance(group["params"], Tensor) else group["params"]
-        for p in params:
-            p = p[1] if isinstance(p, tuple) else p  # named parameters: (name, tensor)
-            if isinstance(p, Tensor):
-                _validate_param(p, group, idx)
-        super().add_param_group(group)
+        return group
 
     # ------------------------------------------------------------------ state dict
     def __getstate__(self) -> dict[str, Any]:  # torch's keeps only defaults/state/param_groups (deepcopy, pickle)
@@ -242,20 +243,46 @@ class SkewAdam(Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load like torch, but keep each state tensor's saved dtype (torch casts it to the parameter's: fp32
-        statistics of a bf16 parameter would silently become bf16)."""
+        """Load like torch, after validating everything: each saved group with the constructor's own checks, each
+        parameter's state against `skewadam.state.state_spec` (keys, shapes, dtypes); on an error nothing is changed.
+        A Python-number ``step`` (older checkpoints, other tools) becomes a tensor. Unlike torch, each state tensor
+        keeps its saved dtype (torch casts it to the parameter's: fp32 statistics of a bf16 parameter would
+        silently become bf16)."""
         state_dict = dict(state_dict)
         skipped = state_dict.pop("skipped_steps", 0)
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        groups = []
+        for idx, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                                 "optimizer's group")
+            if set(saved) - _GROUP_KEYS - _FOREIGN_KEYS:
+                raise ValueError(_foreign_message(saved, idx))
+            groups.append(self._resolve_group(saved, idx))
+        states = dict(state_dict["state"])
+        for idx, (saved, group) in enumerate(zip(groups, self.param_groups)):
+            flags = state_flags(saved)
+            names = group.get("param_names") or [None] * len(group["params"])
+            for i, (saved_id, p, name) in enumerate(zip(saved["params"], group["params"], names)):
+                state = states.get(saved_id)
+                if not state:
+                    continue
+                spec = flags.spec(p.shape, p.dtype)
+                state = dict(state)
+                if isinstance(state.get("step"), (int, float)) and spec["step"].shape == ():
+                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+                check_state(state, spec, f"state of parameter {i}{f' ({name})' if name else ''} of param group "
+                            f"{idx} (tier {saved['tier']!r})")
+                states[saved_id] = state
+        state_dict.update(param_groups=groups, state=states)
         super().load_state_dict(state_dict)
-        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = chain.from_iterable(g["params"] for g in self.param_groups)
-        for saved_id, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(saved_id)
-            if not saved:
-                continue
+        for saved_id, p in zip(chain.from_iterable(g["params"] for g in groups),
+                               chain.from_iterable(g["params"] for g in self.param_groups)):
             state = self.state[p]
-            for key, value in saved.items():
-                if isinstance(value, Tensor) and state[key].dtype != value.dtype:
+            for key, value in states.get(saved_id, {}).items():
+                if state[key].dtype != value.dtype:
                     state[key] = value.to(device=state[key].device, copy=True)
         self.skipped_steps = int(skipped)
 
@@ -325,7 +352,7 @@ class SkewAdam(Optimizer):
                 [w.col_vars for w in work], banks=[w.banks for w in work], shapes=[w.shapes for w in work],
                 param_ids=[w.param_ids for w in work], betas=[w.group["betas"] for w in work],
                 eps=[w.group["eps"] for w in work], eps_mode=[w.group["eps_mode"] for w in work],
-                lr=[w.group["lr"] for w in work], weight_decay=[w.group["weight_decay"] for w in work],
+                lr=[float(w.group["lr"]) for w in work], weight_decay=[w.group["weight_decay"] for w in work],
                 seed=[w.group["seed"] for w in work], skip_nonfinite=self.skip_nonfinite,
                 exp_avg_scales=[w.exp_avg_scales for w in work],
             ):
@@ -352,7 +379,7 @@ class SkewAdam(Optimizer):
             g = w.group
             impl.apply_updates_(
                 w.local_params, w.grads, w.steps, w.exp_avgs, w.exp_avg_sqs, mo,
-                banks=w.banks, shapes=w.shapes, lr=g["lr"], weight_decay=g["weight_decay"],
+                banks=w.banks, shapes=w.shapes, lr=float(g["lr"]), weight_decay=g["weight_decay"],
                 eps=g["eps"], eps_mode=g["eps_mode"], seed=g["seed"], param_ids=w.param_ids,
                 exp_avg_scales=w.exp_avg_scales,
             )
@@ -374,9 +401,11 @@ def _validate_group(group: dict, idx: int) -> None:
     where = f"param group {idx}"
     lr = group["lr"]
     if isinstance(lr, Tensor):
-        raise ValueError(f"{where}: a Tensor lr is not supported by SkewAdam; pass a Python float (lr.item())")
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        lr = lr.item()  # its value is checked as a float's; the group keeps the tensor
     if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-        raise ValueError(f"Invalid learning rate in {where}: {lr!r} (expected a finite float >= 0)")
+        raise ValueError(f"Invalid learning rate in {where}: {group['lr']!r} (expected a finite float >= 0)")
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"Invalid betas in {where}: {betas!r} (expected a pair (beta1, beta2))")
@@ -392,9 +421,9 @@ def _validate_group(group: dict, idx: int) -> None:
     wd = group["weight_decay"]
     if not isinstance(wd, (int, float)) or not math.isfinite(wd) or wd < 0:
         raise ValueError(f"Invalid weight_decay value in {where}: {wd!r} (expected a float >= 0)")
-    if group["momentum_dtype"] not in _MOMENTUM_DTYPES:
+    if group["momentum_dtype"] not in MOMENTUM_DTYPES:
         raise ValueError(
-            f"Invalid momentum_dtype in {where}: {group['momentum_dtype']!r} (expected one of {_MOMENTUM_DTYPES})"
+            f"Invalid momentum_dtype in {where}: {group['momentum_dtype']!r} (expected one of {MOMENTUM_DTYPES})"
         )
     for flag in ("use_momentum", "use_factored", "bank"):
         if group[flag] is not None and not isinstance(group[flag], bool):
@@ -405,6 +434,21 @@ def _validate_group(group: dict, idx: int) -> None:
         Tier.parse(group["tier"])
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def _foreign_message(saved: dict, idx: int) -> str:
+    """What a state dict whose param group ``idx`` has keys SkewAdam does not take is, for the error refusing it."""
+    keys = set(saved) - {"params", "tier"} - _FOREIGN_KEYS
+    if "decoupled_weight_decay" in keys:  # torch's Adam and AdamW share one group layout
+        what = "torch.optim.AdamW" if saved["decoupled_weight_decay"] else "torch.optim.Adam"
+    else:
+        what = next((f"torch.optim.{name}" for name in torch.optim.__all__
+                     if isinstance(cls := getattr(torch.optim, name), type) and issubclass(cls, Optimizer)
+                     and keys <= set(inspect.signature(cls).parameters)), "another optimizer")
+    return (f"param group {idx} of the state dict is not SkewAdam's: it has key(s) {sorted(keys - _GROUP_KEYS)} "
+            f"SkewAdam does not take{'' if 'tier' in saved else ' and no tier'}; it looks like the state dict of "
+            f"{what}. SkewAdam loads what SkewAdam.state_dict() saved: to switch optimizers, load the model weights "
+            f"and start the optimizer fresh")
 
 
 def _validate_param(p: Tensor, group: dict, idx: int) -> None:

@@ -1,9 +1,13 @@
-"""The one source of truth for the optimizer state a parameter holds.
+"""The one source of truth for the optimizer state a parameter holds, and the bytes an optimizer actually holds.
 
-`state_spec` says which tensors (name, shape, dtype) a parameter of a given shape keeps under a param group's
-flags. `SkewAdam` allocates exactly these, and the memory planner (`skewadam.memory`) sums exactly these, so the two
-cannot disagree. Names follow torch: ``step``, ``exp_avg`` (first moment), ``exp_avg_sq`` (full second moment),
-``row_var`` ``[..., R, 1]`` and ``col_var`` ``[..., 1, C]`` (factored second moment, over the last two dims).
+`state_flags` resolves a param group's state settings (its tier's defaults, the ``use_momentum``/``use_factored``/
+``bank`` overrides, ``momentum_dtype``) into `StateFlags`; `state_spec` says which tensors (name, shape, dtype) a
+parameter of a given shape keeps under them. `SkewAdam` allocates exactly these and validates loaded state against
+them (`check_state`); the census (`skewadam.groups.describe`) and the planner (`skewadam.planner`) sum exactly
+these, so none of them can disagree. `measure_state` counts what any ``torch.optim.Optimizer`` holds.
+
+Names follow torch: ``step``, ``exp_avg`` (first moment), ``exp_avg_sq`` (full second moment), ``row_var``
+``[..., R, 1]`` and ``col_var`` ``[..., 1, C]`` (factored second moment, over the last two dims).
 
 ``momentum_dtype`` stores ``exp_avg`` compactly: ``"fp32"`` (the statistics dtype: fp32, or fp64 for fp64
 parameters), ``"bf16"``, or ``"int8"`` (block-wise, with ``exp_avg_scale`` ``[..., ceil(C / 256)]``; tensors with
@@ -11,21 +15,39 @@ parameters), ``"bf16"``, or ``"int8"`` (block-wise, with ``exp_avg_scale`` ``[..
 
 A *bank* is a stacked expert tensor ``[E, ...]`` whose slices along dim 0 are treated as separate experts: its
 ``step`` holds one count per slice, and whether a slice is factored depends on the slice's rank, not the bank's.
+
+Step counters (``step``) are reported apart from the statistics (moments), because the paper's figures count only
+the latter.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import NamedTuple, Sequence
+from collections import defaultdict
+from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
+from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .kernels.quant import num_blocks
+from .tiers import TIER_STATE, Tier
 
-__all__ = ["StateTensor", "state_spec", "spec_nbytes", "is_bank", "is_factored", "state_dtype_for", "COUNTER_KEYS"]
+try:  # DTensor (FSDP2): a shard's local tensor is what this process holds
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = ()  # type: ignore[assignment,misc]
+
+__all__ = [
+    "StateTensor", "StateFlags", "state_flags", "state_spec", "check_state", "spec_nbytes", "is_bank", "is_factored",
+    "state_dtype_for", "COUNTER_KEYS", "MOMENTUM_DTYPES", "StateBytes", "measure_state", "UNTIERED",
+]
 
 #: State entries that are bookkeeping (step counts), reported apart from the statistics themselves.
 COUNTER_KEYS = frozenset({"step"})
+MOMENTUM_DTYPES = ("fp32", "bf16", "int8")
+UNTIERED = "untiered"  # tier of a param group that names none (a plain torch optimizer)
 
 
 class StateTensor(NamedTuple):
@@ -34,11 +56,7 @@ class StateTensor(NamedTuple):
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def state_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
@@ -92,7 +110,188 @@ def state_spec(
     return spec
 
 
+class StateFlags(NamedTuple):
+    """A param group's state settings, resolved: what `state_spec` needs besides a parameter's shape and dtype."""
+
+    tier: str
+    use_momentum: bool
+    use_factored: bool
+    bank: Optional[bool]  # None: the bank rule of `is_bank`
+    momentum_dtype: str
+
+    def is_bank(self, ndim: int) -> bool:
+        """Whether a parameter of this group with ``ndim`` dims is a bank (`is_bank`)."""
+        return is_bank(ndim, self.tier, self.bank)
+
+    def spec(self, shape: Sequence[int], param_dtype: torch.dtype) -> dict[str, StateTensor]:
+        """`state_spec` of a parameter of this group."""
+        return state_spec(shape, param_dtype, use_momentum=self.use_momentum, use_factored=self.use_factored,
+                          bank=self.is_bank(len(shape)), momentum_dtype=self.momentum_dtype)
+
+
+def state_flags(group: Mapping[str, Any]) -> StateFlags:
+    """Resolve the state settings of a param group (or of any mapping of group settings; other keys are ignored).
+
+    ``tier`` (default ``"backbone"``) sets ``use_momentum``/``use_factored`` (`skewadam.tiers.TIER_STATE`) where the
+    group gives ``None`` or nothing; ``bank`` stays ``None`` (the bank rule) unless given; ``momentum_dtype``
+    defaults to ``"fp32"``. The optimizer, the census and the planner all resolve through here.
+
+    Example:
+        >>> state_flags({"tier": "expert", "use_momentum": True, "lr": 1e-3})
+        StateFlags(tier='expert', use_momentum=True, use_factored=True, bank=None, momentum_dtype='fp32')
+    """
+    tier = Tier.parse(group.get("tier") or Tier.BACKBONE)
+    defaults = TIER_STATE[tier]
+    use_momentum, use_factored = (defaults[k] if group.get(k) is None else group[k]
+                                  for k in ("use_momentum", "use_factored"))
+    momentum_dtype = group.get("momentum_dtype") or "fp32"
+    if momentum_dtype not in MOMENTUM_DTYPES:
+        raise ValueError(f"Invalid momentum_dtype: {momentum_dtype!r} (expected one of {MOMENTUM_DTYPES})")
+    return StateFlags(tier.value, bool(use_momentum), bool(use_factored), group.get("bank"), momentum_dtype)
+
+
+def check_state(state: Mapping[str, Any], spec: Mapping[str, StateTensor], where: str) -> None:
+    """Raise ``ValueError`` unless ``state`` holds exactly the tensors of ``spec``: the same keys, each a tensor of
+    the spec's (global, for DTensors) shape and dtype. ``where`` names the parameter and its group in the message."""
+    if set(state) != set(spec):
+        missing, extra = sorted(set(spec) - set(state)), sorted(set(state) - set(spec))
+        raise ValueError(
+            f"{where}: state has keys {sorted(state)}, expected {list(spec)}"
+            + (f" (missing {missing})" if missing else "") + (f" (unexpected {extra})" if extra else "")
+            + "; it was saved under other state settings (tier, use_momentum, use_factored, bank, momentum_dtype) "
+            "or for another parameter: load it where the settings and parameters match"
+        )
+    for key, want in spec.items():
+        value = state[key]
+        if not isinstance(value, Tensor):
+            raise ValueError(f"{where}: state {key!r} is a {type(value).__name__}, expected a tensor "
+                             f"{list(want.shape)} {want.dtype}")
+        if tuple(value.shape) != want.shape or value.dtype != want.dtype:
+            raise ValueError(
+                f"{where}: state {key!r} is {list(value.shape)} {value.dtype}, expected {list(want.shape)} "
+                f"{want.dtype} for this parameter; the state belongs to a parameter of another shape or dtype"
+            )
+
+
 def spec_nbytes(spec: dict[str, StateTensor]) -> tuple[int, int]:
     """``(statistics, counters)`` bytes of a `state_spec`: moments apart from step counts (the paper counts only the former)."""
     stats = sum(st.nbytes for key, st in spec.items() if key not in COUNTER_KEYS)
     return stats, sum(st.nbytes for key, st in spec.items() if key in COUNTER_KEYS)
+
+
+# ----------------------------------------------------------------------------------------------------- measured
+@dataclasses.dataclass(frozen=True)
+class StateBytes:
+    """Bytes of optimizer state.
+
+    Attributes:
+        statistics: moments (``exp_avg``, ``exp_avg_sq``, ``row_var``, ``col_var``, ...): what the paper counts.
+        counters: step counts (`COUNTER_KEYS`).
+        by_tier: statistics bytes per tier (``"untiered"`` for groups without a ``tier`` key).
+        by_key: all bytes per state key, counters included.
+        tensors: distinct state tensors.
+    """
+
+    statistics: int
+    counters: int
+    by_tier: dict[str, int]
+    by_key: dict[str, int]
+    tensors: int
+
+    @property
+    def total(self) -> int:
+        """Everything held: statistics and counters."""
+        return self.statistics + self.counters
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "total": self.total}
+
+
+class Tally:
+    """Sums state bytes per tier and key into a `StateBytes`. Measured tensors (`add_tensor`) are counted by
+    storage: each view charges the bytes of its span that no earlier tensor covered, and a storage's bytes that no
+    view covers (a view keeps its whole storage alive) go to the first tensor seen in it. So shared tensors count
+    once and the total is the memory held. Planned tensors (`add`) are counted as given."""
+
+    def __init__(self) -> None:
+        self.stats = self.counters = self.tensors = 0
+        self.by_tier: dict[str, int] = defaultdict(int)
+        self.by_key: dict[str, int] = defaultdict(int)
+        self._storages: dict[Any, tuple[int, str, str, list[tuple[int, int]]]] = {}
+
+    def add(self, tier: str, key: str, nbytes: int) -> None:
+        self.by_key[key] += nbytes
+        if key in COUNTER_KEYS:
+            self.counters += nbytes
+        else:
+            self.stats += nbytes
+            self.by_tier[tier] += nbytes
+
+    def add_tensor(self, tier: str, key: str, t: Tensor) -> None:
+        itemsize = t.element_size()
+        span = 0 if t.numel() == 0 else itemsize * (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())))
+        storage = t.untyped_storage()
+        if storage.data_ptr() == 0:  # meta / fake / empty storage: no address to share, count the tensor itself
+            self.tensors += 1
+            self.add(tier, key, span)
+            return
+        _, _, _, spans = self._storages.setdefault((t.device, storage.data_ptr()), (storage.nbytes(), tier, key, []))
+        start = t.storage_offset() * itemsize
+        covered = sum(max(0, min(b, start + span) - max(a, start)) for a, b in _union(spans))
+        spans.append((start, start + span))
+        if span - covered > 0 or not covered:
+            self.tensors += 1
+            self.add(tier, key, span - covered)
+
+    def result(self) -> StateBytes:
+        for nbytes, tier, key, spans in self._storages.values():
+            self.add(tier, key, nbytes - sum(b - a for a, b in _union(spans)))
+        self._storages.clear()
+        return StateBytes(self.stats, self.counters, dict(self.by_tier), dict(self.by_key), self.tensors)
+
+
+def _union(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _plain_tensors(value: Any) -> Iterable[Tensor]:
+    """The tensors holding ``value``'s memory: a DTensor's local shard, a wrapper subclass's inner tensors
+    (e.g. torchao's 8-bit state: codes, scale, qmap)."""
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    if not isinstance(value, Tensor):
+        return
+    if is_traceable_wrapper_subclass(value):
+        names, _ = value.__tensor_flatten__()
+        for name in names:
+            yield from _plain_tensors(getattr(value, name))
+    else:
+        yield value
+
+
+def measure_state(optimizer: torch.optim.Optimizer) -> StateBytes:
+    """Bytes held in ``optimizer.state``, per tier (the param group's ``tier`` key) and per state key.
+
+    Memory is counted once per storage: a tensor shared between parameters once, views by the part of the storage
+    they cover (the rest of a storage that views keep alive goes to the first one seen), DTensor state at its local
+    shard's size, tensor subclasses by their inner tensors. Works for any ``torch.optim.Optimizer`` (and anything
+    with its ``param_groups`` and ``state``); non-tensor state (Python numbers) holds no tensor memory and is skipped.
+
+    Example:
+        >>> opt.step(); measure_state(opt).by_tier
+        {'backbone': 1365349700, 'expert': 12582912, 'router': 2097152}
+    """
+    tier_of = {id(p): str(g.get("tier", UNTIERED)) for g in optimizer.param_groups for p in g["params"]}
+    tally = Tally()
+    for p, state in optimizer.state.items():
+        tier = tier_of.get(id(p), UNTIERED)
+        for key, value in state.items():
+            for t in _plain_tensors(value):
+                tally.add_tensor(tier, key, t)
+    return tally.result()

@@ -1,7 +1,7 @@
 """``skewadam bench-step``: the time and transient memory of one optimizer step, SkewAdam against torch's optimizers.
 
 Each optimizer steps its own copy of a `skewadam.models` preset (same weights, same fixed random gradients, the same
-per-tier param groups from `skewadam.classify.param_groups`). Steps are timed in interleaved rounds: every round runs
+per-tier param groups from `skewadam.groups.param_groups`). Steps are timed in interleaved rounds: every round runs
 each optimizer ``--steps`` times, in an order that rotates from round to round, so load from other processes falls
 on all of them alike. A ratio is the median over rounds of the ratio of the two optimizers' per-round medians
 (paired); a time is the median over all timed steps. ``--clock cpu`` times the process's CPU time instead of the
@@ -16,53 +16,22 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["register_cli", "bench_step", "step_transient_bytes", "OPTIMIZERS"]
+from .. import arms
+from ..kernels import select
+from ..models import MoETransformer, get_config
+from ..planner import DTYPES
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _skewadam(groups: list[dict[str, Any]], lr: float, impl: str) -> torch.optim.Optimizer:
-    from ..optimizer import SkewAdam
-
-    return SkewAdam(groups, lr=lr, impl=impl)
-
-
-#: name -> build(param_groups, lr, skewadam_impl). The first is the one the others are compared with.
-OPTIMIZERS: dict[str, Callable[[list[dict[str, Any]], float, str], torch.optim.Optimizer]] = {
-    "SkewAdam": _skewadam,
-    "AdamW fused": lambda groups, lr, impl: torch.optim.AdamW(groups, lr=lr, fused=True),
-    "AdamW foreach": lambda groups, lr, impl: torch.optim.AdamW(groups, lr=lr, foreach=True),
-    "Adafactor": lambda groups, lr, impl: torch.optim.Adafactor(groups, lr=lr),
-    "SkewAdam eager": lambda groups, lr, impl: _skewadam(groups, lr, "eager"),
-}
-_DEFAULT = ("SkewAdam", "AdamW fused", "AdamW foreach", "Adafactor")
-
-
-def _names() -> list[str]:
-    """Every name `bench_step` takes: its own, then `skewadam bench`'s arms (built as the bench builds them)."""
-    from .optimizers import OPTIMIZERS as ARMS
-
-    return list(OPTIMIZERS) + [n for n in ARMS if n not in OPTIMIZERS]
-
-
-def _build(name: str, model: torch.nn.Module, lr: float, impl: str):
-    from ..classify import param_groups
-    from .optimizers import OPTIMIZERS as ARMS, build_optimizer
-
-    if name in OPTIMIZERS:
-        return OPTIMIZERS[name](param_groups(model), lr, impl)
-    return build_optimizer(name, model, lr, ARMS[name].weight_decay)
+__all__ = ["bench_step", "step_transient_bytes", "format_report"]
 
 
 def step_transient_bytes(optimizer: torch.optim.Optimizer) -> Optional[int]:
@@ -113,7 +82,7 @@ def bench_step(
     preset: str = "cpu",
     overrides: Optional[dict[str, Any]] = None,
     dtype: str = "fp32",
-    optimizers: tuple[str, ...] = _DEFAULT,
+    optimizers: tuple[str, ...] = arms.BENCH_STEP_DEFAULT,
     rounds: int = 15,
     steps: int = 5,
     warmup: int = 3,
@@ -123,30 +92,27 @@ def bench_step(
     lr: float = 1e-3,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Time ``optimizers`` stepping copies of the model preset; return per-optimizer times, ratios and memory.
-    Names are `OPTIMIZERS`' or `skewadam bench`'s arms (`skewadam.harness.optimizers`: its param groups and weight
-    decay; ``impl`` applies to `OPTIMIZERS`' SkewAdam entries).
+    """Time ``optimizers`` (arms of `skewadam.arms`, built as the bench builds them, at ``lr``; ``impl`` is the kernel
+    of their SkewAdam arms) stepping copies of the model preset; return per-optimizer times, ratios and memory.
 
     Returns:
         The settings, the model's ``params``, ``tensors`` and ``largest`` tensor (elements), the SkewAdam
         ``kernel`` used on CPU, the load average before and after, and ``results``: per optimizer ``median_s``,
         ``ratio`` (paired median of the first optimizer's time over this one's) and ``transient_bytes``.
     """
-    from ..kernels import select
-    from ..models import MoETransformer, get_config
-
     if not optimizers:
         raise ValueError("bench_step needs at least one optimizer")
-    unknown = [n for n in optimizers if n not in _names()]
-    if unknown:
-        raise ValueError(f"unknown optimizer(s) {unknown}: use any of {_names()}")
+    optimizers = tuple(dict.fromkeys(arms.canonical(n) for n in optimizers))
+    unbuildable = [n for n in optimizers if arms.ARMS[n].make is None]
+    if unbuildable:
+        raise ValueError(f"{unbuildable}: memory models only; use any of {', '.join(arms.names(buildable=True))}")
     if clock not in ("wall", "cpu"):
         raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     timer = time.perf_counter if clock == "wall" else time.process_time
     torch.manual_seed(seed)
-    base = MoETransformer(get_config(preset, **(overrides or {}))).to(_DTYPES[dtype])
+    base = MoETransformer(get_config(preset, **(overrides or {}))).to(DTYPES[dtype])
     for p in base.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     opts = {}
@@ -154,7 +120,7 @@ def bench_step(
         model = copy.deepcopy(base)
         for p, q in zip(model.parameters(), base.parameters()):
             p.grad = q.grad.clone()  # deepcopy does not copy .grad
-        opts[name] = _build(name, model, lr, impl)
+        opts[name] = arms.ARMS[name].build(model, lr, impl=impl)
     first = optimizers[0]
     memory = {}
     for name, opt in opts.items():
@@ -212,59 +178,3 @@ def format_report(res: dict[str, Any]) -> str:
         mem = "n/a" if r["transient_bytes"] is None else f"{r['transient_bytes'] / 2**20:.2f}"
         lines.append(f"{name:<24} {r['median_s'] * 1e3:>10.2f} {r['ratio']:>21.3f}x {mem:>14}")
     return "\n".join(lines)
-
-
-def _parse_set(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. n_layer=18")
-        for kind in (int, float):
-            try:
-                out[key] = kind(value)
-                break
-            except ValueError:
-                continue
-        else:
-            out[key] = value
-    return out
-
-
-def _main(args: argparse.Namespace) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    names = tuple(dict.fromkeys(("SkewAdam",) + tuple(args.optimizers or _DEFAULT[1:])))
-    res = bench_step(
-        preset=args.preset, overrides=_parse_set(args.set), dtype=args.dtype, optimizers=names, rounds=args.rounds,
-        steps=args.steps, warmup=args.warmup, impl=args.impl, clock=args.clock, flush_mb=args.flush_mb, lr=args.lr,
-        seed=args.seed,
-    )
-    print(format_report(res))
-    return 0
-
-
-def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "bench-step", help="time one optimizer step: SkewAdam vs fused/foreach AdamW and Adafactor, with memory",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--preset", default="cpu", help="model preset of skewadam.models: tiny, cpu, ... (default: cpu)")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="override model config fields, e.g. --set n_layer=18 d_ff=512 d_expert=384")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32", help="parameter dtype (default: fp32)")
-    p.add_argument("--optimizers", nargs="+", choices=[n for n in _names() if n != "SkewAdam"], metavar="NAME",
-                   help="compared with SkewAdam (default: " + ", ".join(repr(n) for n in _DEFAULT[1:]) +
-                        "; also 'SkewAdam eager' and the arms of `skewadam bench`, e.g. skewadam-int8, muon)")
-    p.add_argument("--impl", choices=("auto", "cpp", "eager"), default="auto", help="SkewAdam's kernel (default: auto)")
-    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default: 15)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per optimizer per round (default: 5)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="wall time, or the process's CPU time (steadier under load with --threads 1)")
-    p.add_argument("--flush-mb", type=int, default=0, metavar="MB",
-                   help="write an MB-sized buffer before each timed step, so the step starts with cold caches")
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of every optimizer (default: 1e-3)")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=_main)

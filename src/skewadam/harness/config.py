@@ -11,15 +11,16 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Optional
 
+from .. import arms
 from ..models import CONFIGS
-from .optimizers import DEFAULT_OPTIMIZERS, OPTIMIZERS
 
-__all__ = ["RunConfig", "BenchConfig", "PRESETS", "get_preset", "run_name"]
+__all__ = ["RunConfig", "BenchConfig", "PRESETS", "ALL", "get_preset", "run_name"]
 
 
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
-    """One training run. ``lr``/``weight_decay`` ``None`` mean the optimizer's defaults (`OPTIMIZERS`)."""
+    """One training run. ``optimizer`` is an arm of `skewadam.arms` (an alias becomes its name); ``lr`` and
+    ``weight_decay`` ``None`` mean the arm's defaults."""
 
     optimizer: str = "adamw"
     lr: Optional[float] = None
@@ -38,8 +39,7 @@ class RunConfig:
     threads: Optional[int] = None  # torch CPU threads; None = torch's default
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+        self.optimizer = _trainable(self.optimizer)
         for name in ("steps", "batch_size", "eval_interval", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -54,11 +54,11 @@ class RunConfig:
 
     @property
     def resolved_lr(self) -> float:
-        return OPTIMIZERS[self.optimizer].lr if self.lr is None else self.lr
+        return arms.ARMS[self.optimizer].lr if self.lr is None else self.lr
 
     @property
     def resolved_weight_decay(self) -> float:
-        return OPTIMIZERS[self.optimizer].weight_decay if self.weight_decay is None else self.weight_decay
+        return arms.ARMS[self.optimizer].weight_decay if self.weight_decay is None else self.weight_decay
 
 
 def run_name(cfg: RunConfig) -> str:
@@ -78,14 +78,13 @@ class BenchConfig:
     """
 
     base: RunConfig = dataclasses.field(default_factory=RunConfig)
-    optimizers: tuple[str, ...] = DEFAULT_OPTIMIZERS
+    optimizers: tuple[str, ...] = arms.BENCH_DEFAULT
     lrs: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     seeds: int = 1
 
     def __post_init__(self) -> None:
-        unknown = [o for o in (*self.optimizers, *self.lrs) if o not in OPTIMIZERS]
-        if unknown:
-            raise ValueError(f"unknown optimizer(s) {unknown}: use any of {', '.join(OPTIMIZERS)}")
+        self.optimizers = tuple(dict.fromkeys(_trainable(o) for o in self.optimizers))
+        self.lrs = {_trainable(o): lrs for o, lrs in self.lrs.items()}
         if self.seeds < 1:
             raise ValueError(f"seeds must be >= 1, got {self.seeds}")
 
@@ -95,8 +94,20 @@ class BenchConfig:
             dataclasses.replace(self.base, optimizer=opt, lr=lr, seed=seed)
             for seed in range(self.seeds)
             for opt in self.optimizers
-            for lr in self.lrs.get(opt, (OPTIMIZERS[opt].lr,))
+            for lr in self.lrs.get(opt, (arms.ARMS[opt].lr,))
         ]
+
+
+def _trainable(name: str) -> str:
+    """The arm name of ``name``, if the bench can train it."""
+    arm = arms.get(name)
+    if arm.make is None:
+        raise ValueError(f"{arm.name} is a memory model only: train any of {', '.join(arms.names(buildable=True))}")
+    return arm.name
+
+
+#: What ``--optimizers all`` and the study train: every arm that builds, one implementation of each.
+ALL = tuple(arms.names(buildable=True, variants=False))
 
 
 def default() -> BenchConfig:
@@ -125,8 +136,8 @@ def study() -> BenchConfig:
     cores; seed-major, so an interrupted study has every arm at its first seeds; resumable)."""
     return BenchConfig(
         base=RunConfig(steps=200, eval_interval=25),
-        optimizers=tuple(OPTIMIZERS),
-        lrs={name: STUDY_LRS.get(name, STUDY_LR_DEFAULT) for name in OPTIMIZERS},
+        optimizers=ALL,
+        lrs={name: STUDY_LRS.get(name, STUDY_LR_DEFAULT) for name in ALL},
         seeds=3,
     )
 

@@ -9,7 +9,6 @@ seeds (``± std`` with several seeds) and, in parentheses, its ratio to the base
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -17,7 +16,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["load_runs", "summarize", "best_by_optimizer", "results_table", "sweep_table", "render", "register_cli"]
+__all__ = ["load_runs", "summarize", "best_by_optimizer", "results_table", "sweep_table", "render"]
 
 # (column title, summary key, formatter of the value)
 _MiB = 2**20
@@ -273,17 +272,3 @@ def render(run_dir: str | Path, baseline: str = "adamw", plots: bool = True) -> 
     text = "\n".join(lines) + "\n"
     (run_dir / "results.md").write_text(text)
     return text
-
-
-def register_cli(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("report", help="re-render the table and plots of a `skewadam bench` run directory",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", metavar="RUN_DIR", help="directory written by `skewadam bench` (--out)")
-    p.add_argument("--baseline", default="adamw", help="optimizer the ratios are taken to (default: adamw)")
-    p.add_argument("--no-plots", action="store_true", help="write results.md only")
-    p.set_defaults(func=_cli)
-
-
-def _cli(args: argparse.Namespace) -> int:
-    print(render(args.run_dir, args.baseline, plots=not args.no_plots))
-    return 0

@@ -22,12 +22,13 @@ from typing import Any, Optional
 
 import torch
 
+from .. import arms
 from ..classify import classify
 from ..data import eval_batches, get_batch, load_corpus
-from ..memory import measure_state, peak_rss
 from ..models import MoETransformer, get_config
+from ..state import measure_state
 from .config import RunConfig, run_name
-from .optimizers import build_optimizer
+from .measure import peak_rss
 
 __all__ = ["train", "lr_factor", "evaluate", "main"]
 
@@ -48,6 +49,11 @@ def _peak_memory(device: torch.device) -> int:
     return peak_rss()
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @torch.no_grad()
 def evaluate(model: MoETransformer, batches: list) -> dict[str, float]:
     """Mean LM loss and balance loss over the fixed validation batches (eval mode: no router noise)."""
@@ -62,116 +68,75 @@ def evaluate(model: MoETransformer, batches: list) -> dict[str, float]:
     return {"val_loss": val_loss, "val_ppl": math.exp(val_loss), "val_balance_loss": sum(bal) / len(bal)}
 
 
-def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optional[str] = None,
-          progress: bool = True) -> dict[str, Any]:
-    """Train per ``cfg``; return the log (and write it to ``log_path``, atomically, if given)."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    device = torch.device(cfg.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    corpus = load_corpus(cfg.data)
-    torch.manual_seed(cfg.seed)
-    overrides = {"vocab_size": corpus.vocab_size}
-    if cfg.block_size is not None:
-        overrides["block_size"] = cfg.block_size
-    model_cfg = get_config(cfg.model, **overrides)
-    T = model_cfg.block_size
-    model = MoETransformer(model_cfg).to(device=device, dtype=dtype)
-    init_checksum = sum(p.double().sum().item() for p in model.parameters())
-    data_gen = torch.Generator().manual_seed(cfg.seed)
-    val_batches = [(x.to(device), y.to(device))
-                   for x, y in eval_batches(corpus.val, cfg.eval_batches, cfg.batch_size, T)]
+def _set_lr(optimizer, base_lrs: list[float], factor: float) -> None:
+    for group, base in zip(optimizer.param_groups, base_lrs):
+        if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr a tensor (no recompile per value)
+            group["lr"].fill_(base * factor)
+        else:
+            group["lr"] = base * factor
 
-    params = dict(model.named_parameters())
-    params_by_tier = {"backbone": 0, "expert": 0, "router": 0}
-    for n, tier in classify(model).items():
-        params_by_tier[tier] += params[n].numel()
-    baseline_memory = _peak_memory(device)
-    lr, wd = cfg.resolved_lr, cfg.resolved_weight_decay
-    optimizer = build_optimizer(cfg.optimizer, model, lr, wd)
-    base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
 
-    writer = None
-    if tensorboard:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise SystemExit("--tensorboard needs the tensorboard package: pip install 'skewadam[tensorboard]'")
-        writer = SummaryWriter(os.path.join(tensorboard, run_name(cfg)))
+def _train_step(model, optimizer, x, y, grad_clip: float, device: torch.device) -> dict[str, float]:
+    """Forward, backward, clip, step; the losses, grad norm and timings (``opt_time_s``: the step alone)."""
+    t0 = time.perf_counter()
+    out = model(x, y)
+    out.loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    _sync(device)
+    t1 = time.perf_counter()
+    optimizer.step()
+    _sync(device)
+    t2 = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": out.loss.item(), "lm_loss": out.lm_loss.item(), "balance_loss": out.balance_loss.item(),
+            "z_loss": out.z_loss.item(), "grad_norm": grad_norm.item(), "step_time_s": t2 - t0, "opt_time_s": t2 - t1}
 
-    name = run_name(cfg)
-    steps_log: list[dict[str, Any]] = []
-    evals_log: list[dict[str, Any]] = []
-    tokens_per_step = cfg.batch_size * T
-    diverged = False
-    bar = None
-    if progress:
-        from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, desc=name, file=sys.stderr, dynamic_ncols=True, leave=True)
-    load_start = os.getloadavg()[0]
-    t_start = time.perf_counter()
-    for step in range(cfg.steps + 1):
-        # evaluate on the fixed validation batches every eval_interval steps and at the end
-        if step % cfg.eval_interval == 0 or step == cfg.steps or diverged:
-            ev = {"step": step, "tokens": step * tokens_per_step, **evaluate(model, val_batches)}
-            evals_log.append(ev)
-            if writer:
-                for k in ("val_loss", "val_ppl", "val_balance_loss"):
-                    writer.add_scalar(f"val/{k[4:]}", ev[k], step)
-            if bar:
-                bar.set_postfix(val_ppl=f"{ev['val_ppl']:.2f}")
-        if step == cfg.steps or diverged:
-            break
+class _Monitor:
+    """Where a run reports as it goes: a progress bar (tqdm) and TensorBoard event files, each optional."""
 
-        # set the learning rate of this step
-        factor = lr_factor(step, cfg.steps, cfg.warmup_frac)
-        for group, base in zip(optimizer.param_groups, base_lrs):
-            if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr a tensor (no recompile per value)
-                group["lr"].fill_(base * factor)
-            else:
-                group["lr"] = base * factor
+    def __init__(self, name: str, steps: int, tensorboard: Optional[str], progress: bool) -> None:
+        self.writer = self.bar = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise SystemExit("--tensorboard needs the tensorboard package: pip install 'skewadam[tensorboard]'")
+            self.writer = SummaryWriter(os.path.join(tensorboard, name))
+        if progress:
+            from tqdm import tqdm
 
-        # forward, backward, clip, step
-        x, y = get_batch(corpus.train, cfg.batch_size, T, data_gen)
-        x, y = x.to(device), y.to(device)
-        t0 = time.perf_counter()
-        out = model(x, y)
-        out.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t1 = time.perf_counter()
-        optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t2 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
+            self.bar = tqdm(total=steps, desc=name, file=sys.stderr, dynamic_ncols=True, leave=True)
 
-        rec = {"step": step + 1, "lr": base_lrs[0] * factor, "loss": out.loss.item(), "lm_loss": out.lm_loss.item(),
-               "balance_loss": out.balance_loss.item(), "z_loss": out.z_loss.item(),
-               "grad_norm": grad_norm.item(), "step_time_s": t2 - t0, "opt_time_s": t2 - t1}
-        steps_log.append(rec)
-        diverged = not math.isfinite(rec["loss"])
-        if writer:
+    def eval(self, ev: dict[str, Any]) -> None:
+        if self.writer:
+            for k in ("val_loss", "val_ppl", "val_balance_loss"):
+                self.writer.add_scalar(f"val/{k[4:]}", ev[k], ev["step"])
+        if self.bar:
+            self.bar.set_postfix(val_ppl=f"{ev['val_ppl']:.2f}")
+
+    def step(self, rec: dict[str, Any], last_eval: dict[str, Any]) -> None:
+        if self.writer:
             for k in ("loss", "lm_loss", "balance_loss", "z_loss", "grad_norm", "lr"):
-                writer.add_scalar(f"train/{k}", rec[k], rec["step"])
-            writer.add_scalar("perf/opt_time_ms", rec["opt_time_s"] * 1e3, rec["step"])
-        if bar:
-            bar.update(1)
-            bar.set_postfix(loss=f"{rec['lm_loss']:.3f}", val_ppl=f"{evals_log[-1]['val_ppl']:.2f}")
-    wall = time.perf_counter() - t_start
-    if bar:
-        bar.close()
+                self.writer.add_scalar(f"train/{k}", rec[k], rec["step"])
+            self.writer.add_scalar("perf/opt_time_ms", rec["opt_time_s"] * 1e3, rec["step"])
+        if self.bar:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{rec['lm_loss']:.3f}", val_ppl=f"{last_eval['val_ppl']:.2f}")
 
-    # state bytes by tier (the param groups' `tier`), moments apart from step counters: the same count for every
-    # optimizer, and SkewAdam.state_bytes() for SkewAdam
+    def close(self) -> None:
+        for out in (self.bar, self.writer):
+            if out:
+                out.close()
+
+
+def _summary(optimizer, steps_log, evals_log, device, baseline_memory: int, tokens_per_step: int) -> dict[str, Any]:
+    """Memory, speed and quality of a finished run. State bytes are by tier (the param groups' ``tier``), moments
+    apart from step counters: the same count for every optimizer, and SkewAdam.state_bytes() for SkewAdam."""
     state = measure_state(optimizer)
     timed = steps_log[min(2, len(steps_log) // 4):]  # skip the first steps (lazy state allocation, warm caches)
     finite = [e["val_ppl"] for e in evals_log if math.isfinite(e["val_ppl"])]
-    summary = {
+    return {
         "state_bytes": state.statistics,
         "state_bytes_by_tier": state.by_tier,
         "state_bytes_by_key": state.by_key,
@@ -186,10 +151,60 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
         "best_val_ppl": min(finite) if finite else math.inf,
         "final_val_ppl": evals_log[-1]["val_ppl"],
         "final_val_balance_loss": evals_log[-1]["val_balance_loss"],
-        "diverged": diverged,
-        "wall_time_s": wall,
-        "loadavg_1min": [load_start, os.getloadavg()[0]],  # machine load at start and end: context for timings
+        "diverged": not math.isfinite(steps_log[-1]["loss"]),
     }
+
+
+def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optional[str] = None,
+          progress: bool = True) -> dict[str, Any]:
+    """Train per ``cfg``; return the log (and write it to ``log_path``, atomically, if given)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    corpus = load_corpus(cfg.data)
+    torch.manual_seed(cfg.seed)
+    model_cfg = get_config(cfg.model, vocab_size=corpus.vocab_size,
+                           **({} if cfg.block_size is None else {"block_size": cfg.block_size}))
+    T = model_cfg.block_size
+    model = MoETransformer(model_cfg).to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    init_checksum = sum(p.double().sum().item() for p in model.parameters())
+    data_gen = torch.Generator().manual_seed(cfg.seed)
+    val_batches = [(x.to(device), y.to(device)) for x, y in eval_batches(corpus.val, cfg.eval_batches, cfg.batch_size, T)]
+    params = dict(model.named_parameters())
+    params_by_tier = {"backbone": 0, "expert": 0, "router": 0}
+    for n, tier in classify(model).items():
+        params_by_tier[tier] += params[n].numel()
+    baseline_memory = _peak_memory(device)
+    lr, wd = cfg.resolved_lr, cfg.resolved_weight_decay
+    optimizer = arms.get(cfg.optimizer).build(model, lr, wd)
+    base_lrs = [float(g["lr"]) for g in optimizer.param_groups]
+
+    name = run_name(cfg)
+    monitor = _Monitor(name, cfg.steps, tensorboard, progress)
+    steps_log: list[dict[str, Any]] = []
+    evals_log: list[dict[str, Any]] = []
+    load_start, t_start = os.getloadavg()[0], time.perf_counter()
+    for step in range(cfg.steps + 1):
+        diverged = bool(steps_log) and not math.isfinite(steps_log[-1]["loss"])
+        if step % cfg.eval_interval == 0 or step == cfg.steps or diverged:  # the fixed validation batches
+            evals_log.append({"step": step, "tokens": step * cfg.batch_size * T, **evaluate(model, val_batches)})
+            monitor.eval(evals_log[-1])
+        if step == cfg.steps or diverged:
+            break
+        factor = lr_factor(step, cfg.steps, cfg.warmup_frac)
+        _set_lr(optimizer, base_lrs, factor)
+        x, y = get_batch(corpus.train, cfg.batch_size, T, data_gen)
+        rec = _train_step(model, optimizer, x.to(device), y.to(device), cfg.grad_clip, device)
+        steps_log.append({"step": step + 1, "lr": base_lrs[0] * factor, **rec})
+        monitor.step(steps_log[-1], evals_log[-1])
+    wall = time.perf_counter() - t_start
+    monitor.close()
+
+    summary = _summary(optimizer, steps_log, evals_log, device, baseline_memory, cfg.batch_size * T)
+    summary["wall_time_s"] = wall
+    summary["loadavg_1min"] = [load_start, os.getloadavg()[0]]  # machine load at start and end: context for timings
     log = {
         "name": name,
         "config": dataclasses.asdict(cfg) | {"lr": lr, "weight_decay": wd},
@@ -206,11 +221,8 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
         "evals": evals_log,
         "steps": steps_log,
     }
-    if writer:
-        writer.close()
     if log_path is not None:
-        log_path = Path(log_path)
-        tmp = log_path.with_suffix(".tmp")
+        tmp = Path(log_path).with_suffix(".tmp")
         tmp.write_text(json.dumps(log, indent=1, allow_nan=True))
         tmp.replace(log_path)
     return log
@@ -221,8 +233,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     optional ``tensorboard`` / ``progress``. This is how `skewadam bench` starts each run in a fresh process."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m skewadam.harness.train JOB.json", file=sys.stderr)
-        return 2
+        raise SystemExit("usage: python -m skewadam.harness.train JOB.json")
     job = json.loads(Path(argv[0]).read_text())
     train(RunConfig(**job["config"]), Path(job["log_path"]), tensorboard=job.get("tensorboard"),
           progress=job.get("progress", True))

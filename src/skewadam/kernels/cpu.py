@@ -234,3 +234,9 @@ def step_(
 def stochastic_round_bf16(x: Tensor, key: int) -> Tensor:
     """The kernel's rounding of an fp32 tensor to bf16: bit-identical to `skewadam.kernels.rounding`'s."""
     return _ext().stochastic_round_bf16(x, key & 0xFFFFFFFF)
+
+
+def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dtype: torch.dtype) -> int:
+    """No tensor-sized scratch: the kernel's scratch is row/column-sized (0.02-0.04 MiB per step measured), not
+    counted."""
+    return 0

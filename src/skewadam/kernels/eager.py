@@ -301,3 +301,12 @@ def _apply_one(p, g, m, scale, v, mo: Moments, clip, *, lr, decay, floor, key, o
     if p.dtype == torch.bfloat16:
         new = stochastic_round_bf16(new, key, offset)
     p.copy_(new)
+
+
+def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dtype: torch.dtype) -> int:
+    """Peak bytes a step of ``[(shape, bank), ...]`` allocates beyond parameters, gradients and state: copies of the
+    largest chunk (`chunk_slices`) in the compute dtype, 4 for fp32 parameters and 9 for bf16 ones (the rounding's
+    fp32 weights and random bits), as measured on torch 2.13 CPU."""
+    largest = max((chunk_slices(s, bank) * math.prod(s[1:]) if len(s) else 1 for s, bank in tensors), default=0)
+    compute = torch.float32 if param_dtype == torch.bfloat16 else param_dtype
+    return (9 if param_dtype == torch.bfloat16 else 4) * largest * compute.itemsize

@@ -1,11 +1,11 @@
-"""Memory: measured optimizer state (`measure_state`), the planner (`plan`), presets, and the peak estimate.
+"""The planner (`skewadam.planner.plan`) against the real optimizers' state, the peak estimate against tracked tensor
+bytes and real runs (`skewadam.harness.measure`), and the presets.
 
 Shape legend: V vocab, D model width, F FFN hidden, E experts, N tokens.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import weakref
 
@@ -16,12 +16,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from skewadam import SkewAdam
+from skewadam import SkewAdam, arms
 from skewadam.classify import classify
-from skewadam.memory import (
-    OPTIMIZERS, build_optimizer, format_bytes, measure_peak, measure_state, plan, register_cli,
-)
+from skewadam.harness.measure import measure_peak, train_steps
+from skewadam.planner import format_bytes, plan
 from skewadam.presets import HF_PRESETS, load_model, preset_names
+from skewadam.state import measure_state
 
 GiB = 2**30
 
@@ -117,61 +117,6 @@ MODELS = {
 }
 
 
-# ------------------------------------------------------------------------------------------------- measured
-def test_measure_state_matches_hand_count():
-    torch.manual_seed(0)
-    lin = nn.Linear(8, 4)  # backbone: weight [4, 8], bias [4]
-    bank = nn.Parameter(torch.randn(3, 5, 6))  # expert bank: 3 slices of [5, 6]
-    router = nn.Parameter(torch.randn(3, 8))  # router: full second moment
-    opt = SkewAdam([{"params": lin.parameters(), "tier": "backbone"}, {"params": [bank], "tier": "expert"},
-                    {"params": [router], "tier": "router"}])
-    for p in (*lin.parameters(), bank, router):
-        p.grad = torch.randn_like(p)
-    opt.step()
-    got = opt.state_bytes()
-    # backbone weight: exp_avg 32*4, row_var [4,1] 16, col_var [1,8] 32; bias: exp_avg 16, exp_avg_sq 16
-    # expert bank: row_var [3,5,1] 60, col_var [3,1,6] 72; router: exp_avg_sq [3,8] 96
-    assert got.by_tier == {"backbone": 128 + 16 + 32 + 16 + 16, "expert": 60 + 72, "router": 96}
-    assert got.by_key == {"step": 4 + 4 + 3 * 4 + 4, "exp_avg": 128 + 16, "row_var": 16 + 60,
-                          "col_var": 32 + 72, "exp_avg_sq": 16 + 96}
-    assert (got.statistics, got.counters, got.total, got.tensors) == (436, 24, 460, 12)
-
-
-def test_measure_state_counts_shared_tensors_and_views_once():
-    p, q = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
-    opt = torch.optim.SGD([{"params": [p], "tier": "backbone"}, {"params": [q], "tier": "router"}])
-    buf = torch.zeros(10)  # 40 B
-    big = torch.zeros(20)  # 80 B, views cover [5, 20)
-    part = torch.zeros(10)  # 40 B, one view covers [0, 4): the view keeps all of it alive
-    opt.state[p].update(a=buf, c=big[5:15], d=part[:4])
-    opt.state[q].update(a=buf, b=buf[2:6], c=big[10:20])
-    got = measure_state(opt)
-    assert got.total == 40 + 80 + 40
-    assert got.by_key == {"a": 40, "c": 80, "d": 40}  # big's uncovered [0, 5) goes to its first view
-    assert got.by_tier == {"backbone": 40 + 60 + 40, "router": 20}  # q's big[10:20] newly covers [15, 20)
-    assert got.tensors == 4  # buf, big[5:15], part[:4], and big[10:20]'s new half
-
-
-def test_measure_state_counts_dtensor_shards_at_local_size():
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = DeviceMesh("cpu", [0])
-        p = nn.Parameter(torch.zeros(8, 4))
-        # a shard of half the rows, as rank 0 of 2 would hold it
-        shard = DTensor.from_local(torch.zeros(4, 4), mesh, [Shard(0)], run_check=False,
-                                   shape=torch.Size([8, 4]), stride=(4, 1))
-        opt = torch.optim.SGD([p])
-        opt.state[p]["exp_avg"] = shard
-        got = measure_state(opt)
-    finally:
-        dist.destroy_process_group()
-    assert shard.shape == (8, 4) and got.total == 4 * 4 * 4
-
-
 # ------------------------------------------------------------------------------------------------ the paper
 def _paper_counts():
     """The paper's 6.78B model from its architecture facts, by hand."""
@@ -213,13 +158,13 @@ def test_plan_equals_measured_state_after_one_step(model_name):
     dtype = next(model.parameters()).dtype
     labels = classify(model)
     assert {"backbone", "expert", "router"} <= set(labels.values())
-    names = [n for n in OPTIMIZERS if OPTIMIZERS[n].tiers is not None]
+    names = [n for n in arms.names(buildable=True, planned=True) if not arms.ARMS[n].master]  # SkewAdam's
     # torch's and torchao's keep bf16 state for bf16 params
-    names += ["adamw", "adafactor", "adamw8bit-torchao"] if dtype == torch.float32 else []
+    names += ["adamw", "adamw-foreach", "adafactor", "adamw8bit-torchao"] if dtype == torch.float32 else []
     planned = plan(model, param_dtype="bf16" if dtype == torch.bfloat16 else "fp32", optimizers=names)
     quantised = 0
     for name in names:
-        opt = build_optimizer(name, model, labels)
+        opt = arms.get(name).build(model)
         with torch.compiler.set_stance("force_eager"):  # torchao compiles its step: minutes on CPU, same state
             _one_step(model, opt)
         assert measure_state(opt) == planned[name].state, name
@@ -234,10 +179,11 @@ def test_plan_equals_measured_state_after_one_step(model_name):
 
 
 def test_ablations_differ_from_default_only_where_they_should():
-    p = plan("paper-6.78b", optimizers=[n for n in OPTIMIZERS if n.startswith("skewadam")])
+    p = plan("paper-6.78b", optimizers=[n for n in arms.names(planned=True) if n.startswith("skewadam")])
     base = p["skewadam"].state.by_tier
-    expert_m = p["skewadam+expert-momentum"].state.by_tier
-    router_f = p["skewadam+factored-router"].state.by_tier
+    assert p["skewadam-floor"].state == p["skewadam-eager"].state == p["skewadam"].state
+    expert_m = p["skewadam-expert-momentum"].state.by_tier
+    router_f = p["skewadam-factored-router"].state.by_tier
     assert expert_m["expert"] - base["expert"] == 4 * p.params_by_tier["expert"]  # fp32 momentum
     assert (expert_m["backbone"], expert_m["router"]) == (base["backbone"], base["router"])
     assert router_f["router"] == 4 * (128 + 4096) and router_f["backbone"] == base["backbone"]
@@ -247,17 +193,17 @@ def test_ablations_differ_from_default_only_where_they_should():
 
 def test_8bit_state_follows_bitsandbytes_and_torchao_storage():
     def state(name, n):
-        return dict(_sum_keys(OPTIMIZERS[name].tensor_state((n,), "backbone", torch.float32)))
+        return dict(_sum_keys(arms.get(name).state((n,), "backbone", torch.float32)))
 
     # bitsandbytes: < 4096 elements stay fp32; else uint8 + one fp32 absmax per 2048-element block, per moment
-    assert state("adamw8bit", 4095) == {"state1": 4 * 4095, "state2": 4 * 4095}
-    assert state("adamw8bit", 4097) == {"state1": 4097, "absmax1": 3 * 4, "state2": 4097, "absmax2": 3 * 4}
+    assert state("adamw8bit-bnb", 4095) == {"state1": 4 * 4095, "state2": 4 * 4095}
+    assert state("adamw8bit-bnb", 4097) == {"state1": 4097, "absmax1": 3 * 4, "state2": 4097, "absmax2": 3 * 4}
     # torchao: quantized iff >= 4096 elements and a multiple of 256: codes + fp32 scale per 256 + 256-entry qmap
     assert state("adamw8bit-torchao", 4352) == {"step": 4, "exp_avg": 4352 + 17 * 4 + 1024,
                                                 "exp_avg_sq": 4352 + 17 * 4 + 1024}
     assert state("adamw8bit-torchao", 4353) == {"step": 4, "exp_avg": 4 * 4353, "exp_avg_sq": 4 * 4353}
-    p = plan(_PlainLM(_BankMoE), optimizers=["adamw8bit"])  # every tensor < 4096 elements: no qmaps
-    assert "qmap1" not in p["adamw8bit"].state.by_key
+    p = plan(_PlainLM(_BankMoE), optimizers=["adamw8bit-bnb"])  # every tensor < 4096 elements: no qmaps
+    assert "qmap1" not in p["adamw8bit-bnb"].state.by_key
 
 
 def _sum_keys(items):
@@ -274,11 +220,28 @@ def test_bf16_baselines_keep_an_fp32_master_copy_and_skewadam_none():
     assert p["adamw"].state == plan("tiny", optimizers=["adamw"])["adamw"].state  # fp32 moments either way
 
 
+def test_skewadam_step_temporaries_are_what_its_kernel_reports(monkeypatch):
+    """The planner asks the kernel the optimizer would run (`step_transient_bytes`), with each tensor's bank flag."""
+    from skewadam.kernels import cpu, eager
+
+    asked = []
+    monkeypatch.setattr(eager, "step_transient_bytes", lambda tensors, dtype: asked.append((tensors, dtype)) or 12345)
+    model = load_model("tiny")
+    p = plan(model, param_dtype="bf16", optimizers=["skewadam", "skewadam-eager"], impl="cpp")
+    assert p["skewadam"].step_temporaries == cpu.step_transient_bytes([], torch.bfloat16) == 0
+    assert p["skewadam-eager"].step_temporaries == 12345
+    [(tensors, dtype)] = asked
+    assert dtype == torch.bfloat16 and len(tensors) == len(list(model.parameters()))
+    assert {s for s, bank in tensors if bank} == {tuple(p.shape) for p in model.parameters() if p.ndim >= 3}
+
+
 def test_plan_rejects_bad_arguments_with_the_fix():
     with pytest.raises(ValueError, match="param_dtype='fp16'.*bf16"):
         plan("tiny", param_dtype="fp16")
     with pytest.raises(ValueError, match="unknown optimizer.*adamw"):
         plan("tiny", optimizers=["lion"])
+    with pytest.raises(ValueError, match=r"no memory model of \['muon'\]: plan any of adamw"):
+        plan("tiny", optimizers=["muon"])
     with pytest.raises(ValueError, match="batch=0"):
         plan("tiny", batch=0)
 
@@ -322,7 +285,8 @@ class _Allocations(TorchDispatchMode):
 
 @pytest.mark.parametrize("optimizer,param_dtype,impl,batch,seq", [
     ("skewadam", "fp32", "eager", 4, 64), ("skewadam", "bf16", "eager", 4, 64), ("skewadam", "bf16", "cpp", 1, 8),
-    ("adamw", "fp32", "eager", 1, 8), ("skewadam", "fp32", "eager-chunked", 1, 8),
+    ("adamw", "fp32", "eager", 1, 8), ("adamw-foreach", "fp32", "eager", 1, 8), ("adafactor", "fp32", "eager", 1, 8),
+    ("skewadam", "fp32", "eager-chunked", 1, 8),
 ])
 def test_peak_estimate_is_within_5_percent_of_tracked_tensor_bytes(optimizer, param_dtype, impl, batch, seq,
                                                                    monkeypatch):
@@ -342,14 +306,7 @@ def test_peak_estimate_is_within_5_percent_of_tracked_tensor_bytes(optimizer, pa
     torch.manual_seed(0)
     with _Allocations() as tracked:
         model = load_model("cpu", device="cpu", dtype=dtype, overrides=overrides)
-        opt = build_optimizer(optimizer, model, classify(model))
-        idx = torch.randint(0, 1024, (batch, seq))
-        for _ in range(2):  # the second step has the state from the start: the steady-state peak
-            out = model(idx, idx)
-            out.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del out
+        train_steps(model, arms.get(optimizer).build(model), batch, seq, 2)  # step 2 has the state from the start
     estimate = plan(model, batch=batch, seq=seq, param_dtype=param_dtype, optimizers=[optimizer], impl=impl)
     assert tracked.peak == pytest.approx(estimate[optimizer].peak, rel=0.05)
 
@@ -418,29 +375,3 @@ def test_load_model_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="MoEConfig"):
         load_model("tiny", overrides={"n_expert": 3})
     assert set(HF_PRESETS) <= set(preset_names()) and "paper-6.78b" in preset_names()
-
-
-# ------------------------------------------------------------------------------------------------------- CLI
-def _cli(argv, capsys):
-    parser = argparse.ArgumentParser()
-    register_cli(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    assert args.func(args) == 0
-    return capsys.readouterr().out
-
-
-def test_cli_plan_prints_the_table_and_json(capsys):
-    text = _cli(["plan", "paper-6.78b"], capsys)
-    assert "54,273,081,344" in text and "1,380,029,764" in text and "assumptions:" in text
-    out = json.loads(_cli(["plan", "tiny", "--json", "--batch", "2", "--seq", "16", "--param-dtype", "bf16",
-                           "--optimizer", "skewadam", "--optimizer", "adamw"], capsys))
-    assert set(out["optimizers"]) == {"skewadam", "adamw"} and out["units"] == "bytes"
-    assert out["optimizers"]["adamw"]["master"] == 4 * out["trainable"] and out["seq"] == 16
-
-
-def test_cli_plan_set_overrides_a_config_value(capsys):
-    out = json.loads(_cli(["plan", "olmoe-1b-7b", "--json", "--optimizer", "skewadam",
-                           "--set", "num_hidden_layers=2"], capsys))
-    assert out["params"] < 2e9 and out["top_k"] == 8
-    with pytest.raises(SystemExit, match="KEY=VALUE"):
-        _cli(["plan", "tiny", "--set", "num_hidden_layers"], capsys)

@@ -1,0 +1,311 @@
+"""The optimizer arms: each optimizer `skewadam plan`, `skewadam bench` and `skewadam bench-step` know, by one name.
+
+An `Arm` says how to build the optimizer over a model (`Arm.build`: one param group per tier from
+`skewadam.groups.param_groups`, the arm's lr and weight decay) and, for the planner, what memory it keeps: the
+state of one trainable tensor, whether it keeps an fp32 master copy of 16-bit parameters, and the temporaries of its
+``step()``. SkewAdam's arms take their state from `skewadam.state` under the arm's settings, and their temporaries
+from the kernel that runs them (``step_transient_bytes`` of `skewadam.kernels.eager` / `skewadam.kernels.cpu`).
+
+| name                      | what                                                                              |
+|---------------------------|-----------------------------------------------------------------------------------|
+| adamw                     | torch.optim.AdamW (fused)                                                         |
+| adamw-foreach             | torch.optim.AdamW (foreach): adamw's math, another implementation                 |
+| adamw8bit-bnb             | 8-bit AdamW as bitsandbytes stores it (memory model only: not a dependency)       |
+| adamw8bit-torchao         | torchao.optim.AdamW8bit (block-wise 8-bit moments; needs ``torchao``)              |
+| adafactor                 | torch.optim.Adafactor (factored second moment, no momentum)                       |
+| muon                      | torch.optim.Muon on the 2-D hidden matrices (attention, dense FFN), lr matched     |
+|                           | to AdamW's RMS; AdamW on embeddings, norms, router and the 3-D expert banks       |
+|                           | (no memory model)                                                                 |
+| skewadam                  | SkewAdam's defaults: paper tiers, eps_mode="add" (Adafactor's)                    |
+| skewadam-floor            | SkewAdam, paper tiers, eps_mode="floor" (the paper's)                             |
+| skewadam-eager            | skewadam on the eager kernels: its math, another implementation                   |
+| skewadam-int8m            | skewadam, momentum block-wise int8 (momentum_dtype="int8")                        |
+| skewadam-bf16m            | skewadam, momentum in bf16 (momentum_dtype="bf16")                                |
+| skewadam-expert-momentum  | ablation: experts also keep momentum                                              |
+| skewadam-factored-router  | ablation: the router's second moment factored too                                 |
+| skewadam-uniform          | ablation: every tier momentum + factored                                          |
+
+The ablations and compact-momentum arms use ``eps_mode="add"``, the better of the two in the study (``docs/study``),
+so that each varies one thing against ``skewadam``. Default learning rates are the paper's (3e-4 for AdamW and
+SkewAdam), and torch's own default for Adafactor, whose ``lr`` is a relative step size. Names used before the
+registry was one are accepted (`ALIASES`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections import defaultdict
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .groups import param_groups
+from .kernels import cpu, eager
+from .optimizer import SkewAdam
+from .state import StateTensor, state_flags
+from .tiers import Tier
+
+__all__ = ["Arm", "ARMS", "ALIASES", "get", "canonical", "names", "ChainedOptimizer", "BENCH_DEFAULT",
+           "PLAN_DEFAULT", "BENCH_STEP_DEFAULT"]
+
+#: ``(param groups, lr, SkewAdam kernel impl) -> optimizer``; the impl is ignored by the others.
+Builder = Callable[[list[dict[str, Any]], float, str], Any]
+#: ``(shape, tier, stepped dtype) -> [(state key, StateTensor), ...]``: the state of one trainable tensor, in the
+#: dtype of the tensor the optimizer steps (the fp32 master copy when the arm keeps one).
+TensorState = Callable[[tuple[int, ...], str, torch.dtype], list[tuple[str, StateTensor]]]
+#: ``([(shape, tier), ...], stepped dtype, SkewAdam kernel impl) -> bytes``: the peak temporaries of one step.
+Transient = Callable[[Sequence[tuple[tuple[int, ...], str]], torch.dtype, str], int]
+
+_F32 = torch.float32
+_STEP = ("step", StateTensor((), _F32))  # torch optimizers' per-tensor 0-d fp32 step count
+_KERNELS = {"eager": eager, "cpp": cpu}  # the SkewAdam kernel modules the planner asks for step temporaries
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One optimizer under comparison.
+
+    Attributes:
+        name, label: the registry name and a one-line description.
+        make: builds it from `param_groups` output (`build` is the entry point); None for a memory model only.
+        state, transient: its state per tensor and its step temporaries, for `skewadam.planner.plan`; None where
+            the planner has no model of it.
+        temporaries: how ``transient`` counts, in words (the plan prints it among its assumptions).
+        master: keeps an fp32 master copy of 16-bit parameters (mixed precision); SkewAdam writes bf16 weights
+            itself with stochastic rounding and keeps none.
+        shared: state allocated once per optimizer, not per tensor (bitsandbytes' quantisation maps).
+        lr, weight_decay: defaults of `skewadam bench`.
+        tier_options: passed to `param_groups` (SkewAdam's tier ablations).
+        variant_of: another implementation of that arm's math (`bench-step` compares it; `bench --optimizers all`
+            and the study leave it out).
+    """
+
+    name: str
+    label: str
+    make: Optional[Builder]
+    state: Optional[TensorState] = None
+    transient: Optional[Transient] = None
+    temporaries: str = ""
+    master: bool = True
+    shared: tuple[tuple[str, StateTensor], ...] = ()
+    lr: float = 3e-4
+    weight_decay: float = 0.05
+    tier_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    variant_of: Optional[str] = None
+
+    def build(self, model: nn.Module, lr: Optional[float] = None, weight_decay: Optional[float] = None, *,
+              impl: str = "auto"):
+        """The optimizer over ``model``'s parameters, one param group per tier (``impl``: SkewAdam's kernel).
+
+        Example:
+            >>> opt = get("skewadam-int8m").build(model, lr=1e-3)
+        """
+        if self.make is None:
+            raise ValueError(f"{self.name} is a memory model only (its library is not a dependency): plan it, "
+                             f"build another arm ({', '.join(names(buildable=True))})")
+        wd = self.weight_decay if weight_decay is None else weight_decay
+        groups = param_groups(model, weight_decay=wd, tier_options=dict(self.tier_options), log=False)
+        return self.make(groups, self.lr if lr is None else lr, impl)
+
+
+class ChainedOptimizer:
+    """Several optimizers stepped as one (Muon + AdamW); ``param_groups`` and ``state`` are the union."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+        self.param_groups = [g for opt in optimizers for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for opt in self.optimizers for p, s in opt.state.items()}
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+# ----------------------------------------------------------------------------------------------------- builders
+def _adamw8bit_torchao(groups, lr, impl):
+    """torchao's AdamW8bit. It compiles its per-tensor step with ``torch.compile``; on CPU that costs minutes of
+    compilation in every fresh run process (209 s measured for the first step), so parameters on CPU take the same
+    step eagerly (``torch.compiler.set_stance("force_eager")``): the same math and state, not torchao's speed."""
+    log = logging.getLogger("torchao")
+    level = log.level
+    log.setLevel(logging.ERROR)  # on a CPU-only build, each of its CUDA extensions logs a failure to load
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError as e:
+        raise ImportError("the adamw8bit-torchao arm needs torchao: pip install 'skewadam[bench]' (or torchao)") from e
+    finally:
+        log.setLevel(level)
+
+    class EagerOnCPU(AdamW8bit):
+        def step(self, closure=None):
+            if any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
+                with torch.compiler.set_stance("force_eager"):
+                    return super().step(closure)
+            return super().step(closure)
+
+    return EagerOnCPU(groups, lr=lr)
+
+
+def _is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
+    return p.ndim == 2 and not name.startswith(("tok_emb.", "pos_emb.")) and ".router." not in name
+
+
+def _muon(groups, lr, impl):
+    muon_groups, adamw_groups = [], []
+    for g in groups:
+        pairs = list(zip(g["param_names"], g["params"]))
+        settings = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+        for target, keep in ((muon_groups, True), (adamw_groups, False)):
+            members = [(n, p) for n, p in pairs if _is_hidden_matrix(n, p) == keep]
+            if members:
+                target.append({**settings, "params": [p for _, p in members], "param_names": [n for n, _ in members]})
+    return ChainedOptimizer(
+        torch.optim.Muon(muon_groups, lr=lr, adjust_lr_fn="match_rms_adamw"),
+        torch.optim.AdamW(adamw_groups, lr=lr, fused=True),
+    )
+
+
+# ------------------------------------------------------------------------------------------------ memory models
+def _adamw_state(shape, tier, dtype):
+    return [_STEP, ("exp_avg", StateTensor(shape, dtype)), ("exp_avg_sq", StateTensor(shape, dtype))]
+
+
+def _adafactor_state(shape, tier, dtype):
+    # torch.optim.Adafactor: row/col over the last two dims for >= 2-D tensors, a full variance otherwise; no momentum.
+    if len(shape) >= 2:
+        return [_STEP, ("row_var", StateTensor(shape[:-1] + (1,), dtype)),
+                ("col_var", StateTensor(shape[:-2] + (1, shape[-1]), dtype))]
+    return [_STEP, ("variance", StateTensor(shape, dtype))]
+
+
+def _bnb_adamw8bit_state(shape, tier, dtype):
+    # bitsandbytes AdamW8bit (block_wise=True, min_8bit_size=4096): uint8 state1/state2 with one fp32 absmax per
+    # 2048-element block each; tensors under 4096 elements keep fp32 state1/state2. Its step is a Python int.
+    n = math.prod(shape)
+    if n < 4096:
+        return [("state1", StateTensor(shape, _F32)), ("state2", StateTensor(shape, _F32))]
+    blocks = (math.ceil(n / 2048),)
+    return [("state1", StateTensor(shape, torch.uint8)), ("absmax1", StateTensor(blocks, _F32)),
+            ("state2", StateTensor(shape, torch.uint8)), ("absmax2", StateTensor(blocks, _F32))]
+
+
+def _torchao_adamw8bit_state(shape, tier, dtype):
+    # torchao.optim.AdamW8bit (block_size=256): each moment is an OptimState8bit of uint8 codes, one fp32 scale per
+    # 256 elements and its own 256-entry fp32 qmap; tensors under 4096 elements or not a multiple of 256 keep plain
+    # moments in the stepped tensor's dtype.
+    n = math.prod(shape)
+    if n < 4096 or n % 256:
+        return _adamw_state(shape, tier, dtype)
+    quantized = [StateTensor(shape, torch.uint8), StateTensor((n // 256,), _F32), StateTensor((256,), _F32)]
+    return [_STEP, *(("exp_avg", t) for t in quantized), *(("exp_avg_sq", t) for t in quantized)]
+
+
+def _fp32_copies_of_largest(n: int) -> Transient:
+    """``n`` fp32 copies of the largest tensor: torch's per-tensor implementations allocate per tensor."""
+    return lambda tensors, dtype, impl: n * max((math.prod(s) for s, _ in tensors), default=0) * 4
+
+
+def _copy_of_largest_group(tensors, dtype, impl) -> int:
+    """One stepped-dtype copy of the largest param group (one group per tier): foreach ops take a group at once."""
+    by_tier: dict[str, int] = defaultdict(int)
+    for shape, tier in tensors:
+        by_tier[tier] += math.prod(shape)
+    return max(by_tier.values(), default=0) * dtype.itemsize
+
+
+def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None,
+              tier_options: Optional[dict[str, dict[str, Any]]] = None, variant_of: Optional[str] = None) -> Arm:
+    """A SkewAdam arm: ``options`` are SkewAdam keyword arguments, ``tier_options`` per-tier group settings."""
+    options, tier_options = dict(options or {}), dict(tier_options or {})
+    flags = {t.value: state_flags({**options, **tier_options.get(t.value, {}), "tier": t.value}) for t in Tier}
+
+    def make(groups, lr, impl):
+        return SkewAdam(groups, lr=lr, **{"impl": impl, **options})
+
+    def state(shape, tier, dtype):
+        return list(flags[tier].spec(shape, dtype).items())
+
+    def transient(tensors, dtype, impl):
+        kernel = _KERNELS[options.get("impl", impl)]
+        return kernel.step_transient_bytes([(shape, flags[tier].is_bank(len(shape))) for shape, tier in tensors], dtype)
+
+    return Arm(name, label, make, state, transient, master=False, tier_options=tier_options, variant_of=variant_of,
+               temporaries="as its kernel counts them (`step_transient_bytes` of skewadam.kernels.eager: a few fp32 "
+               "copies of the largest chunk of whole bank slices; of skewadam.kernels.cpu: none)")
+
+
+_MEASURED = "measured, torch 2.13 CPU"
+ARMS: dict[str, Arm] = {arm.name: arm for arm in [
+    Arm("adamw", "AdamW, torch fused (fp32 m, v)", lambda g, lr, impl: torch.optim.AdamW(g, lr=lr, fused=True),
+        _adamw_state, _fp32_copies_of_largest(0), f"none (in place; {_MEASURED})"),
+    Arm("adamw-foreach", "AdamW, torch foreach (fp32 m, v)",
+        lambda g, lr, impl: torch.optim.AdamW(g, lr=lr, foreach=True), _adamw_state, _copy_of_largest_group,
+        f"one copy of the largest param group ({_MEASURED})", variant_of="adamw"),
+    Arm("adamw8bit-bnb", "8-bit AdamW, bitsandbytes (uint8 m, v + fp32 absmax per 2048)", None,
+        _bnb_adamw8bit_state, _fp32_copies_of_largest(0), "none (its fused kernel updates in place)",
+        shared=(("qmap1", StateTensor((256,), _F32)), ("qmap2", StateTensor((256,), _F32)))),
+    Arm("adamw8bit-torchao", "8-bit AdamW, torchao (uint8 m, v + fp32 scale per 256)", _adamw8bit_torchao,
+        _torchao_adamw8bit_state, _fp32_copies_of_largest(3), "3 fp32 copies of the largest tensor (assumed)"),
+    # lr is Adafactor's maximum relative step (torch's default); weight decay is multiplied by lr, so 1.5e-3 gives
+    # the same decay per step as AdamW's 0.05 at 3e-4
+    Arm("adafactor", "Adafactor, torch (factored v, no momentum)", lambda g, lr, impl: torch.optim.Adafactor(g, lr=lr),
+        _adafactor_state, _fp32_copies_of_largest(2), f"2 fp32 copies of the largest tensor ({_MEASURED})",
+        lr=1e-2, weight_decay=1.5e-3),
+    Arm("muon", "Muon, torch, on hidden matrices + fused AdamW on the rest", _muon),
+    _skewadam("skewadam", "SkewAdam (paper tiers, eps_mode='add')"),
+    _skewadam("skewadam-floor", "SkewAdam (paper tiers, eps_mode='floor', the paper's)", options={"eps_mode": "floor"}),
+    _skewadam("skewadam-eager", "SkewAdam on the eager kernels", options={"impl": "eager"}, variant_of="skewadam"),
+    _skewadam("skewadam-int8m", "SkewAdam, int8 block-wise momentum", options={"momentum_dtype": "int8"}),
+    _skewadam("skewadam-bf16m", "SkewAdam, bf16 momentum", options={"momentum_dtype": "bf16"}),
+    _skewadam("skewadam-expert-momentum", "SkewAdam, experts keep momentum",
+              tier_options={"expert": {"use_momentum": True}}),
+    _skewadam("skewadam-factored-router", "SkewAdam, router factored", tier_options={"router": {"use_factored": True}}),
+    _skewadam("skewadam-uniform", "SkewAdam, momentum + factored everywhere",
+              tier_options={"expert": {"use_momentum": True}, "router": {"use_momentum": True, "use_factored": True}}),
+]}
+
+#: Names of earlier releases (the planner's, the bench's and bench-step's own), accepted everywhere.
+ALIASES = {
+    "skewadam-add": "skewadam", "skewadam-int8": "skewadam-int8m", "adamw8bit": "adamw8bit-bnb",
+    "skewadam+expert-momentum": "skewadam-expert-momentum", "skewadam+factored-router": "skewadam-factored-router",
+    "SkewAdam": "skewadam", "SkewAdam eager": "skewadam-eager", "AdamW fused": "adamw", "AdamW foreach": "adamw-foreach",
+    "Adafactor": "adafactor",
+}
+BENCH_DEFAULT = ("adamw", "adafactor", "muon", "skewadam-floor", "skewadam")
+PLAN_DEFAULT = ("adamw", "adamw8bit-bnb", "adamw8bit-torchao", "adafactor", "skewadam", "skewadam-expert-momentum",
+                "skewadam-factored-router", "skewadam-uniform", "skewadam-bf16m", "skewadam-int8m")
+BENCH_STEP_DEFAULT = ("skewadam", "adamw", "adamw-foreach", "adafactor")  # the first is the one compared with
+
+
+def names(*, buildable: bool = False, planned: bool = False, variants: bool = True) -> list[str]:
+    """Registry names: those with a builder, with a memory model, and/or without implementation variants."""
+    return [n for n, a in ARMS.items() if (a.make or not buildable) and (a.state or not planned)
+            and (variants or a.variant_of is None)]
+
+
+def canonical(name: str) -> str:
+    """The registry name of ``name`` (an alias resolves to its arm); ValueError naming the choices if unknown."""
+    name = ALIASES.get(name, name)
+    if name not in ARMS:
+        raise ValueError(f"unknown optimizer {name!r}: use any of {', '.join(ARMS)}")
+    return name
+
+
+def get(name: str) -> Arm:
+    """The arm called ``name`` (or an alias of it).
+
+    Example:
+        >>> get("skewadam-int8").name
+        'skewadam-int8m'
+    """
+    return ARMS[canonical(name)]

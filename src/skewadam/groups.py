@@ -1,0 +1,235 @@
+"""SkewAdam's param groups of a model, one per tier (`param_groups`), and their census (`describe`).
+
+Labels come from `skewadam.classify`; the state a census counts is `skewadam.state`'s, resolved from the same settings
+the optimizer's groups get, so the census is what `SkewAdam.state_bytes` reports after a step.
+
+Example:
+    >>> print(describe(model).table())
+    >>> opt = SkewAdam(param_groups(model, weight_decay=0.1), lr=3e-4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from typing import Any, Mapping, Optional, Sequence
+
+from torch import nn
+
+from .classify import classify, split_trainable
+from .state import spec_nbytes, state_flags
+from .tiers import Tier
+
+__all__ = ["describe", "param_groups", "split_kwargs", "Census", "TierCensus"]
+
+logger = logging.getLogger("skewadam")
+
+_TIERS = tuple(t.value for t in Tier)
+
+
+# ---------------------------------------------------------------------------------------------------- census
+@dataclasses.dataclass
+class TierCensus:
+    """One tier's share of the model and what its optimizer state costs."""
+
+    tensors: int
+    params: int
+    share: float  # of all trainable parameters
+    state_bytes: int  # moments (exp_avg, exp_avg_sq, row_var, col_var), as `skewadam.state.state_spec` allocates
+    counter_bytes: int  # step counts
+
+
+@dataclasses.dataclass
+class Census:
+    """Per-tier counts of a model's trainable parameters, the optimizer state they cost, and the frozen ones."""
+
+    tiers: dict[str, TierCensus]
+    frozen_tensors: int
+    frozen_params: int
+    frozen_names: list[str]
+    model: str = ""
+
+    @property
+    def params(self) -> int:
+        return sum(t.params for t in self.tiers.values())
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(t.state_bytes for t in self.tiers.values())
+
+    @property
+    def counter_bytes(self) -> int:
+        return sum(t.counter_bytes for t in self.tiers.values())
+
+    def table(self) -> str:
+        """The census as a fixed-width table."""
+        head = f"{'tier':<9} {'tensors':>8} {'params':>16} {'share':>7} {'state':>11} {'steps':>9}"
+        lines = [f"SkewAdam tiers of {self.model}" if self.model else "SkewAdam tiers", head, "-" * len(head)]
+        for tier, t in self.tiers.items():
+            lines.append(
+                f"{tier:<9} {t.tensors:>8,} {t.params:>16,} {t.share:>7.2%} {_bytes(t.state_bytes):>11} "
+                f"{_bytes(t.counter_bytes):>9}"
+            )
+        lines.append("-" * len(head))
+        total_t = sum(t.tensors for t in self.tiers.values())
+        lines.append(
+            f"{'total':<9} {total_t:>8,} {self.params:>16,} {1 if self.params else 0:>7.2%} "
+            f"{_bytes(self.state_bytes):>11} {_bytes(self.counter_bytes):>9}"
+        )
+        if self.frozen_tensors:
+            lines.append(f"frozen (requires_grad=False, not optimized): {self.frozen_tensors:,} tensors, "
+                         f"{self.frozen_params:,} params")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "tiers": {k: dataclasses.asdict(v) for k, v in self.tiers.items()},
+            "params": self.params,
+            "state_bytes": self.state_bytes,
+            "counter_bytes": self.counter_bytes,
+            "frozen": {"tensors": self.frozen_tensors, "params": self.frozen_params, "names": self.frozen_names},
+        }
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def describe(
+    model: nn.Module,
+    rules: Optional[Sequence[tuple[str, str]]] = None,
+    tier_options: Optional[dict[str, dict[str, Any]]] = None,
+    *,
+    labels: Optional[dict[str, str]] = None,
+    defaults: Optional[Mapping[str, Any]] = None,
+) -> Census:
+    """Census of ``model`` under SkewAdam: per tier the tensors, parameters, share and optimizer-state bytes.
+
+    State bytes are those `skewadam.state.state_spec` allocates for each parameter under its tier's flags as
+    `skewadam.state.state_flags` resolves them from ``defaults`` (SkewAdam's constructor settings: ``momentum_dtype``,
+    ``use_momentum``, ...) overridden by ``tier_options[tier]``, exactly as the optimizer resolves its groups. Warns
+    when a tier is empty.
+
+    Example:
+        >>> print(describe(model, defaults={"momentum_dtype": "int8"}).table())
+    """
+    options = _check_tier_options(tier_options)
+    flags = {t: state_flags({**(defaults or {}), **options.get(t, {}), "tier": t}) for t in _TIERS}
+    trainable, frozen = split_trainable(model)
+    labels = classify(model, rules) if labels is None else labels
+    rows = {t: [0, 0, 0, 0] for t in _TIERS}
+    for name, p in trainable.items():
+        tier = labels[name]
+        stats, counters = spec_nbytes(flags[tier].spec(p.shape, p.dtype))
+        row = rows[tier]
+        row[0] += 1
+        row[1] += p.numel()
+        row[2] += stats
+        row[3] += counters
+    total = sum(r[1] for r in rows.values())
+    census = Census(
+        tiers={t: TierCensus(r[0], r[1], r[1] / total if total else 0.0, r[2], r[3]) for t, r in rows.items()},
+        frozen_tensors=len(frozen),
+        frozen_params=sum(p.numel() for p in frozen.values()),
+        frozen_names=list(frozen),
+        model=type(model).__name__,
+    )
+    _warn_empty(census)
+    return census
+
+
+def _warn_empty(census: Census) -> None:
+    empty = [t for t, c in census.tiers.items() if c.tensors == 0]
+    if not empty or census.params == 0:
+        return
+    if Tier.EXPERT.value in empty and Tier.ROUTER.value in empty:
+        msg = (
+            f"{census.model}: no expert and no router parameters found (a dense model?); SkewAdam then behaves like "
+            "factored Adam with momentum on everything. If this is an MoE model, label its tensors with "
+            "rules=[(pattern, tier), ...]"
+        )
+    else:
+        msg = (
+            f"{census.model}: tier(s) {empty} are empty; if the model has routed experts and a router, check "
+            "skewadam.classify(model) and add rules=[(pattern, tier), ...] for what it missed"
+        )
+    warnings.warn(msg, stacklevel=3)
+
+
+# ------------------------------------------------------------------------------------------------ param groups
+_GROUP_OPTIONS = ("rules", "tier_options", "exempt_1d", "log", "weight_decay")
+
+
+def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split `SkewAdam.from_model` keyword arguments into ``(param_groups kwargs, SkewAdam kwargs)``."""
+    group = {k: v for k, v in kwargs.items() if k in _GROUP_OPTIONS}
+    return group, {k: v for k, v in kwargs.items() if k not in _GROUP_OPTIONS}
+
+
+def _check_tier_options(tier_options: Optional[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for tier, opts in (tier_options or {}).items():
+        try:
+            key = Tier.parse(tier).value
+        except ValueError as e:
+            raise ValueError(f"tier_options: {e}") from None
+        if not isinstance(opts, dict):
+            raise ValueError(f"tier_options[{tier!r}] must be a dict of param group settings, e.g. {{'lr': 1e-4}}")
+        if "params" in opts or "tier" in opts:
+            raise ValueError(f"tier_options[{tier!r}] may not set 'params' or 'tier'; use rules=[...] to move tensors")
+        out[key] = dict(opts)
+    return out
+
+
+def param_groups(
+    model: nn.Module,
+    *,
+    weight_decay: float = 0.0,
+    rules: Optional[Sequence[tuple[str, str]]] = None,
+    tier_options: Optional[dict[str, dict[str, Any]]] = None,
+    exempt_1d: bool = False,
+    log: bool = True,
+    defaults: Optional[Mapping[str, Any]] = None,
+) -> list[dict[str, Any]]:
+    """SkewAdam param groups for ``model``: one per non-empty tier (two with ``exempt_1d``), labelled by `classify`.
+
+    The paper's defaults: ``weight_decay`` on backbone and expert tensors, none on the router. ``exempt_1d`` moves
+    tensors with < 2 dims (norms, biases, scalars) of each tier into a group without weight decay, as common practice
+    does. ``tier_options={"router": {"lr": 1e-4}}`` overrides any group setting per tier (applied last; an exempted
+    group keeps ``weight_decay=0``). Groups carry ``param_names``. With ``log`` the census goes to the ``skewadam``
+    logger (INFO), its state counted under ``defaults``: the SkewAdam settings the groups will inherit
+    (`SkewAdam.from_model` passes its own).
+
+    Example:
+        >>> opt = SkewAdam(param_groups(model, weight_decay=0.1, exempt_1d=True), lr=3e-4)
+    """
+    options = _check_tier_options(tier_options)
+    labels = classify(model, rules)
+    census = describe(model, tier_options=tier_options, labels=labels, defaults=defaults)
+    if log:
+        logger.info("%s", census.table())
+        if census.frozen_names:
+            logger.info("frozen parameters left out of the optimizer: %s", census.frozen_names)
+    trainable, _ = split_trainable(model)
+    groups = []
+    for tier in _TIERS:
+        default_wd = 0.0 if tier == Tier.ROUTER.value else weight_decay
+        names = [n for n, t in labels.items() if t == tier]
+        split = [(names, False)]
+        if exempt_1d:
+            split = [([n for n in names if trainable[n].ndim >= 2], False), ([n for n in names if trainable[n].ndim < 2], True)]
+        for members, exempt in split:
+            if not members:
+                continue
+            group = {"params": [trainable[n] for n in members], "param_names": members, "tier": tier,
+                     "weight_decay": default_wd}
+            group.update(options.get(tier, {}))
+            if exempt:
+                group["weight_decay"] = 0.0
+            groups.append(group)
+    return groups

@@ -1,0 +1,141 @@
+"""Memory of real training steps, beside `skewadam.planner.plan`'s estimate: `measure_peak`, and the process RSS.
+
+On CPU the peak resident set size of a process cannot be reset, so `measure_peak` trains in a fresh Python process
+(``python -m skewadam.harness.measure ARGS_JSON``, which prints its result as one JSON line).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .. import arms, kernels
+from ..models import MoETransformer
+from ..planner import DTYPES, config_value, default_seq, plan
+from ..presets import load_model
+
+__all__ = ["measure_peak", "train_steps", "peak_rss", "rss"]
+
+
+def rss() -> int:
+    """Resident set size of this process now, in bytes (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process's own address space, in bytes (``VmHWM``; Linux).
+
+    Not ``getrusage(...).ru_maxrss``: Linux carries that across ``fork``/``exec``, so a process started by a large
+    parent (a long pytest session, say) reports the parent's size as its own peak.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line: peak RSS is only measured on Linux")
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batch: int, seq: int, steps: int) -> None:
+    """``steps`` training steps of a language model (ours or a Transformers one) on seeded random tokens."""
+    vocab = config_value(model, ("vocab_size",))
+    device = next(model.parameters()).device
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for _ in range(steps):
+        idx = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+        tgt = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+        out = model(idx, tgt) if isinstance(model, MoETransformer) else model(input_ids=idx, labels=tgt)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del out
+
+
+def _measure_here(spec: str, overrides: dict, optimizer: str, batch: int, seq: int, param_dtype: str,
+                  device: str, steps: int) -> dict[str, Any]:
+    """Train ``steps`` steps in this process and return the measured peak growth (see `measure_peak`)."""
+    dtype = DTYPES[param_dtype]
+    arm = arms.get(optimizer)
+    torch.manual_seed(0)
+    # Warm up the same code paths on the tiny reference model, so that lazily loaded kernels and thread pools are
+    # part of the baseline, not of the measurement.
+    warm = load_model("tiny", device=device, dtype=dtype)
+    train_steps(warm, arm.build(warm), 2, 16, 2)
+    del warm
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        base = rss()
+    model = load_model(spec, device=device, dtype=dtype, overrides=overrides)
+    train_steps(model, arm.build(model), batch, seq, steps)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = peak_rss() - base
+    return {"measured": peak, "method": "cuda max_memory_allocated" if device == "cuda" else "peak RSS growth"}
+
+
+def measure_peak(
+    spec: str,
+    *,
+    optimizer: str = "skewadam",
+    batch: int = 1,
+    seq: Optional[int] = None,
+    param_dtype: str = "fp32",
+    device: str = "cpu",
+    steps: int = 2,
+    overrides: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """Measure the peak memory of real training steps and set it beside `plan`'s estimate.
+
+    The model (``spec``: preset or ``config.json``, with config ``overrides``) is built on ``device`` and trained
+    ``steps`` steps on random tokens by the arm ``optimizer`` (`skewadam.arms`). CPU: the growth of the peak resident
+    set size (``VmHWM``) over the resident size after a warm-up, in a fresh Python process (the peak RSS of this one
+    is not resettable). CUDA: ``torch.cuda.max_memory_allocated`` growth, in this process.
+
+    The estimate assumes the SkewAdam kernel that ``impl="auto"`` selects on ``device`` (``impl`` in the result).
+
+    Returns:
+        ``{"measured", "estimate", "ratio" (measured / estimate), "method", "impl", ...}``, bytes.
+
+    Example:
+        >>> measure_peak("cpu", optimizer="adamw", batch=16, seq=128)["ratio"]
+    """
+    overrides = dict(overrides or {})
+    optimizer = arms.canonical(optimizer)
+    meta = load_model(spec, device="meta", overrides=overrides)
+    seq = default_seq(meta) if seq is None else seq
+    impl = "eager" if kernels.select("auto", torch.device(device)) is kernels.eager else "cpp"
+    estimate = plan(meta, batch=batch, seq=seq, param_dtype=param_dtype, optimizers=[optimizer],
+                    impl=impl)[optimizer].peak
+    args = dict(spec=os.fspath(spec), overrides=overrides, optimizer=optimizer, batch=batch, seq=seq,
+                param_dtype=param_dtype, device=device, steps=steps)
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' but torch.cuda.is_available() is False")
+        result = _measure_here(**args)
+    elif device == "cpu":
+        # the child steps with the kernel the estimate assumes (not whatever "auto" finds there)
+        proc = subprocess.run([sys.executable, "-m", "skewadam.harness.measure", json.dumps(args)],
+                              capture_output=True, text=True, check=False, env={**os.environ, "SKEWADAM_IMPL": impl})
+        if proc.returncode:
+            raise RuntimeError(f"measuring in a fresh process failed:\n{proc.stderr[-3000:]}")
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    else:
+        raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
+    return {**args, **result, "impl": impl, "estimate": estimate, "ratio": result["measured"] / estimate}
+
+
+if __name__ == "__main__":  # the fresh process of `measure_peak` on CPU: its result on stdout, one JSON line
+    sys.stdout.write(json.dumps(_measure_here(**json.loads(sys.argv[1]))) + "\n")
