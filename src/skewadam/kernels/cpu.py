@@ -10,10 +10,11 @@ are rounded with exactly the bits of `skewadam.kernels.rounding`. A compact firs
 momentum bytes and scales are eager's.
 
 The extension is compiled on first use with `torch.utils.cpp_extension.load` (``-O3 -march=native -fopenmp``, about
-a minute; the time is printed once) and cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
-in a folder named by a hash of the source, the flags, the torch version and the CPU, so later processes load it in
-milliseconds. `available()` says whether it could be built; `skewadam.SkewAdam` falls back to the eager path with a
-one-line warning when it cannot (no compiler, no ninja).
+a minute; a line on stderr before and after) and cached under ``$TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``) in a folder named by a hash of everything the build depends on (`_build_dir`), so
+later processes load it in milliseconds and environments sharing the cache keep their own builds. `available()` says
+whether it could be built; `skewadam.SkewAdam` falls back to the eager path with a one-line warning when it cannot (no
+compiler, no ninja).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .eager import GradStats, Moments, stat_dims, unit_dims
 
 __all__ = [
     "GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "step_", "unit_dims", "stat_dims",
-    "load", "available", "stochastic_round_bf16",
+    "load", "available", "built", "stochastic_round_bf16",
 ]
 
 _SOURCE = Path(__file__).with_name("csrc") / "skewadam_cpu.cpp"
@@ -57,26 +58,58 @@ def _cpu_id() -> str:
         return platform.processor() + platform.machine()
 
 
-def _load():
-    """Build (once per machine) or load the extension; raise on failure."""
+def _build_dir() -> tuple[str, str]:
+    """The extension's name and build folder, keyed on everything the build depends on: the source, the flags and
+    the compiler, the torch installation (version and path: ``build.ninja`` holds its include and library paths),
+    the Python (interpreter and headers) and the CPU (``-march=native``). Environments that share
+    ``$TORCH_EXTENSIONS_DIR`` then never overwrite each other's build."""
+    import sysconfig
+
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(
-        b"\0".join([_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
-                    _cpu_id().encode()])
-    ).hexdigest()[:16]
+    parts = [_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS), os.environ.get("CXX", "c++"), torch.__version__,
+             os.path.dirname(os.path.realpath(torch.__file__)), os.path.realpath(sys.executable), sys.version,
+             sysconfig.get_paths()["include"], _cpu_id()]
+    digest = hashlib.sha256(b"\0".join(x if isinstance(x, bytes) else x.encode() for x in parts)).hexdigest()[:16]
     name = f"skewadam_cpu_{digest}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    build_dir = os.path.join(root, name)
+    return name, os.path.join(root, name)
+
+
+def built() -> bool:
+    """Whether this environment's build of the extension exists (loading it then takes milliseconds, not a build)."""
+    name, build_dir = _build_dir()
+    return os.path.exists(os.path.join(build_dir, f"{name}.so"))
+
+
+def _load():
+    """Build (once per environment) or load the extension; raise on failure. A build says so on stderr before it
+    starts and how long it took after."""
+    from torch.utils import cpp_extension
+
+    name, build_dir = _build_dir()
     os.makedirs(build_dir, exist_ok=True)
-    cached = os.path.exists(os.path.join(build_dir, f"{name}.so"))
-    start = time.perf_counter()
-    lib = cpp_extension.load(
-        name, [str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS, build_directory=build_dir
-    )
+    # Compile a copy kept in the build folder: build.ninja then names no checkout, so a worktree, a reinstall or a
+    # branch switch (which touches the source's mtime) reuses the build instead of recompiling.
+    source = Path(build_dir, _SOURCE.name)
+    if not source.exists():  # its content is part of the folder's name: an existing copy is the same source
+        tmp = source.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(_SOURCE.read_bytes())
+        try:
+            os.link(tmp, source)  # atomic, and never replaces (a newer mtime would make ninja rebuild)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    cached = built()
     if not cached:
-        print(f"skewadam: compiled the C++ CPU kernel in {time.perf_counter() - start:.1f} s (cached in {build_dir})",
-              file=sys.stderr)
+        print(f"skewadam: compiling SkewAdam's C++ kernel, once per environment, ~1 min (into {build_dir})",
+              file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    lib = cpp_extension.load(name, [str(source)], extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
+                             build_directory=build_dir)  # copies: torch appends its own flags to the lists
+    if not cached:
+        print(f"skewadam: compiled the C++ kernel in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return lib
 
 

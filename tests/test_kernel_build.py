@@ -1,0 +1,72 @@
+"""Where the C++ kernel is built (`skewadam.kernels.cpu._build_dir`): one folder per environment, keyed on everything
+the build depends on, so environments sharing ``~/.cache/torch_extensions`` never rebuild over each other; a build
+says so before it starts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from skewadam.kernels import cpu
+
+
+def test_the_build_folder_changes_with_everything_the_build_depends_on(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name, folder = cpu._build_dir()
+    assert folder == str(tmp_path / name) and cpu._build_dir() == (name, folder)  # deterministic
+    changes = {
+        "torch installation": lambda m: m.setattr(torch, "__file__", "/other/venv/site-packages/torch/__init__.py"),
+        "torch version": lambda m: m.setattr(torch, "__version__", "0.0.1+other"),
+        "python": lambda m: m.setattr(sys, "executable", "/other/venv/bin/python3"),
+        "python version": lambda m: m.setattr(sys, "version", "3.0.0 (other)"),
+        "flags": lambda m: m.setattr(cpu, "_CFLAGS", [*cpu._CFLAGS, "-DOTHER"]),
+        "compiler": lambda m: m.setenv("CXX", "clang++"),
+        "cpu": lambda m: m.setattr(cpu, "_cpu_id", lambda: "model name: other\nflags: sse2\n"),
+        "source": lambda m: m.setattr(cpu, "_SOURCE", _copy(cpu._SOURCE, tmp_path / "src.cpp", "// edited\n")),
+    }
+    seen = {name}
+    for what, change in changes.items():
+        with monkeypatch.context() as m:
+            change(m)
+            other, _ = cpu._build_dir()
+        assert other not in seen, f"the build folder ignores the {what}"
+        seen.add(other)
+
+
+def _copy(src: Path, dst: Path, extra: str) -> Path:
+    dst.write_text(src.read_text() + extra)
+    return dst
+
+
+def test_a_build_is_announced_before_it_starts_and_timed_after_and_compiles_a_copy_in_its_folder(
+        monkeypatch, tmp_path, capsys):
+    """The compiler is replaced by a fake that writes the library: what is checked is what `_load` tells and passes."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    calls = []
+
+    def fake_load(name, sources, *, extra_cflags, extra_ldflags, build_directory):
+        calls.append(sources)
+        if len(calls) == 1:
+            assert "compiling SkewAdam's C++ kernel, once per environment, ~1 min" in capsys.readouterr().err
+        extra_ldflags.append("-lappended")  # as torch does: the flags of the build key must not change
+        Path(build_directory, f"{name}.so").write_bytes(b"")
+        return "lib"
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert cpu._load() == "lib"
+    assert "compiled the C++ kernel in" in capsys.readouterr().err
+    name, folder = cpu._build_dir()
+    assert calls == [[str(Path(folder, "skewadam_cpu.cpp"))]]  # not the checkout: build.ninja names no worktree
+    assert Path(folder, "skewadam_cpu.cpp").read_bytes() == cpu._SOURCE.read_bytes() and cpu.built()
+    assert cpu._load() == "lib" and capsys.readouterr().err == "" and len(calls) == 2  # built: loads silently
+
+
+@pytest.mark.skipif(not cpu.available(), reason="no C++ compiler here")
+def test_the_real_build_is_found_again_after_loading():
+    cpu.load()
+    assert cpu.built()  # the key does not change once torch has appended its flags
