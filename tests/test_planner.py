@@ -141,7 +141,7 @@ def test_paper_6_78b_table_is_reproduced_exactly():
     assert skew.by_tier == {"backbone": skew_backbone, "expert": skew_experts, "router": skew_router}
     assert [format_bytes(n) for n in (adamw.statistics, skew.statistics, skew.by_tier["backbone"],
                                       skew.by_tier["expert"], skew.by_tier["router"])] == \
-        ["50.55 GiB", "1.29 GiB", "1.27 GiB", "12.6 MB", "2.1 MB"]
+        ["50.55 GiB", "1.29 GiB", "1.27 GiB", "12.00 MiB", "2.00 MiB"]
     # one fp32 count per tensor (23 backbone, 1 router), one per expert for each of the 3 banks
     assert skew.counters == 4 * (23 + 1) + 3 * 4 * 128 and skew.total == skew.statistics + skew.counters
     text = str(p)

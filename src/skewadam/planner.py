@@ -10,7 +10,8 @@ SkewAdam's state is summed from `skewadam.state.state_spec` under the flags `ske
 kernel it would run reports (``step_transient_bytes``). Step counters (``step``) are reported apart from the
 statistics (moments), because the paper's figures count only the latter; ``total`` includes both.
 
-Units: GiB = 2^30 bytes, MB = 10^6 bytes (as the paper's table); exact byte counts are always printed alongside.
+Units: binary (KiB, MiB, GiB = 2^10, 2^20, 2^30 bytes; `skewadam.state.format_bytes`, the paper's "GB" are GiB);
+exact byte counts are printed alongside.
 """
 
 from __future__ import annotations
@@ -24,23 +25,12 @@ import torch
 from torch import nn
 
 from . import arms
-from .state import StateBytes, Tally, is_bank
+from .state import StateBytes, Tally, format_bytes, is_bank
 from .tiers import Tier
 
 __all__ = ["OptimizerPlan", "Plan", "plan", "format_bytes", "config_value", "default_seq", "DTYPES"]
 
-GiB = 2**30
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def format_bytes(n: int) -> str:
-    """GiB (2^30) from 1 GiB up, else decimal MB / kB / B: the units of the paper's table, never ambiguous."""
-    if n >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    for unit, scale in (("MB", 10**6), ("kB", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _plan_state(arm: arms.Arm, tensors: Sequence[tuple[tuple[int, ...], str]], dtype: torch.dtype) -> StateBytes:
@@ -235,7 +225,7 @@ class Plan:
             f"Memory plan for {self.model} (one process; the peak is an estimate)",
             f"parameters: {self.params:,}{trainable}: {share}",
             f"{self.param_dtype} parameters, batch {self.batch} x seq {self.seq}{routing}",
-            "units: GiB = 2^30 bytes, MB = 10^6 bytes, kB = 10^3 bytes",
+            "units: KiB = 2^10 bytes, MiB = 2^20 bytes, GiB = 2^30 bytes",
             "",
             "optimizer state: statistics (what the paper counts), per tier; step counters apart",
         ]
@@ -375,7 +365,7 @@ def plan(
         + f"; SkewAdam kernel here: {impl}",
         "one process: divide parameters, gradients and state by the shard count under FSDP/ZeRO-3; tensor bytes "
         "only: allocator caches and runtime workspaces are not included (on CPU, glibc's heap kept RSS 14-45% "
-        "above this on small models unless MALLOC_MMAP_THRESHOLD_ is set, and oneDNN's bf16 matmuls added ~85 MB "
+        "above this on small models unless MALLOC_MMAP_THRESHOLD_ is set, and oneDNN's bf16 matmuls added ~81 MiB "
         "of their own buffers on a 25M-parameter model)",
     ]
     if unmodelled:

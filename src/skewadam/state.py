@@ -41,7 +41,8 @@ except ImportError:  # pragma: no cover
 
 __all__ = [
     "StateTensor", "StateFlags", "state_flags", "state_spec", "check_state", "spec_nbytes", "is_bank", "is_factored",
-    "state_dtype_for", "COUNTER_KEYS", "MOMENTUM_DTYPES", "StateBytes", "measure_state", "UNTIERED",
+    "state_dtype_for", "COUNTER_KEYS", "MOMENTUM_DTYPES", "StateBytes", "measure_state", "UNTIERED", "format_bytes",
+    "BINARY_UNITS",
 ]
 
 #: State entries that are bookkeeping (step counts), reported apart from the statistics themselves.
@@ -180,6 +181,24 @@ def spec_nbytes(spec: dict[str, StateTensor]) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------------------------------- measured
+#: The units of `format_bytes`, largest first.
+BINARY_UNITS = (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+
+
+def format_bytes(n: int) -> str:
+    """Bytes in binary units, the one convention of every table we print: ``B``, ``KiB`` (2^10), ``MiB`` (2^20),
+    ``GiB`` (2^30), ``TiB`` (2^40), two decimals (the paper's "GB" are GiB).
+
+    Example:
+        >>> format_bytes(1_380_029_764)
+        '1.29 GiB'
+    """
+    for unit, scale in BINARY_UNITS[:-1]:
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
 @dataclasses.dataclass(frozen=True)
 class StateBytes:
     """Bytes of optimizer state.
