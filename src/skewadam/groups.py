@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import warnings
 from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
 
 from .classify import classify, split_trainable
-from .state import spec_nbytes, state_flags
+from .state import format_bytes, spec_nbytes, state_flags
 from .tiers import Tier
 
-__all__ = ["describe", "param_groups", "split_kwargs", "Census", "TierCensus"]
+__all__ = ["describe", "param_groups", "split_kwargs", "Census", "TierCensus", "warn_untiered_experts"]
 
 logger = logging.getLogger("skewadam")
 
@@ -68,14 +69,14 @@ class Census:
         lines = [f"SkewAdam tiers of {self.model}" if self.model else "SkewAdam tiers", head, "-" * len(head)]
         for tier, t in self.tiers.items():
             lines.append(
-                f"{tier:<9} {t.tensors:>8,} {t.params:>16,} {t.share:>7.2%} {_bytes(t.state_bytes):>11} "
-                f"{_bytes(t.counter_bytes):>9}"
+                f"{tier:<9} {t.tensors:>8,} {t.params:>16,} {t.share:>7.2%} {format_bytes(t.state_bytes):>11} "
+                f"{format_bytes(t.counter_bytes):>9}"
             )
         lines.append("-" * len(head))
         total_t = sum(t.tensors for t in self.tiers.values())
         lines.append(
             f"{'total':<9} {total_t:>8,} {self.params:>16,} {1 if self.params else 0:>7.2%} "
-            f"{_bytes(self.state_bytes):>11} {_bytes(self.counter_bytes):>9}"
+            f"{format_bytes(self.state_bytes):>11} {format_bytes(self.counter_bytes):>9}"
         )
         if self.frozen_tensors:
             lines.append(f"frozen (requires_grad=False, not optimized): {self.frozen_tensors:,} tensors, "
@@ -91,13 +92,6 @@ class Census:
             "counter_bytes": self.counter_bytes,
             "frozen": {"tensors": self.frozen_tensors, "params": self.frozen_params, "names": self.frozen_names},
         }
-
-
-def _bytes(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def describe(
@@ -233,3 +227,27 @@ def param_groups(
                 group["weight_decay"] = 0.0
             groups.append(group)
     return groups
+
+
+# ----------------------------------------------------------------------------------------------- untiered groups
+def warn_untiered_experts(params: Sequence[Any], idx: int) -> bool:
+    """Warn (once; True if it did) when a param group that names no tier holds tensors that look like experts: a
+    bank ``[E, A, B]`` with matrix-sized A and B (not a conv kernel), or any >= 3-D tensor ``[E, ...]`` beside an
+    ``[E, D]``-shaped gate. Without a tier they would all keep backbone state (momentum + factored), ~4x what the
+    paper's tiers keep for experts."""
+    shapes = [tuple(p[1].shape if isinstance(p, tuple) else p.shape) for p in params]  # (name, tensor) pairs too
+    gates = {s for s in shapes if len(s) == 2}
+    banks = [s for s in shapes if len(s) >= 3 and (min(s[-2:]) > 8 or any((s[0], d) in gates for d in s[1:]))]
+    if not banks:
+        return False
+    gate = next(((b[0], d) for b in banks for d in b[1:] if (b[0], d) in gates), None)
+    frame, level = sys._getframe(1), 2  # point at the caller's line, past skewadam and torch.optim
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("skewadam.", "torch.optim")):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"SkewAdam: param group {idx} names no tier, so all its tensors keep backbone state (momentum + factored), "
+        f"but {len(banks)} look like expert banks ({', '.join(map(str, banks[:3]))}{', ...' if len(banks) > 3 else ''}"
+        f"{f', beside a gate {list(gate)}' if gate else ''}). Label them: SkewAdam.from_model(model, ...), or give "
+        f"each group a tier ('expert' for banks, 'router' for the gate, 'backbone' for the rest)",
+        UserWarning, stacklevel=level)
+    return True

@@ -205,6 +205,10 @@ class SkewAdam(Optimizer):
             p = p[1] if isinstance(p, tuple) else p  # named parameters: (name, tensor)
             if isinstance(p, Tensor):
                 _validate_param(p, group, len(self.param_groups))
+        if "tier" not in param_group and self.defaults["tier"] == "backbone" and not getattr(self, "_hinted", 0):
+            from .groups import warn_untiered_experts  # experts left in backbone by default: say so, once
+
+            self._hinted = warn_untiered_experts(params, len(self.param_groups))
         super().add_param_group(group)
 
     def _resolve_group(self, param_group: dict[str, Any], idx: int) -> dict[str, Any]:
