@@ -8,7 +8,8 @@ Layers, lowest first. A module imports only from layers below its own (lazy impo
 ``harness``, ``integrations``) is one unit whose modules import each other freely. ``tests/test_layout.py`` checks
 every import against this list.
 
-    1. tiers, models, data          tier labels; the reference MoE and its corpora (they import nothing of ours)
+    1. tiers, models, data, extras  tier labels; the reference MoE and its corpora; optional dependencies (they
+                                    import nothing of ours)
     2. state                        state_spec, state_flags, check_state, measure_state
     3. kernels, classify            the update kernels; automatic tiers
     4. distributed, groups          DTensor placements and the cross-shard reducer; param groups and their census

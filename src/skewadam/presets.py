@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
+
+from .extras import quiet_imports
 
 __all__ = ["HF_PRESETS", "HFPreset", "load_model", "preset_names"]
 
@@ -134,19 +137,32 @@ def _read_config(path: str) -> dict[str, Any]:
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{file}: no such file; pass a Hugging Face config.json or the folder that holds it")
-    with open(file) as f:
-        raw = json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file}: not UTF-8 text (byte {e.start}); is this a config.json?") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ValueError(f"{file}: no 'model_type' key; is this a Hugging Face model config.json?")
     return raw
 
 
+#: Config keys that are sizes or counts (hidden_size, num_hidden_layers, n_routed_experts, head_dim, q_lora_rank...).
+_SIZE_KEY = re.compile(r"(_size|_dim|_rank|_layers|_heads|_experts|_length)$|^(num|n)_")
+
+
 def _hf_model(raw: dict[str, Any], device: Union[str, torch.device], origin: str) -> nn.Module:
     try:
-        import transformers
+        with quiet_imports():  # transformers loads torchao, whose import logs lines that are not ours to show
+            import transformers
     except ImportError:
         raise ImportError(f"building {origin} needs Hugging Face Transformers: pip install 'skewadam[hf]'") from None
     raw = dict(raw)
+    negative = [f"{k}={v}" for k, v in raw.items() if _SIZE_KEY.search(k) and isinstance(v, int) and v < 0]
+    if negative:
+        raise ValueError(f"{origin}: negative size(s) {', '.join(negative)}; sizes and counts must be >= 0")
     model_type = raw.pop("model_type")
     for key in ("quantization_config", "torch_dtype", "dtype", "transformers_version"):
         raw.pop(key, None)  # storage and runtime facts: the model is built unquantized, in `load_model`'s dtype
@@ -154,7 +170,7 @@ def _hf_model(raw: dict[str, Any], device: Union[str, torch.device], origin: str
         config = transformers.AutoConfig.for_model(model_type, **raw)
     except ValueError as e:
         raise ValueError(f"{origin}: {e}") from None
-    with torch.device(device):
+    with torch.device(device), quiet_imports():
         for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM, transformers.AutoModel):
             try:
                 return auto.from_config(config)
