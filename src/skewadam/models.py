@@ -54,6 +54,13 @@ class MoEConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", int) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{f.name}={value!r}: a size, must be an integer >= 1")
+            if f.type in ("float", float) and (not isinstance(value, (int, float)) or not value >= 0
+                                               or not math.isfinite(value)):
+                raise ValueError(f"{f.name}={value!r}: must be a finite number >= 0")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_head={self.n_head}")
         if self.n_head % self.n_kv_head:
@@ -240,6 +247,16 @@ class MoETransformer(nn.Module):
                 p.normal_(0.0, std)
 
     def forward(self, idx_BT: Tensor, targets_BT: Optional[Tensor] = None) -> MoEOutput:
+        """Logits of the next token at every position and, given targets, the losses.
+
+        Args:
+            idx_BT: token ids ``[B, T]``, ``T <= block_size``.
+            targets_BT: next-token ids ``[B, T]``, or None for logits only.
+
+        Returns:
+            `MoEOutput`: ``logits`` ``[B, T, V]``; with targets, ``loss = lm_loss + balance_loss + z_loss`` (the
+            MoE losses summed over MoE layers, zero without any) and each term; without, None for all four.
+        """
         B, T = idx_BT.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.config.block_size}; crop the input")
