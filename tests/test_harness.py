@@ -77,8 +77,8 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest():
 def test_bench_plans_every_optimizer_lr_and_seed_seed_major():
     bench = BenchConfig(optimizers=("adamw", "skewadam-add"), lrs={"adamw": (1e-4, 3e-4)}, seeds=2)  # an alias
     names = [run_name(r) for r in bench.runs()]
-    assert names == ["adamw_lr0.0001_seed0", "adamw_lr0.0003_seed0", "skewadam_lr0.0003_seed0",
-                     "adamw_lr0.0001_seed1", "adamw_lr0.0003_seed1", "skewadam_lr0.0003_seed1"]
+    assert names == ["adamw_lr0.0001_seed0", "adamw_lr0.0003_seed0", "skewadam_lr0.001_seed0",
+                     "adamw_lr0.0001_seed1", "adamw_lr0.0003_seed1", "skewadam_lr0.001_seed1"]
 
 
 def test_the_study_trains_every_arm_once_and_no_implementation_variant():
@@ -105,4 +105,4 @@ def test_sweep_table_marks_the_best_lr_and_names_sweeps_whose_best_is_at_an_edge
 def test_tensorboard_event_files_are_written_per_run(tmp_path):
     pytest.importorskip("tensorboard")
     train(RunConfig(optimizer="skewadam", **TINY), tensorboard=str(tmp_path), progress=False)
-    assert list((tmp_path / "skewadam_lr0.0003_seed0").glob("events.out.tfevents.*"))
+    assert list((tmp_path / "skewadam_lr0.001_seed0").glob("events.out.tfevents.*"))

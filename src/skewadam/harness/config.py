@@ -8,13 +8,15 @@ Presets are functions returning a `BenchConfig`; command-line flags override the
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from .. import arms
 from ..models import CONFIGS
 
-__all__ = ["RunConfig", "BenchConfig", "PRESETS", "ALL", "get_preset", "run_name"]
+__all__ = ["RunConfig", "BenchConfig", "PRESETS", "ALL", "get_preset", "run_name", "default_jobs"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -28,10 +30,10 @@ class RunConfig:
     seed: int = 0  # initial weights, batch order and router noise
     model: str = "cpu"  # a `skewadam.models.get_config` preset
     data: Optional[str] = None  # text file or folder; None = the embedded Shakespeare
-    steps: int = 400
+    steps: int = 200
     batch_size: int = 16
     block_size: Optional[int] = None  # None = the model preset's
-    eval_interval: int = 50
+    eval_interval: int = 25
     eval_batches: int = 8  # fixed validation batches of batch_size x block_size tokens
     warmup_frac: float = 0.03  # linear warm-up over this fraction of steps, then cosine to 0
     grad_clip: float = 1.0  # max global grad norm (0 = off)
@@ -39,12 +41,20 @@ class RunConfig:
     threads: Optional[int] = None  # torch CPU threads; None = torch's default
 
     def __post_init__(self) -> None:
+        """Every field checked before anything runs: a wrong value names the field, the flag and what it takes."""
         self.optimizer = _trainable(self.optimizer)
         for name in ("steps", "batch_size", "eval_interval", "eval_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.warmup_frac < 1.0:
-            raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac}")
+            _check_int(name, getattr(self, name), 1)
+        _check_int("seed", self.seed, 0)
+        for name in ("block_size", "threads"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1)
+        if self.lr is not None:
+            _check_float("lr", self.lr, "> 0", lambda v: v > 0)
+        if self.weight_decay is not None:
+            _check_float("weight_decay", self.weight_decay, ">= 0", lambda v: v >= 0)
+        _check_float("warmup_frac", self.warmup_frac, "in [0, 1)", lambda v: 0.0 <= v < 1.0)
+        _check_float("grad_clip", self.grad_clip, ">= 0 (0 = off)", lambda v: v >= 0)
         if self.model not in CONFIGS:
             raise ValueError(f"unknown model {self.model!r}: use one of {', '.join(CONFIGS)}")
         if self.data is not None and not Path(self.data).exists():
@@ -74,19 +84,31 @@ PER_RUN_FIELDS = ("optimizer", "lr", "weight_decay", "seed", "threads")
 class BenchConfig:
     """A comparison: every optimizer x its learning rates x seeds ``0..seeds-1``, sharing ``base``.
 
-    ``lrs`` maps an optimizer to its learning rates; a missing optimizer uses its default lr.
+    ``lrs`` maps an optimizer to its learning rates; a missing optimizer uses its default lr. ``jobs`` runs at a
+    time; None = `default_jobs`.
     """
 
     base: RunConfig = dataclasses.field(default_factory=RunConfig)
     optimizers: tuple[str, ...] = arms.BENCH_DEFAULT
     lrs: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     seeds: int = 1
+    jobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         self.optimizers = tuple(dict.fromkeys(_trainable(o) for o in self.optimizers))
         self.lrs = {_trainable(o): lrs for o, lrs in self.lrs.items()}
-        if self.seeds < 1:
-            raise ValueError(f"seeds must be >= 1, got {self.seeds}")
+        for opt, lrs in self.lrs.items():
+            if not lrs:
+                raise ValueError(f"no learning rate given for {opt}")
+            for lr in lrs:
+                _check_float("lr", lr, "> 0", lambda v: v > 0)
+        _check_int("seeds", self.seeds, 1)
+        if self.jobs is not None:
+            _check_int("jobs", self.jobs, 1)
+
+    @property
+    def resolved_jobs(self) -> int:
+        return default_jobs(self.base) if self.jobs is None else self.jobs
 
     def runs(self) -> list[RunConfig]:
         """All runs, seed-major (an interrupted study has every optimizer at the first seeds)."""
@@ -96,6 +118,22 @@ class BenchConfig:
             for opt in self.optimizers
             for lr in self.lrs.get(opt, (arms.ARMS[opt].lr,))
         ]
+
+
+def _flag(name: str) -> str:
+    """A field and the flag that sets it: ``grad_clip (--grad-clip)``."""
+    flag = {"lr": "--lrs", "seed": None, "weight_decay": None}.get(name, f"--{name.replace('_', '-')}")
+    return f"{name} ({flag})" if flag else name
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{_flag(name)} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_float(name: str, value: Any, what: str, ok: Callable[[float], bool]) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{_flag(name)} must be a finite number {what}, got {value!r}")
 
 
 def _trainable(name: str) -> str:
@@ -110,13 +148,26 @@ def _trainable(name: str) -> str:
 ALL = tuple(arms.names(buildable=True, variants=False))
 
 
-def default() -> BenchConfig:
-    """`skewadam bench` with no arguments: five optimizers on Shakespeare, one seed, under 10 minutes on 2 CPU cores.
+def default_jobs(base: RunConfig) -> int:
+    """Runs at a time when not chosen: one per ``threads`` cores of this process's CPUs on CPU (1 when ``threads`` is
+    torch's default, which takes them all); 1 on CUDA."""
+    if base.device != "cpu" or base.threads is None:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // base.threads)
 
-    Sized from measurements: a step of the cpu model (16 x 128 byte tokens) costs ~0.19 s of CPU single-threaded
-    (forward, backward, optimizer), so a 400-step run with its 9 evaluations and process start is ~80 CPU-seconds,
-    and the five runs fit in 10 minutes even on one free core."""
-    return BenchConfig()
+
+def default() -> BenchConfig:
+    """`skewadam bench` with no arguments: AdamW, Adafactor, Muon and SkewAdam, each at its best lr (~6 min on 2 cores).
+
+    Each arm trains at its default lr, the best of the study (``--preset study``, ``docs/study/results.md``: 3 lrs x
+    3 seeds), on the study's setup (200 steps of 16 x 128 byte tokens, 8 validation batches every 25 steps), so its
+    perplexity is the study's seed 0. Sized from times measured on 2 shared cores (load 3-4 from other work): one
+    single-threaded run per core beats one run on both cores 1.6-2.7x under load (a loaded core stalls the other
+    thread at every parallel region); a run costs ~0.5-0.75 s a step there (Muon twice that: its bf16 Newton-Schulz
+    is slow on a CPU without AVX-512 bf16). SkewAdam's ``eps_mode="floor"`` and the ablations are in ``--optimizers
+    all`` and the study."""
+    return BenchConfig(base=RunConfig(threads=1))
 
 
 def smoke() -> BenchConfig:
@@ -124,7 +175,7 @@ def smoke() -> BenchConfig:
     return BenchConfig(base=RunConfig(model="tiny", steps=2, batch_size=2, eval_interval=1, eval_batches=1))
 
 
-#: issue 9's learning-rate grid per optimizer: 3 half-decade lrs around each one's best at 200 steps, found by
+#: the study's learning-rate grid per optimizer: 3 half-decade lrs around each one's best at 200 steps, found by
 #: seed-0 sweeps from (3e-4, 1e-3, 3e-3) extended while the best sat at an edge (the report flags a best at an edge)
 STUDY_LRS: dict[str, tuple[float, ...]] = {"skewadam-floor": (3e-3, 1e-2, 3e-2), "adafactor": (3e-2, 1e-1, 3e-1),
                                            "muon": (3e-3, 1e-2, 3e-2)}
@@ -132,10 +183,12 @@ STUDY_LR_DEFAULT = (3e-4, 1e-3, 3e-3)
 
 
 def study() -> BenchConfig:
-    """Issue 9's study: every optimizer and ablation x 3 learning rates x 3 seeds, 200 steps (about 2 hours on 2 CPU
-    cores; seed-major, so an interrupted study has every arm at its first seeds; resumable)."""
+    """Every optimizer and ablation x 3 learning rates x 3 seeds, 200 steps: about 2 hours on 2 CPU cores.
+
+    Seed-major, so an interrupted study has every arm at its first seeds; resumable. Its settings are the default
+    bench's (`RunConfig`'s defaults)."""
     return BenchConfig(
-        base=RunConfig(steps=200, eval_interval=25),
+        base=RunConfig(),
         optimizers=ALL,
         lrs={name: STUDY_LRS.get(name, STUDY_LR_DEFAULT) for name in ALL},
         seeds=3,
