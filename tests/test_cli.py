@@ -3,14 +3,18 @@ them, and ``python -m skewadam``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from skewadam import arms
-from skewadam.cli import main, parse_lrs, parse_optimizers
+from skewadam.cli import build_parser, main, parse_lrs, parse_optimizers
 from skewadam.harness.config import ALL
 
 
@@ -120,8 +124,8 @@ def test_cli_plan_of_an_arm_without_a_memory_model_says_which_have_one(capsys):
 def test_lr_specs_per_optimizer_for_all_and_as_multiples():
     opts = ("adamw", "adafactor")
     assert parse_lrs(["1e-4,3e-4"], opts) == {"adamw": (1e-4, 3e-4), "adafactor": (1e-4, 3e-4)}
-    assert parse_lrs(["x1,x3"], opts) == {"adamw": (3e-4, 9e-4), "adafactor": (1e-2, 3e-2)}
-    assert parse_lrs(["x2", "adamw=1e-3"], opts) == {"adamw": (1e-3,), "adafactor": (2e-2,)}
+    assert parse_lrs(["x1,x3"], opts) == {"adamw": pytest.approx((1e-3, 3e-3)), "adafactor": pytest.approx((1e-1, 3e-1))}
+    assert parse_lrs(["x2", "adamw=1e-4"], opts) == {"adamw": (1e-4,), "adafactor": (2e-1,)}
     with pytest.raises(ValueError, match="unknown optimizer 'adam'"):
         parse_lrs(["adam=1e-3"], opts)
     with pytest.raises(ValueError, match="multipliers like x0.3"):
@@ -141,11 +145,11 @@ def test_cli_bench_writes_logs_table_and_plots_then_resumes_and_reports(tmp_path
     args = ["bench", "--preset", "smoke", "--optimizers", "adamw,skewadam", "--out", str(out), "--no-progress"]
     first = _subprocess(*args, "--jobs", "2", cwd=tmp_path)  # both runs at once
     assert first.returncode == 0, first.stderr
-    assert "| adamw | 0.0003 | 1 |" in first.stdout and "(1.00x)" in first.stdout
+    assert "| adamw | 0.001 | 1 |" in first.stdout and "(1.00x)" in first.stdout and "wall time" in first.stdout
     assert "started from identical weights" in first.stdout and "2 runs into" in first.stdout and "2 at a time" in first.stdout
-    for f in ("results.md", "val_ppl.png", "memory.png", "balance.png", "runs/adamw_lr0.0003_seed0.json"):
+    for f in ("results.md", "val_ppl.png", "memory.png", "balance.png", "runs/adamw_lr0.001_seed0.json"):
         assert (out / f).stat().st_size > 0, f
-    log = json.loads((out / "runs/skewadam_lr0.0003_seed0.json").read_text())
+    log = json.loads((out / "runs/skewadam_lr0.001_seed0.json").read_text())
     assert [e["step"] for e in log["evals"]] == [0, 1, 2] and log["summary"]["state_bytes_by_tier"]["expert"] > 0
 
     again = _subprocess(*args, cwd=tmp_path)  # resume: nothing left to run
@@ -164,7 +168,7 @@ def test_cli_bench_writes_logs_table_and_plots_then_resumes_and_reports(tmp_path
     (["--optimizers", "adam"], "use any of adamw"),
     (["--model", "huge"], "unknown model"),
     (["--data", "missing.txt"], "does not exist"),
-    (["--jobs", "0"], "--jobs must be >= 1"),
+    (["--jobs", "0"], r"jobs \(--jobs\) must be an integer >= 1"),
 ])
 def test_cli_bench_rejects_bad_input_before_any_run(tmp_path, flags, message):
     with pytest.raises(SystemExit, match=message):
@@ -176,9 +180,11 @@ def test_cli_bench_rejects_bad_input_before_any_run(tmp_path, flags, message):
 
 # -------------------------------------------------------------------------------------------------- bench-step
 def _bench_step_rows(flags, capsys) -> list[str]:
-    out = _cli(["bench-step", "--preset", "tiny", "--rounds", "1", "--steps", "1", "--warmup", "1", *flags], capsys)
-    assert "transient MiB" in out and "load average" in out
-    return [line.split()[0] for line in out.splitlines()[3:]]
+    out = _cli(["bench-step", "--preset", "tiny", "--rounds", "2", "--steps", "1", "--warmup", "1", *flags], capsys)
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("optimizer"))
+    assert "transient" in lines[header] and "load average" in out
+    return [line.split()[0] for line in lines[header + 1:]]
 
 
 def test_bench_step_prints_times_ratios_and_memory(capsys):
@@ -186,3 +192,177 @@ def test_bench_step_prints_times_ratios_and_memory(capsys):
     # the bench's arms too, built with their own param groups (Muon's hidden matrices, the int8 momentum)
     assert _bench_step_rows(["--optimizers", "muon", "skewadam-int8m"], capsys) == ["skewadam", "muon",
                                                                                   "skewadam-int8m"]
+
+
+# ------------------------------------------------------------------------------- a user's mistake: one line
+def _one_line_error(argv, capsys) -> str:
+    """Run the command; it must fail with exit status 1 and one line on stderr (no traceback); return that line."""
+    try:
+        rc = main(argv)
+        message = capsys.readouterr().err
+    except SystemExit as e:  # `raise SystemExit(message)`: the interpreter prints the message to stderr
+        rc, message = (1, str(e.code)) if isinstance(e.code, str) else (e.code, capsys.readouterr().err)
+    assert rc == 1, (argv, message)
+    lines = message.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in message, message
+    assert lines[0].startswith(f"skewadam {argv[0]}: "), lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["tiers", "tiny", "--rule", "foo=router"], "match no trainable parameter"),
+    (["tiers", "tiny", "--rule", "(=router"], "invalid regular expression"),
+    (["tiers", "tiny", "--rule", "x=foo"], "unknown tier 'foo'"),
+    (["plan", "tiny", "--set", "d_model=-4"], "d_model=-4: a size, must be an integer >= 1"),
+    (["bench-step", "--preset", "tiny", "--set", "n_experts=0"], "n_experts=0: a size"),
+    (["bench", "--block-size", "0"], "block_size (--block-size) must be an integer >= 1, got 0"),
+    (["bench", "--grad-clip", "-1"], "grad_clip (--grad-clip) must be a finite number >= 0"),
+    (["bench", "--steps", "-5"], "steps (--steps) must be an integer >= 1"),
+    (["bench", "--lrs", "0"], "learning rates must be positive"),
+    (["bench", "--warmup-frac", "1.5"], "warmup_frac (--warmup-frac) must be a finite number in [0, 1)"),
+    (["bench", "--eval-batches", "0"], "eval_batches (--eval-batches) must be an integer >= 1"),
+    (["bench", "--threads", "0"], "threads (--threads) must be an integer >= 1"),
+    (["bench", "--seeds", "0"], "seeds (--seeds) must be an integer >= 1"),
+    (["bench-step", "--rounds", "0"], "--rounds must be >= 1"),
+])
+def test_a_users_mistake_is_one_line_naming_it_not_a_traceback(argv, says, tmp_path, capsys):
+    out = tmp_path / "out"
+    line = _one_line_error([*argv, "--out", str(out)] if argv[0] == "bench" else argv, capsys)
+    assert says in line
+    assert not out.exists()  # refused before anything ran
+
+
+def test_a_negative_size_in_a_hugging_face_config_is_one_line(capsys):
+    pytest.importorskip("transformers")
+    assert "negative size(s) hidden_size=-4" in _one_line_error(["plan", "mixtral-8x7b", "--set", "hidden_size=-4"],
+                                                               capsys)
+
+
+@pytest.mark.parametrize("content, says", [(b'{"model_type": "mixtral",', "not valid JSON"),
+                                           (b"\xff\xfe{}", "not UTF-8 text")])
+def test_a_malformed_or_non_utf8_config_json_is_one_line_naming_the_file(tmp_path, capsys, content, says):
+    path = tmp_path / "config.json"
+    path.write_bytes(content)
+    line = _one_line_error(["tiers", str(path)], capsys)
+    assert str(path) in line and says in line
+
+
+def test_report_on_a_folder_without_runs_or_with_a_damaged_log_is_one_line_naming_it(tmp_path, capsys):
+    assert "no run logs in" in _one_line_error(["report", str(tmp_path)], capsys)
+    assert "no such directory" in _one_line_error(["report", str(tmp_path / "missing")], capsys)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "adamw_lr0.001_seed0.json").write_text('{"name": "adamw_lr0.001_seed0", "conf')
+    (tmp_path / "runs" / "skewadam_lr0.001_seed0.json").write_bytes(b"\x80\x81")
+    line = _one_line_error(["report", str(tmp_path)], capsys)
+    assert "2 damaged run log(s)" in line and "adamw_lr0.001_seed0.json: not valid JSON" in line
+    assert "skewadam_lr0.001_seed0.json: not UTF-8 text" in line and "runs them again" in line
+
+
+def test_debug_or_skewadam_debug_shows_the_traceback_and_a_bug_keeps_its_own(monkeypatch, capsys):
+    argv = ["tiers", "tiny", "--rule", "foo=router"]
+    for debug in (["--debug", *argv], [*argv, "--debug"]):
+        with pytest.raises(ValueError, match="match no trainable parameter"):
+            main(debug)
+    monkeypatch.setenv("SKEWADAM_DEBUG", "1")
+    with pytest.raises(ValueError):
+        main(argv)
+    monkeypatch.delenv("SKEWADAM_DEBUG")
+    def bug(*args, **kwargs):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(sys.modules["skewadam.classify"], "classify", bug)
+    with pytest.raises(KeyError):  # not a user's mistake: not turned into one line
+        main(["tiers", "tiny"])
+
+
+# ----------------------------------------------------------------------------------------------- small things
+def test_bench_help_names_no_internal_issue_and_every_flag_has_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = capsys.readouterr().out
+    assert "issue" not in text.lower()
+    epilog = text[text.index("presets:"):]
+    assert epilog.count("(") == epilog.count(")")
+    assert re.search(r"--no-plots\s+write results.md only", text)
+    parser = build_parser()
+    for name, sub in parser._subparsers._group_actions[0].choices.items():
+        for action in sub._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+
+
+def test_bench_runs_are_ignored_by_git():
+    root = Path(__file__).resolve().parents[1]
+    assert "bench-runs/" in (root / ".gitignore").read_text().split()
+
+
+def test_every_printed_size_is_in_binary_units(capsys):
+    from skewadam.planner import format_bytes as planner_format_bytes
+    from skewadam.state import format_bytes
+
+    assert planner_format_bytes is format_bytes  # one function
+    assert [format_bytes(n) for n in (512, 1600, 15 * 2**20 + 2**19, 1_380_029_764)] == [
+        "512 B", "1.56 KiB", "15.50 MiB", "1.29 GiB"]
+    texts = [_cli(["plan", "paper-6.78b"], capsys), _cli(["tiers", "paper-6.78b"], capsys)]
+    texts.append(_cli(["bench-step", "--preset", "tiny", "--rounds", "2", "--steps", "1", "--warmup", "1"], capsys))
+    for text in texts:
+        assert re.search(r"\d (KiB|MiB|GiB)\b", text)
+        assert not re.search(r"\d (kB|KB|MB|GB)\b", text), text
+
+
+# -------------------------------------------------------------------------------------------------- defaults
+def _study_best_lrs() -> dict[str, float]:
+    """Each arm's best lr as docs/study/results.md reports it (its table: optimizer | lr | ...; old names)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "study" / "results.md").read_text()
+    rows = re.findall(r"^\| ([\w+-]+) \| ([0-9.e-]+) \| \d", text, re.M)
+    return {arms.canonical(name): float(lr) for name, lr in rows}
+
+
+def test_every_arm_trains_by_default_at_its_best_lr_of_the_study():
+    best = _study_best_lrs()
+    assert set(best) == set(ALL)  # the study covers every trainable arm
+    assert {name: arms.get(name).lr for name in best} == best
+    from skewadam.harness.config import default, study
+
+    bench = default()
+    assert {r.optimizer: r.resolved_lr for r in bench.runs()} == {n: best[n] for n in arms.BENCH_DEFAULT}
+    assert bench.base == dataclasses.replace(study().base, threads=1)  # the study's setup: its seed 0
+
+
+def test_the_default_bench_runs_one_single_threaded_run_per_core():
+    from skewadam.harness.config import RunConfig, default, default_jobs
+
+    cores = len(os.sched_getaffinity(0))
+    assert default().resolved_jobs == cores
+    assert default_jobs(RunConfig()) == 1 and default_jobs(RunConfig(threads=2)) == max(1, cores // 2)
+    assert default_jobs(RunConfig(threads=1, device="cuda")) == 1
+
+
+# -------------------------------------------------------------------------------------------------- bench-step
+def test_bench_step_defaults_to_one_thread_cpu_time_and_prints_the_spread_cpu_and_isa(capsys):
+    args = build_parser().parse_args(["bench-step"])
+    assert (args.threads, args.clock) == (1, "cpu")
+    out = _cli(["bench-step", "--preset", "tiny", "--rounds", "3", "--steps", "1", "--warmup", "1"], capsys)
+    from skewadam.harness.bench_step import cpu_info
+
+    model, isa = cpu_info()
+    assert f"CPU: {model}" in out and "1 thread, cpu clock, 3 interleaved rounds" in out
+    assert "IQR  min-max over rounds" in out
+    row = next(line for line in out.splitlines() if line.startswith("adamw "))
+    q1, q3, lo, hi = map(float, re.search(r"x\s+([\d.]+)-([\d.]+)\s+([\d.]+)-([\d.]+)", row).groups())
+    assert lo <= q1 <= q3 <= hi
+    if "kernel: C++" in out:
+        assert " ".join(isa) in out
+    flags = open("/proc/cpuinfo").read()
+    assert all(f" {flag}" in flags for flag in isa)  # read from the CPU, not made up
+
+
+# -------------------------------------------------------------------------------------------------- plan --measure
+def test_plan_measure_names_the_estimate_it_compares_with_and_shows_progress(capsys):
+    assert main(["plan", "tiny", "--measure", "adamw", "--optimizer", "skewadam", "--batch", "2", "--seq", "16"]) == 0
+    out, err = capsys.readouterr()
+    line = next(line for line in out.splitlines() if line.startswith("measured:"))
+    assert "vs the estimate in the table (row adamw, column peak, --impl" in line
+    assert re.search(r"^adamw\s", out, re.M)  # the row it names is in the table
+    estimate = line.split("--impl ")[1].split(")")[0]
+    assert f"SkewAdam kernel here: {estimate}" in out  # the table was planned with the kernel that was measured
+    assert "measuring adamw on cpu" in err and "step 2/2" in err  # as it goes, on stderr

@@ -3,6 +3,9 @@
 Subcommands: ``tiers`` (`skewadam.classify`), ``plan`` (`skewadam.planner`, ``--measure``: `skewadam.harness.measure`),
 ``bench`` and ``report`` (`skewadam.harness`), ``bench-step`` (`skewadam.harness.bench_step`). Optimizer names are
 the arms of `skewadam.arms`, the same for every subcommand.
+
+A user's mistake (a bad value, a missing file, malformed JSON, a missing optional package) is one line on stderr and
+exit status 1; ``--debug`` or ``SKEWADAM_DEBUG=1`` shows its traceback. Anything else (a bug) keeps its traceback.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
+import re
 import sys
 import time
 import warnings
@@ -121,8 +126,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: context length, <= 4096)")
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32", help="parameter/activation dtype")
     p.add_argument("--top-k", type=int, default=None, help="experts per token (default: from the config)")
-    p.add_argument("--impl", choices=["eager", "cpp"], default="eager",
-                   help="SkewAdam kernel for its step temporaries: eager (GPUs; default) or cpp (the C++ CPU kernel)")
+    p.add_argument("--impl", choices=["eager", "cpp"], default=None,
+                   help="SkewAdam kernel for its step temporaries: eager (GPUs) or cpp (the C++ CPU kernel); default "
+                   "eager, or with --measure the kernel the measurement steps with (cpp on CPU when it builds)")
     p.add_argument("--optimizer", action="append", type=_arm, default=None, metavar="NAME",
                    help="plan only these (repeatable; default: " + ", ".join(arms.PLAN_DEFAULT) + "; any of "
                    + ", ".join(arms.names(planned=True)) + ")")
@@ -137,20 +143,34 @@ def _add_plan(sub) -> None:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .planner import format_bytes, plan
+    from .planner import plan
+    from .state import format_bytes
 
     overrides = parse_sets(args.set)
     model = _load_model("plan", args.model, overrides)
+    impl = args.impl
+    if impl is None and args.measure:  # the table's estimate is then the one the measurement is set beside
+        import torch
+
+        from . import kernels
+
+        impl = "eager" if kernels.select("auto", torch.device(args.device)) is kernels.eager else "cpp"
+    optimizers = args.optimizer
+    if args.measure and args.measure not in (optimizers or arms.PLAN_DEFAULT):  # its row in the table
+        optimizers = [*(optimizers or arms.PLAN_DEFAULT), args.measure]
     try:
         result = plan(model, batch=args.batch, seq=args.seq, param_dtype=args.param_dtype, top_k=args.top_k,
-                      optimizers=args.optimizer, impl=args.impl)
+                      optimizers=optimizers, impl=impl or "eager")
         result = dataclasses.replace(result, model=args.model)
         measured = None
         if args.measure:
             from .harness.measure import measure_peak
 
+            print(f"skewadam plan: measuring {args.measure} on {args.device}: {args.model} built for real, 2 "
+                  f"training steps in a fresh process", file=sys.stderr, flush=True)
             measured = measure_peak(args.model, optimizer=args.measure, batch=args.batch, seq=result.seq,
-                                    param_dtype=args.param_dtype, device=args.device, overrides=overrides)
+                                    param_dtype=args.param_dtype, device=args.device, overrides=overrides, impl=impl,
+                                    progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     except ValueError as e:
         raise SystemExit(f"skewadam plan: {e}") from None
     if args.json:
@@ -161,9 +181,11 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         print(result)
         if measured:
-            print(f"\nmeasured ({measured['method']}, {args.measure}, {args.device}): "
-                  f"{format_bytes(measured['measured'])} ({measured['measured']:,} B) vs estimate "
-                  f"{format_bytes(measured['estimate'])}: ratio {measured['ratio']:.3f}")
+            kernel = {"cpp": "the C++ kernel", "eager": "the eager kernels"}[measured["impl"]]
+            print(f"\nmeasured: {args.measure} on {args.device} with {kernel}, {measured['method']}: "
+                  f"{format_bytes(measured['measured'])} ({measured['measured']:,} B), vs the estimate in the table "
+                  f"(row {args.measure}, column peak, --impl {measured['impl']}): {format_bytes(measured['estimate'])}; "
+                  f"measured / estimate = {measured['ratio']:.3f}")
     return 0
 
 
@@ -242,22 +264,25 @@ def _add_bench(sub) -> None:
         default = getattr(base, flag.replace("-", "_"))
         p.add_argument(f"--{flag}", type=kind, help=what + ("" if default is None else f" (default: {default})"))
     p.add_argument("--device", choices=("cpu", "cuda"), help="cuda: bf16 weights (default cpu)")
-    p.add_argument("--threads", type=int, help="torch CPU threads per run (default: torch's)")
-    p.add_argument("--jobs", type=int, default=1,
-                   help="runs at a time, each its own process (default 1; with N > 1 timings share the CPU: set "
-                        "--threads so that jobs x threads <= cores)")
+    p.add_argument("--threads", type=int, help="torch CPU threads per run (default: the preset's; default 1, "
+                                                 "study and smoke: torch's)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="runs at a time, each its own process (default: cores / threads, e.g. 2 single-threaded runs "
+                        "on 2 cores; 1 when threads is torch's default or on cuda); timings of runs at once share "
+                        "the CPU")
     p.add_argument("--out", type=Path, help="run directory; an existing one is resumed (default: "
                                             "bench-runs/<date-time>)")
     p.add_argument("--tensorboard", metavar="DIR", help="also write TensorBoard event files under DIR")
-    p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-plots", action="store_true", help="write results.md only, no PNG plots (no matplotlib needed)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars or lines")
     p.set_defaults(func=_bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .harness.bench import run_bench
+    from .harness.bench import BenchError, run_bench
     from .harness.config import BenchConfig, get_preset
 
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
     try:
         bench = get_preset(args.preset)
         overrides = {f: getattr(args, f) for f in _RUN_FLAGS if getattr(args, f) is not None}
@@ -265,27 +290,33 @@ def _bench(args: argparse.Namespace) -> int:
         optimizers = parse_optimizers(args.optimizers) if args.optimizers else bench.optimizers
         lrs = {**{k: v for k, v in bench.lrs.items() if k in optimizers}, **parse_lrs(args.lrs, optimizers)}
         bench = BenchConfig(base=base, optimizers=optimizers, lrs=lrs,
-                            seeds=args.seeds if args.seeds is not None else bench.seeds)
+                            seeds=args.seeds if args.seeds is not None else bench.seeds,
+                            jobs=args.jobs if args.jobs is not None else bench.jobs)
     except ValueError as e:
         raise SystemExit(f"skewadam bench: {e}")
-    if args.jobs < 1:
-        raise SystemExit(f"skewadam bench: --jobs must be >= 1, got {args.jobs}")
     out = args.out or Path("bench-runs") / time.strftime("%Y%m%d-%H%M%S")
     try:
-        failed = run_bench(bench, out, tensorboard=args.tensorboard, progress=not args.no_progress, jobs=args.jobs,
-                           echo=functools.partial(print, flush=True))
-    except ValueError as e:
+        failed = run_bench(bench, out, tensorboard=args.tensorboard, progress=not args.no_progress,
+                           plots=not args.no_plots, echo=functools.partial(print, flush=True))
+    except (ValueError, BenchError) as e:
         raise SystemExit(f"skewadam bench: {e}") from None
     except KeyboardInterrupt:
         print(f"\ninterrupted; finished runs are kept. Resume with the same command and --out {out}", file=sys.stderr)
-        raise
+        return 130
+    diverged = []
     if any((out / "runs").glob("*.json")):
-        from .harness.report import render
+        from .harness.report import divergence, load_runs, render
 
         print()
         print(render(out, plots=not args.no_plots))
+        diverged = [f"{r['name']} ({why})" for r in load_runs(out) if (why := divergence(r))]
+    if diverged:
+        print(f"{len(diverged)} run(s) diverged: {'; '.join(diverged)}", file=sys.stderr)
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+    wall = time.perf_counter() - t0
+    print(f"skewadam bench: {wall // 60:.0f} min {wall % 60:02.0f} s wall time (1-min load average {load0:.1f} at "
+          f"the start, {os.getloadavg()[0]:.1f} at the end, {os.cpu_count()} CPUs); results in {out}", flush=True)
     return 1 if failed else 0
 
 
@@ -304,7 +335,9 @@ def _add_report(sub) -> None:
 def _report(args: argparse.Namespace) -> int:
     from .harness.report import render
 
-    print(render(args.run_dir, args.baseline, plots=not args.no_plots))
+    if not Path(args.run_dir).is_dir():
+        raise SystemExit(f"skewadam report: {args.run_dir}: no such directory (a `skewadam bench --out` directory)")
+    print(render(args.run_dir, arms.canonical(args.baseline), plots=not args.no_plots))
     return 0
 
 
@@ -329,13 +362,14 @@ def _add_bench_step(sub) -> None:
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default: 15)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per optimizer per round (default: 5)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="wall time, or the process's CPU time (steadier under load with --threads 1)")
-    p.add_argument("--flush-mb", type=int, default=0, metavar="MB",
-                   help="write an MB-sized buffer before each timed step, so the step starts with cold caches")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default: 1, the measure that stays steady on a shared machine)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="cpu",
+                   help="the process's CPU time (default; steady under load with 1 thread) or wall time")
+    p.add_argument("--flush-mb", type=int, default=0, metavar="MiB",
+                   help="write a buffer of this many MiB before each timed step, so the step starts with cold caches")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of every optimizer (default: 1e-3)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the model weights and gradients (default: 0)")
     p.set_defaults(func=_bench_step)
 
 
@@ -344,8 +378,12 @@ def _bench_step(args: argparse.Namespace) -> int:
 
     from .harness.bench_step import bench_step, format_report
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    for flag in ("rounds", "steps", "threads"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"skewadam bench-step: --{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.warmup < 0 or args.flush_mb < 0:
+        raise SystemExit("skewadam bench-step: --warmup and --flush-mb must be >= 0")
+    torch.set_num_threads(args.threads)
     first, *others = arms.BENCH_STEP_DEFAULT
     names = tuple(dict.fromkeys((first, *(args.optimizers or others))))
     try:
@@ -364,17 +402,31 @@ def _bench_step(args: argparse.Namespace) -> int:
 _SUBCOMMANDS = (_add_tiers, _add_plan, _add_bench, _add_report, _add_bench_step)
 
 
+#: What a user's mistake raises (a bad value, a missing or unreadable file, malformed JSON, a bad regex, a missing
+#: optional package): one line, not a traceback.
+_USER_ERRORS = (ValueError, OSError, ImportError, re.error)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="skewadam", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in _SUBCOMMANDS:
         add(sub)
+    for p in (parser, *sub.choices.values()):  # before or after the command
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of an error (also SKEWADAM_DEBUG=1)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except _USER_ERRORS as e:
+        if getattr(args, "debug", False) or os.environ.get("SKEWADAM_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"skewadam {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

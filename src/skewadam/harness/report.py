@@ -16,13 +16,16 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["load_runs", "summarize", "best_by_optimizer", "results_table", "sweep_table", "render"]
+from ..state import BINARY_UNITS, format_bytes
+
+__all__ = ["load_runs", "read_log", "divergence", "summarize", "best_by_optimizer", "results_table", "sweep_table",
+           "render"]
 
 # (column title, summary key, formatter of the value)
 _MiB = 2**20
 COLUMNS = [
-    ("optimizer state", "state_bytes", lambda v: f"{v / _MiB:.2f} MiB"),
-    ("train peak mem", "train_peak_memory_bytes", lambda v: f"{v / _MiB:.0f} MiB"),
+    ("optimizer state", "state_bytes", format_bytes),
+    ("train peak mem", "train_peak_memory_bytes", format_bytes),
     ("tokens/s", "tokens_per_s", lambda v: f"{v:,.0f}"),
     ("opt step", "opt_time_s", lambda v: f"{v * 1e3:.1f} ms"),
     ("best val ppl", "best_val_ppl", lambda v: f"{v:.3f}"),
@@ -30,12 +33,56 @@ COLUMNS = [
 ]
 
 
+#: The keys of a complete run log (`skewadam.harness.train`).
+RUN_KEYS = ("name", "config", "model", "summary", "evals", "steps")
+#: A run diverged when its final validation perplexity is above this multiple of its best (or its loss non-finite).
+DIVERGED_RATIO = 2.0
+
+
+def read_log(path: str | Path, keys: tuple[str, ...] = RUN_KEYS) -> dict[str, Any]:
+    """The JSON object in ``path``, which must hold ``keys``; ValueError naming the file if it is not UTF-8, not
+    JSON (a truncated write, say) or not such an object."""
+    try:
+        obj = json.loads(Path(path).read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    absent = [k for k in keys if not isinstance(obj, dict) or k not in obj]
+    if absent:
+        raise ValueError(f"{path}: not a complete log (no {', '.join(map(repr, absent))})")
+    return obj
+
+
 def load_runs(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every finished run's log under ``run_dir/runs``."""
+    """Every run log under ``run_dir/runs``; ValueError naming every damaged one (rerun the bench to redo them)."""
     files = sorted(Path(run_dir, "runs").glob("*.json"))
     if not files:
         raise FileNotFoundError(f"no run logs in {Path(run_dir, 'runs')}: is {run_dir} a `skewadam bench` output?")
-    return [json.loads(f.read_text()) for f in files]
+    runs, damaged = [], []
+    for f in files:
+        try:
+            runs.append(read_log(f))
+        except ValueError as e:
+            damaged.append(str(e))
+    if damaged:
+        raise ValueError(f"{len(damaged)} damaged run log(s): {'; '.join(damaged)}. `skewadam bench` with the same "
+                         f"--out runs them again")
+    return runs
+
+
+def divergence(run: dict[str, Any]) -> Optional[str]:
+    """Why ``run`` (a log) diverged, or None: a non-finite loss, or a final validation perplexity above
+    `DIVERGED_RATIO` x its best (the model ended worse than it had been: a too-high lr, a sign flipped)."""
+    s = run["summary"]
+    if s["diverged"]:
+        return f"non-finite loss at step {run['steps'][-1]['step']}"
+    best, final = s["best_val_ppl"], s["final_val_ppl"]
+    if not math.isfinite(final):
+        return "non-finite validation loss"
+    if final > DIVERGED_RATIO * best:
+        return f"final val ppl {final:,.1f} is {final / best:.1f}x its best ({best:.3f})"
+    return None
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -48,10 +95,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str, A
     """``{(optimizer, lr): {"seeds": n, "diverged": n, key: (mean, std) for each table column}}``."""
     groups: dict[tuple[str, float], list[dict]] = defaultdict(list)
     for run in runs:
-        groups[(run["config"]["optimizer"], run["config"]["lr"])].append(run["summary"])
+        groups[(run["config"]["optimizer"], run["config"]["lr"])].append(run)
     out = {}
-    for key, summaries in groups.items():
-        row: dict[str, Any] = {"seeds": len(summaries), "diverged": sum(s["diverged"] for s in summaries)}
+    for key, members in groups.items():
+        summaries = [r["summary"] for r in members]
+        row: dict[str, Any] = {"seeds": len(summaries), "diverged": sum(divergence(r) is not None for r in members)}
         for _, metric, _ in COLUMNS:
             row[metric] = _mean_std([s[metric] for s in summaries])
         out[key] = row
@@ -71,7 +119,11 @@ def _cell(fmt, mean_std: tuple[float, float], base: Optional[tuple[float, float]
     mean, std = mean_std
     if not math.isfinite(mean):
         return "diverged"
-    text = fmt(mean) + (f" ± {fmt(std).split()[0]}" if std else "")
+    text = fmt(mean)
+    if std:  # in the mean's unit
+        unit = text.split()[-1]
+        scale = dict(BINARY_UNITS).get(unit)
+        text += f" ± {std / scale:.2f}" if scale and fmt is format_bytes else f" ± {fmt(std).split()[0]}"
     if base is not None and math.isfinite(base[0]) and base[0] > 0:
         text += f" ({mean / base[0]:.2f}x)"
     return text
@@ -177,20 +229,29 @@ def plot(run_dir: Path, runs, summary, order: Optional[list[str]] = None) -> lis
     axes[0].legend(fontsize=8)
     paths.append(_save(fig, run_dir / "val_ppl.png"))
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 0.5 * len(best) + 2), sharey=True)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.6 * len(best) + 2), sharey=True)
     names = list(best)
-    left = [0.0] * len(names)
-    for tier, color in (("backbone", "tab:blue"), ("expert", "tab:orange"), ("router", "tab:green")):
+    tiers = (("backbone", "tab:blue"), ("expert", "tab:orange"), ("router", "tab:green"))
+    height = 0.8 / len(tiers)
+    for j, (tier, color) in enumerate(tiers):  # one bar per tier on a log axis: a KiB router beside MiB backbones
         vals = [statistics.fmean(r["summary"]["state_bytes_by_tier"].get(tier, 0) for r in runs
-                                 if r["config"]["optimizer"] == o and r["config"]["lr"] == best[o][0]) / _MiB
-                for o in names]
-        ax1.barh(names, vals, left=left, color=color, label=tier)
-        left = [a + b for a, b in zip(left, vals)]
-    ax1.set(xlabel="optimizer state (MiB)", title="Optimizer state by tier")
-    ax1.legend(fontsize=8)
+                                 if r["config"]["optimizer"] == o and r["config"]["lr"] == best[o][0]) for o in names]
+        ys = [i + (j - 1) * height for i in range(len(names))]
+        ax1.barh(ys, [v / _MiB if v else float("nan") for v in vals], height=height, color=color, label=tier)
+        for y, v in zip(ys, vals):
+            ax1.annotate(format_bytes(v), (v / _MiB if v else 1e-3, y), xytext=(3, 0), textcoords="offset points",
+                         va="center", fontsize=7)
+    ax1.set(xlabel="optimizer state (MiB, log scale)", title="Optimizer state by tier", xscale="log",
+            yticks=range(len(names)), yticklabels=names)
+    ax1.set_xlim(right=ax1.get_xlim()[1] * 20)  # room for the labels
+    ax1.legend(fontsize=8, loc="lower right")
     ax1.invert_yaxis()
-    peak = [best[o][1]["train_peak_memory_bytes"][0] / _MiB for o in names]
-    ax2.barh(names, peak, color=[colors[o] for o in names])
+    peak = [best[o][1]["train_peak_memory_bytes"][0] for o in names]
+    ax2.barh(range(len(names)), [v / _MiB for v in peak], color=[colors[o] for o in names])
+    for i, v in enumerate(peak):
+        ax2.annotate(format_bytes(v), (v / _MiB, i), xytext=(3, 0), textcoords="offset points", va="center",
+                     fontsize=7)
+    ax2.set_xlim(right=ax2.get_xlim()[1] * 1.2)
     kind = runs[0]["summary"]["memory_kind"]
     ax2.set(xlabel="peak memory above the loaded model (MiB)", title=f"Training peak ({kind})")
     for ax in (ax1, ax2):
@@ -200,13 +261,14 @@ def plot(run_dir: Path, runs, summary, order: Optional[list[str]] = None) -> lis
     fig, ax = plt.subplots(figsize=(7, 4.5))
     curves = _curves(runs, best, "step", "steps", "balance_loss")
     window = max(1, max(len(c[0]) for c in curves.values()) // 20)
-    for opt, (xs, mean, _, _) in curves.items():
-        ax.plot(xs, _smooth(mean, window), color=colors[opt], label=label[opt])
     model = runs[0]["model"]
-    floor = model["balance_coef"] * (model["n_layer"] // 2)
-    ax.axhline(floor, color="k", ls="--", lw=1, label=f"uniform routing ({floor:g})")
-    ax.set(xlabel="step", ylabel="load-balancing loss (sum over MoE layers)",
-           title=f"Training balance loss (moving average of {window} steps)")
+    floor = model["balance_coef"] * (model["n_layer"] // 2)  # uniform routing gives each MoE layer exactly coef
+    for opt, (xs, mean, _, _) in curves.items():
+        ax.plot(xs, [100 * (y / floor - 1) for y in _smooth(mean, window)], color=colors[opt], label=label[opt])
+    ax.axhline(0, color="k", ls="--", lw=1, label=f"uniform routing (loss {floor:g})")
+    ax.set(xlabel="step", ylabel="balance loss above uniform routing (%)",
+           title=f"Training load-balancing loss, sum over MoE layers (moving average of {window} steps)")
+    ax.title.set_fontsize(10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     paths.append(_save(fig, run_dir / "balance.png"))
@@ -241,7 +303,7 @@ def render(run_dir: str | Path, baseline: str = "adamw", plots: bool = True) -> 
     run_dir = Path(run_dir)
     runs = load_runs(run_dir)
     bench_file = run_dir / "bench.json"
-    order = json.loads(bench_file.read_text())["optimizers"] if bench_file.exists() else None
+    order = read_log(bench_file, ("optimizers",))["optimizers"] if bench_file.exists() else None
     summary = summarize(runs)
     first = runs[0]
     cfg, model = first["config"], first["model"]
@@ -263,6 +325,11 @@ def render(run_dir: str | Path, baseline: str = "adamw", plots: bool = True) -> 
         "process's peak once the model and data were loaded. tokens/s and opt step exclude evaluation; "
         "opt step is the median optimizer.step() time.",
     ]
+    diverged = [(r["name"], why) for r in runs if (why := divergence(r))]
+    if diverged:
+        lines += ["", f"**{len(diverged)} run(s) diverged** (a non-finite loss, or a final validation perplexity above "
+                  f"{DIVERGED_RATIO:g}x its best; counted in the seeds column): "
+                  + "; ".join(f"{name}: {why}" for name, why in diverged) + "."]
     sweep = sweep_table(summary, order)
     if sweep:
         lines += ["", "## Learning-rate sweep: best validation perplexity (bold: best lr)", "", sweep]

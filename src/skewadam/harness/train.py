@@ -4,8 +4,9 @@
 the peak RSS it reports belongs to that optimizer alone. Same seed => same initial weights (checked by
 ``init_checksum`` in the log), same batches in the same order, same router noise, whatever the optimizer.
 
-The log (``RunConfig`` fields, then per-step and per-eval records, then a summary) is written atomically at the end;
-its presence marks the run finished, which is how an interrupted bench resumes.
+The log (``RunConfig`` fields, then per-step and per-eval records, then a summary) is written atomically at the end
+(`write_json`); a complete log marks the run finished, which is how an interrupted bench resumes. A run started by
+`skewadam bench` dies with it (`die_with_parent`), so a killed bench leaves no run behind.
 """
 
 from __future__ import annotations
@@ -30,7 +31,33 @@ from ..state import measure_state
 from .config import RunConfig, run_name
 from .measure import peak_rss
 
-__all__ = ["train", "lr_factor", "evaluate", "main"]
+__all__ = ["train", "lr_factor", "evaluate", "main", "write_json", "die_with_parent"]
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON atomically: a temporary file, flushed to disk, then renamed over ``path``; a reader,
+    or a rerun after a crash, sees the old file or the new one, never a part of one."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, allow_nan=True)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this process (SIGKILL) when its parent ends, however it ends (Linux ``PR_SET_PDEATHSIG``;
+    elsewhere nothing), and exit now if the parent ``parent_pid`` already ended before this ran."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+            return  # not permitted here: the run just lives on, as before
+    if os.getppid() != parent_pid:  # reparented: the bench is gone
+        os._exit(1)
 
 
 def lr_factor(step: int, steps: int, warmup_frac: float) -> float:
@@ -95,15 +122,16 @@ def _train_step(model, optimizer, x, y, grad_clip: float, device: torch.device) 
 class _Monitor:
     """Where a run reports as it goes: a progress bar (tqdm) and TensorBoard event files, each optional."""
 
-    def __init__(self, name: str, steps: int, tensorboard: Optional[str], progress: bool) -> None:
+    def __init__(self, name: str, steps: int, tensorboard: Optional[str], progress: Optional[str]) -> None:
         self.writer = self.bar = None
+        self.name, self.steps, self.lines, self.t0 = name, steps, progress == "lines", time.perf_counter()
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise SystemExit("--tensorboard needs the tensorboard package: pip install 'skewadam[tensorboard]'")
             self.writer = SummaryWriter(os.path.join(tensorboard, name))
-        if progress:
+        if progress == "bar":
             from tqdm import tqdm
 
             self.bar = tqdm(total=steps, desc=name, file=sys.stderr, dynamic_ncols=True, leave=True)
@@ -114,6 +142,9 @@ class _Monitor:
                 self.writer.add_scalar(f"val/{k[4:]}", ev[k], ev["step"])
         if self.bar:
             self.bar.set_postfix(val_ppl=f"{ev['val_ppl']:.2f}")
+        if self.lines:  # several runs at a time share the terminal: a line per evaluation instead of a bar
+            print(f"  {self.name}: step {ev['step']}/{self.steps}, val ppl {ev['val_ppl']:.2f}, "
+                  f"{time.perf_counter() - self.t0:.0f} s", file=sys.stderr, flush=True)
 
     def step(self, rec: dict[str, Any], last_eval: dict[str, Any]) -> None:
         if self.writer:
@@ -156,8 +187,10 @@ def _summary(optimizer, steps_log, evals_log, device, baseline_memory: int, toke
 
 
 def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optional[str] = None,
-          progress: bool = True) -> dict[str, Any]:
-    """Train per ``cfg``; return the log (and write it to ``log_path``, atomically, if given)."""
+          progress: Optional[str] = "bar") -> dict[str, Any]:
+    """Train per ``cfg``; return the log (and write it to ``log_path``, atomically, if given). ``progress``: a tqdm
+    ``"bar"``, a line per evaluation (``"lines"``), or None."""
+    progress = "bar" if progress is True else progress or None
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
@@ -222,21 +255,22 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
         "steps": steps_log,
     }
     if log_path is not None:
-        tmp = Path(log_path).with_suffix(".tmp")
-        tmp.write_text(json.dumps(log, indent=1, allow_nan=True))
-        tmp.replace(log_path)
+        write_json(Path(log_path), log)
     return log
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m skewadam.harness.train JOB.json``: JOB holds ``config`` (RunConfig fields), ``log_path`` and
-    optional ``tensorboard`` / ``progress``. This is how `skewadam bench` starts each run in a fresh process."""
+    optional ``tensorboard``, ``progress`` (see `train`) and ``parent_pid`` (the bench: this run dies with it). This
+    is how `skewadam bench` starts each run in a fresh process."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: python -m skewadam.harness.train JOB.json")
     job = json.loads(Path(argv[0]).read_text())
+    if job.get("parent_pid"):
+        die_with_parent(job["parent_pid"])
     train(RunConfig(**job["config"]), Path(job["log_path"]), tensorboard=job.get("tensorboard"),
-          progress=job.get("progress", True))
+          progress=job.get("progress", "bar"))
     return 0
 
 
