@@ -325,7 +325,7 @@ def test_every_arm_trains_by_default_at_its_best_lr_of_the_study():
 
     bench = default()
     assert {r.optimizer: r.resolved_lr for r in bench.runs()} == {n: best[n] for n in arms.BENCH_DEFAULT}
-    assert bench.base == dataclasses.replace(study().base, threads=1)  # the study's setup: its seed 0
+    assert bench.base == dataclasses.replace(study().base, steps=60, eval_interval=15, threads=1)  # shorter
 
 
 def test_the_default_bench_runs_one_single_threaded_run_per_core():

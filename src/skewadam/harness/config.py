@@ -158,16 +158,16 @@ def default_jobs(base: RunConfig) -> int:
 
 
 def default() -> BenchConfig:
-    """`skewadam bench` with no arguments: AdamW, Adafactor, Muon and SkewAdam, each at its best lr (~6 min on 2 cores).
+    """`skewadam bench` with no arguments: AdamW, Adafactor, Muon, SkewAdam at their best lrs, 60 steps (~6 min, 2 cores).
 
     Each arm trains at its default lr, the best of the study (``--preset study``, ``docs/study/results.md``: 3 lrs x
-    3 seeds), on the study's setup (200 steps of 16 x 128 byte tokens, 8 validation batches every 25 steps), so its
-    perplexity is the study's seed 0. Sized from times measured on 2 shared cores (load 3-4 from other work): one
-    single-threaded run per core beats one run on both cores 1.6-2.7x under load (a loaded core stalls the other
-    thread at every parallel region); a run costs ~0.5-0.75 s a step there (Muon twice that: its bf16 Newton-Schulz
-    is slow on a CPU without AVX-512 bf16). SkewAdam's ``eps_mode="floor"`` and the ablations are in ``--optimizers
-    all`` and the study."""
-    return BenchConfig(base=RunConfig(threads=1))
+    3 seeds of 200 steps), on the study's data, model, batch and schedule, for 60 steps with 8 validation batches
+    every 15. Budgeted from times measured on 2 cores shared with other work (1-min load 5.5-6.2 with the bench's own
+    two runs): one single-threaded run per core; a run costs ~27 s to start and ~1.5 s a step (an evaluation ~3
+    steps), Muon ~2.9 s (its bf16 Newton-Schulz is 21x slower than fp32 on a CPU without AVX-512 bf16). Four runs
+    took 13 min 43 s at 200 steps and 7 min 33 s at 80 there. Longer runs, more seeds, SkewAdam's
+    ``eps_mode="floor"`` and the ablations: ``--steps``, ``--seeds``, ``--optimizers all``, ``--preset study``."""
+    return BenchConfig(base=RunConfig(steps=60, eval_interval=15, threads=1))
 
 
 def smoke() -> BenchConfig:
