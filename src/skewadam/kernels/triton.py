@@ -115,6 +115,25 @@ def _addr(row, col: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def _big(row, col: tl.constexpr, dtype: tl.constexpr, ALIGNED: tl.constexpr):
+    """`_addr` of a parameter-sized tensor; ALIGNED: the host checked it is 16-byte aligned (vector accesses)."""
+    p = tl.load(row + col).to(tl.pointer_type(dtype))
+    if ALIGNED:  # (on the pointer: a hint on the integer does not survive the cast)
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+@triton.jit
+def _load8(ptr, ALIGNED: tl.constexpr):
+    """A size from a table, known a multiple of 8 when ALIGNED (row lengths, item starts: the host checked). The
+    hint is on the load (a hint on an argument of a helper is lost when it is inlined)."""
+    x = tl.load(ptr)
+    if ALIGNED:
+        x = tl.multiple_of(x, 8)
+    return x
+
+
+@triton.jit
 def _row(tab, t):
     """Tensor t's row of the tensor table."""
     return tab + (t + 1) * _NT
@@ -254,21 +273,23 @@ def _update_momentum(x, m, ms, offs, mask, sidx, smask, w1, key, T: tl.constexpr
 def _tiny(T: tl.constexpr):
     """torch.finfo(T).tiny."""
     if T == tl.float32:
-        return 1.1754943508222875e-38
-    return 2.2250738585072014e-308
+        tiny = tl.full([], 0x00800000, tl.int32).to(tl.float32, bitcast=True)
+    else:
+        tiny = tl.full([], 0x0010000000000000, tl.int64).to(tl.float64, bitcast=True)
+    return tiny
 
 
 # ================================================================================================ pass 1
 @triton.jit
 def _stats_tiles(tab, items, scratch, part0, PD: tl.constexpr, T: tl.constexpr, FACTORED: tl.constexpr,
-                 RB: tl.constexpr, BC: tl.constexpr, BLOCK: tl.constexpr):
+                 ALIGNED: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr, BLOCK: tl.constexpr):
     """Per item: factored, its rows' sums of g^2 and its column partials; otherwise its sum of g^2 (a partial)."""
     pid = tl.program_id(0)
     it = items + pid * _NI
     row = _row(tab, tl.load(it + _I_T))
-    g = _addr(row, _G, PD)
+    g = _big(row, _G, PD, ALIGNED)
     if FACTORED:
-        C = tl.load(row + _C)
+        C = _load8(row + _C, ALIGNED)
         r0 = tl.load(it + _I_ROW0)
         r1 = r0 + tl.load(it + _I_NROWS)
         colp = tl.load(it + _I_COLP)
@@ -292,7 +313,7 @@ def _stats_tiles(tab, items, scratch, part0, PD: tl.constexpr, T: tl.constexpr, 
             tl.store(col_out + cols, acc, mask=cm)
             tl.debug_barrier()  # this chunk's row sums are stored before the next chunk reads them
     else:
-        e0 = tl.load(it + _I_E0)
+        e0 = _load8(it + _I_E0, ALIGNED)
         e1 = e0 + tl.load(it + _I_N)
         acc = tl.zeros([BLOCK], T)
         for s in range(e0, e1, BLOCK):
@@ -474,7 +495,7 @@ def _full_u(src, x, v, offs, mask, scale, w2, add, floor, T: tl.constexpr, HI2: 
 def _moments_tiles(tab, items, scratch, part0, keys, skip, n_tensors, PD: tl.constexpr,
                    T: tl.constexpr, MD: tl.constexpr, FACTORED: tl.constexpr, FLAT: tl.constexpr, MOM: tl.constexpr,
                    HI1: tl.constexpr, HI2: tl.constexpr, EPS_ADD: tl.constexpr, HAS_SKIP: tl.constexpr,
-                   RB: tl.constexpr, BC: tl.constexpr, BLOCK: tl.constexpr):
+                   ALIGNED: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr, BLOCK: tl.constexpr):
     """Per item of an updated unit: the first moment (and the full second moment) in place, and the item's partial
     ``sum u^2`` with ``u = src * rinv_i * corr * cinv_j`` (factored) or ``src * corr / sqrt(v)``."""
     pid = tl.program_id(0)
@@ -483,10 +504,10 @@ def _moments_tiles(tab, items, scratch, part0, keys, skip, n_tensors, PD: tl.con
     row = _row(tab, t)
     u = tl.load(it + _I_U)
     go = _go(row, u, skip, HAS_SKIP)
-    g = _addr(row, _G, PD)
-    m = _addr(row, _M, MD)
+    g = _big(row, _G, PD, ALIGNED)
+    m = _big(row, _M, MD, ALIGNED)
     ms = _addr(row, _MS, tl.float32)
-    v = _addr(row, _V, T)
+    v = _big(row, _V, T, ALIGNED)
     corr = tl.load(_addr(row, _CORR, T) + u)
     mkey = tl.load(keys + n_tensors + t).to(tl.uint32)
     w1t = _hyper(tab, _H_W1).to(T)
@@ -494,7 +515,7 @@ def _moments_tiles(tab, items, scratch, part0, keys, skip, n_tensors, PD: tl.con
     at = _hyper(tab, _H_ADD).to(T)
     ft = _hyper(tab, _H_FLOOR).to(T)
     if FLAT:
-        e0 = tl.load(it + _I_E0)
+        e0 = _load8(it + _I_E0, ALIGNED)
         e1 = e0 + tl.where(go, tl.load(it + _I_N), 0)
         acc = tl.zeros([BLOCK], T)
         for s in range(e0, e1, BLOCK):
@@ -505,7 +526,7 @@ def _moments_tiles(tab, items, scratch, part0, keys, skip, n_tensors, PD: tl.con
             uu = _full_u(src, x, v, offs, mask, corr, w2t, at, ft, T, HI2, EPS_ADD, True)
             acc += tl.where(mask, uu * uu, 0.0)
     else:
-        C = tl.load(row + _C)
+        C = _load8(row + _C, ALIGNED)
         NB = tl.load(row + _NB)
         r0 = tl.load(it + _I_ROW0)
         r1 = r0 + tl.where(go, tl.load(it + _I_NROWS), 0)
@@ -558,8 +579,8 @@ def _prepare_apply(tab, clips, keys, T: tl.constexpr, UB: tl.constexpr):
 @triton.jit
 def _apply_tiles(tab, items, clips, keys, skip, PD: tl.constexpr,
                  T: tl.constexpr, MD: tl.constexpr, FACTORED: tl.constexpr, FLAT: tl.constexpr, MOM: tl.constexpr,
-                 EPS_ADD: tl.constexpr, HAS_SKIP: tl.constexpr, LR_PTR: tl.constexpr, LRD: tl.constexpr, RB: tl.constexpr,
-                 BC: tl.constexpr, BLOCK: tl.constexpr):
+                 EPS_ADD: tl.constexpr, HAS_SKIP: tl.constexpr, LR_PTR: tl.constexpr, LRD: tl.constexpr,
+                 ALIGNED: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr, BLOCK: tl.constexpr):
     """Per item of an updated unit: ``p = p * (1 - lr*wd) - lr * u * clip`` (``torch.add(alpha=-lr)``: one fused
     multiply-add), rounded stochastically for bf16 parameters."""
     pid = tl.program_id(0)
@@ -568,11 +589,11 @@ def _apply_tiles(tab, items, clips, keys, skip, PD: tl.constexpr,
     row = _row(tab, t)
     u = tl.load(it + _I_U)
     go = _go(row, u, skip, HAS_SKIP)
-    p = _addr(row, _P, PD)
-    g = _addr(row, _G, PD)
-    m = _addr(row, _M, MD)
+    p = _big(row, _P, PD, ALIGNED)
+    g = _big(row, _G, PD, ALIGNED)
+    m = _big(row, _M, MD, ALIGNED)
     ms = _addr(row, _MS, tl.float32)
-    v = _addr(row, _V, T)
+    v = _big(row, _V, T, ALIGNED)
     if LR_PTR:
         lr64 = tl.load(tl.load(tab + _H_LR_ADDR).to(tl.pointer_type(LRD))).to(tl.float64)
     else:
@@ -583,7 +604,7 @@ def _apply_tiles(tab, items, clips, keys, skip, PD: tl.constexpr,
     key = tl.load(keys + t).to(tl.uint32)
     ft = _hyper(tab, _H_FLOOR).to(T)
     if FLAT:
-        e0 = tl.load(it + _I_E0)
+        e0 = _load8(it + _I_E0, ALIGNED)
         e1 = e0 + tl.where(go, tl.load(it + _I_N), 0)
         for s in range(e0, e1, BLOCK):
             offs = s + tl.arange(0, BLOCK)
@@ -592,7 +613,7 @@ def _apply_tiles(tab, items, clips, keys, skip, PD: tl.constexpr,
             uu = _full_u(src, src, v, offs, mask, cc, 0.0, 0.0, ft, T, False, EPS_ADD, False)
             _write(p, offs, mask, uu, decay, nlr, key, PD, T)
     else:
-        C = tl.load(row + _C)
+        C = _load8(row + _C, ALIGNED)
         NB = tl.load(row + _NB)
         r0 = tl.load(it + _I_ROW0)
         r1 = r0 + tl.where(go, tl.load(it + _I_NROWS), 0)
@@ -655,6 +676,7 @@ class _Layout:
         self.act: list[int] = []  # per tensor: offset in the bank-activity buffer (-1: not a bank)
         self.n_units = self.colp = self.stats_numel = self.moments_numel = self.act_numel = 0
         self.max_c = self.max_rows = self.max_n = self.max_count = self.max_e = self.max_rc = self.max_s = 1
+        self.aligned8 = True  # every item starts, and (rows layouts) every row holds, a multiple of 8 elements
         self._tables: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
         for t, (shape, bank) in enumerate(specs):
             self._add(t, shape, bank)
@@ -676,6 +698,7 @@ class _Layout:
                 per_unit[u][0] = len(self.items)
             per_unit[u][1] += 1
             self.items.append([t, u, b, row0, nrows, e0, n, colp])
+            self.aligned8 = self.aligned8 and e0 % 8 == 0 and (self.kind == "flat" or C % 8 == 0)
             self.max_rows = max(self.max_rows, nrows)
             self.max_n = max(self.max_n, n)
 
@@ -900,9 +923,14 @@ def _ptr(t: Optional[Tensor]) -> int:
     return t.data_ptr() if t is not None else 0
 
 
-def _tensor_table(b: _Bucket, work: _Work, stats: list[list[int]], moments: list[list[int]]) -> Tensor:
-    """One row per tensor of the bucket: addresses (``stats``: sumsq, rc, rvs, row, col; ``moments``: u_sumsq,
-    corr, rinv, cinv, active; absent ones 0), then sizes."""
+class _Table(NamedTuple):
+    tensor: Tensor  # the header row, then one row per tensor of the bucket
+    aligned: bool  # parameter-sized tensors 16-byte aligned, rows and items multiples of 8 elements
+
+
+def _tensor_table(b: _Bucket, work: _Work, stats: list[list[int]], moments: list[list[int]]) -> _Table:
+    """The hyperparameters, then one row per tensor of the bucket: addresses (``stats``: sumsq, rc, rvs, row,
+    col; ``moments``: u_sumsq, corr, rinv, cinv, active; absent ones 0), then sizes."""
     rows = [_header(work.group, b.T, work.device)]
     L, seed = b.layout, work.group.seed
     for j, i in enumerate(b.index):
@@ -916,7 +944,8 @@ def _tensor_table(b: _Bucket, work: _Work, stats: list[list[int]], moments: list
             E, R, C, NB, shape[-2] if b.factored else 1, shape[-1] if shape else 1, ng, int(bool(pt.bank)),
             _key_base(seed, pt.stream), L.unit0[j],
         ])
-    return _upload(rows, work.device)
+    aligned = L.aligned8 and all(r[c] % 16 == 0 for r in rows[1:] for c in (_P, _G, _M, _V))
+    return _Table(_upload(rows, work.device), aligned)
 
 
 def _header(group: Group, T: torch.dtype, device: torch.device) -> list[int]:
@@ -952,12 +981,12 @@ def _hi(w: float, T: torch.dtype) -> bool:
     return abs(w) >= 0.5
 
 
-def _pass1(b: _Bucket, tab: Tensor, scratch: Tensor, flag: Optional[Tensor]) -> None:
-    L, T = b.layout, _TL[b.T]
+def _pass1(b: _Bucket, table: _Table, scratch: Tensor, flag: Optional[Tensor]) -> None:
+    L, T, tab = b.layout, _TL[b.T], table.tensor
     items, mats, units = L.tables(tab.device)
     tiles = b.tiles()
     _launch(_stats_tiles, (len(L.items),), tab, items, scratch, L.colp, PD=_TL[b.pd], T=T, FACTORED=b.factored,
-            warps=8, **tiles)
+            ALIGNED=table.aligned, warps=8, **tiles)
     blk = min(_MAT_BLOCK, max(16, triton.next_power_of_2(L.max_rc)))
     _launch(_stats_matrices, (len(L.mats), triton.cdiv(L.max_rc, blk)), tab, mats, scratch, T=T, BLK=blk,
             SB=min(8, triton.next_power_of_2(L.max_s)))
@@ -966,8 +995,8 @@ def _pass1(b: _Bucket, tab: Tensor, scratch: Tensor, flag: Optional[Tensor]) -> 
             BLOCK=min(1024, max(16, triton.next_power_of_2(L.max_count))))
 
 
-def _pass2(b: _Bucket, group: Group, tab: Tensor, scratch: Tensor, keys: Tensor, skip: Optional[Tensor]) -> None:
-    L, T = b.layout, _TL[b.T]
+def _pass2(b: _Bucket, group: Group, table: _Table, scratch: Tensor, keys: Tensor, skip: Optional[Tensor]) -> None:
+    L, T, tab = b.layout, _TL[b.T], table.tensor
     items, mats, units = L.tables(tab.device)
     skip_arg = skip if skip is not None else tab
     nt = len(b.index)
@@ -981,13 +1010,13 @@ def _pass2(b: _Bucket, group: Group, tab: Tensor, scratch: Tensor, keys: Tensor,
                 BLK=blk, **flags)
     _launch(_moments_tiles, (len(L.items),), tab, items, scratch, L.colp, keys, skip_arg, nt, PD=_TL[b.pd], T=T,
             MD=_TL[b.md], FACTORED=b.factored, FLAT=L.kind == "flat", MOM=b.mom, HI1=_hi(1.0 - group.beta1, b.T),
-            HI2=hi2, warps=8, **flags, **b.tiles())
+            HI2=hi2, ALIGNED=table.aligned, warps=8, **flags, **b.tiles())
     _launch(_unit_sums, (L.n_units,), tab, units, scratch, L.colp, tab, DST=_USQ, T=T, FROM_MATS=False,
             HAS_FLAG=False, TMAX=0.0, BLOCK=min(1024, max(16, triton.next_power_of_2(L.max_count))))
 
 
-def _pass3(b: _Bucket, group: Group, tab: Tensor, clips: Tensor, keys: Tensor, skip: Optional[Tensor]) -> None:
-    L, T = b.layout, _TL[b.T]
+def _pass3(b: _Bucket, group: Group, table: _Table, clips: Tensor, keys: Tensor, skip: Optional[Tensor]) -> None:
+    L, T, tab = b.layout, _TL[b.T], table.tensor
     items, _, _ = L.tables(tab.device)
     _launch(_prepare_apply, (len(b.index),), tab, clips, keys, T=T,
             UB=min(1024, max(16, triton.next_power_of_2(L.max_e))))
@@ -996,7 +1025,7 @@ def _pass3(b: _Bucket, group: Group, tab: Tensor, clips: Tensor, keys: Tensor, s
     _launch(_apply_tiles, (len(L.items),), tab, items, clips, keys, skip if skip is not None else tab, PD=_TL[b.pd],
             T=T, MD=_TL[b.md], FACTORED=b.factored, FLAT=L.kind == "flat", MOM=b.mom, EPS_ADD=group.eps_mode == "add",
             HAS_SKIP=skip is not None, LR_PTR=lr_ptr, LRD=_TL.get(lr.dtype, tl.float32) if lr_ptr else tl.float32,
-            warps=8, **b.tiles())
+            ALIGNED=table.aligned, warps=8, **b.tiles())
 
 
 # ================================================================================================ the protocol
