@@ -79,6 +79,7 @@ _TARGET = 1 << 18  # elements per work item
 _MIN_ROWS = 256  # rows per strip of a matrix cut into several: bounds its column partials at numel / 256
 _TILE = 4096  # elements per tile of the item kernels
 _MAT_BLOCK = 1024  # rows or columns per program of the per-matrix kernels
+_SMALL_BLOCK = 256  # units per loop of the per-tensor and per-unit kernels
 _ROW_MEAN_FLOOR = 1e-15  # eager.py's _ROW_MEAN_FLOOR (the paper's guard on mean(row) in eps_mode="floor")
 _MOMENTUM_STREAM = 0x5BD1E995  # quant.py's: separates the momentum's rounding bits from the weight's
 _M32 = 0xFFFFFFFF
@@ -675,7 +676,7 @@ class _Layout:
         self.moments: list[tuple[int, ...]] = []  # per tensor: offsets of u_sumsq, corr, rinv, cinv
         self.act: list[int] = []  # per tensor: offset in the bank-activity buffer (-1: not a bank)
         self.n_units = self.colp = self.stats_numel = self.moments_numel = self.act_numel = 0
-        self.max_c = self.max_rows = self.max_n = self.max_count = self.max_e = self.max_rc = self.max_s = 1
+        self.max_c = self.max_rc = 1  # the longest row, the most rows or columns of a matrix
         self.aligned8 = True  # every item starts, and (rows layouts) every row holds, a multiple of 8 elements
         self._tables: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
         for t, (shape, bank) in enumerate(specs):
@@ -699,14 +700,11 @@ class _Layout:
             per_unit[u][1] += 1
             self.items.append([t, u, b, row0, nrows, e0, n, colp])
             self.aligned8 = self.aligned8 and e0 % 8 == 0 and (self.kind == "flat" or C % 8 == 0)
-            self.max_rows = max(self.max_rows, nrows)
-            self.max_n = max(self.max_n, n)
 
         if factored:
             mpu = B // E if E else 0
             rows = max(1, min(R, max(_MIN_ROWS, -(-_TARGET // max(C, 1)))))
             S = -(-R // rows)
-            self.max_s = max(self.max_s, S)
             self.max_rc = max(self.max_rc, R, C)
             for b in range(B):
                 u = b // mpu if bank else 0
@@ -734,10 +732,8 @@ class _Layout:
             mats = [(0, 0)] * E
         if numel:
             self.max_c = max(self.max_c, C)
-        self.max_e = max(self.max_e, E)
         for u, ((first, count), (mat0, nmats)) in enumerate(zip(per_unit, mats)):
             self.units.append([t, u, first, count, mat0, nmats])
-            self.max_count = max(self.max_count, count, nmats)
         self.n_units += E
         sizes = (E, B, B, B * R, B * C) if factored else (E,)
         self.stats.append(_offsets(self.stats_numel, sizes))
@@ -790,10 +786,10 @@ class _Bucket(NamedTuple):
         return self.layout.kind == "factored"
 
     def tiles(self) -> dict[str, int]:
-        L = self.layout
-        bc = _QBLOCK if self.mom == _MOM_INT8 else min(256, max(16, triton.next_power_of_2(L.max_c)))
-        return dict(RB=max(1, min(_TILE // bc, triton.next_power_of_2(L.max_rows))), BC=bc,
-                    BLOCK=min(_TILE, max(16, triton.next_power_of_2(L.max_n))))
+        """Tile shapes of the item kernels: [RB, BC] (rows layouts; BC one int8 block for int8 momentum) or [BLOCK],
+        from a few sizes only (each is a compiled variant)."""
+        bc = _QBLOCK if self.mom == _MOM_INT8 else next(w for w in (16, 64, 256) if w >= min(self.layout.max_c, 256))
+        return dict(RB=_TILE // bc, BC=bc, BLOCK=_TILE)
 
 
 class _Work(NamedTuple):
@@ -987,12 +983,11 @@ def _pass1(b: _Bucket, table: _Table, scratch: Tensor, flag: Optional[Tensor]) -
     tiles = b.tiles()
     _launch(_stats_tiles, (len(L.items),), tab, items, scratch, L.colp, PD=_TL[b.pd], T=T, FACTORED=b.factored,
             ALIGNED=table.aligned, warps=8, **tiles)
-    blk = min(_MAT_BLOCK, max(16, triton.next_power_of_2(L.max_rc)))
-    _launch(_stats_matrices, (len(L.mats), triton.cdiv(L.max_rc, blk)), tab, mats, scratch, T=T, BLK=blk,
-            SB=min(8, triton.next_power_of_2(L.max_s)))
+    _launch(_stats_matrices, (len(L.mats), triton.cdiv(L.max_rc, _MAT_BLOCK)), tab, mats, scratch, T=T,
+            BLK=_MAT_BLOCK, SB=8)
     _launch(_unit_sums, (L.n_units,), tab, units, scratch, L.colp, flag if flag is not None else tab, DST=_SUMSQ,
             T=T, FROM_MATS=b.factored, HAS_FLAG=flag is not None, TMAX=torch.finfo(b.T).max,
-            BLOCK=min(1024, max(16, triton.next_power_of_2(L.max_count))))
+            BLOCK=_SMALL_BLOCK)
 
 
 def _pass2(b: _Bucket, group: Group, table: _Table, scratch: Tensor, keys: Tensor, skip: Optional[Tensor]) -> None:
@@ -1002,24 +997,23 @@ def _pass2(b: _Bucket, group: Group, table: _Table, scratch: Tensor, keys: Tenso
     nt = len(b.index)
     flags = dict(EPS_ADD=group.eps_mode == "add", HAS_SKIP=skip is not None)
     _launch(_count_steps, (nt,), tab, keys, skip_arg, nt, T=T, HAS_MOM=b.mom != _MOM_NONE, HAS_SKIP=skip is not None,
-            UB=min(1024, max(16, triton.next_power_of_2(L.max_e))))
+            UB=_SMALL_BLOCK)
     hi2 = _hi(1.0 - group.beta2, b.T)
     if b.factored:
-        blk = min(_MAT_BLOCK, max(16, triton.next_power_of_2(L.max_rc)))
-        _launch(_factored_moments, (len(L.mats), triton.cdiv(L.max_rc, blk)), tab, mats, skip_arg, T=T, HI2=hi2,
-                BLK=blk, **flags)
+        _launch(_factored_moments, (len(L.mats), triton.cdiv(L.max_rc, _MAT_BLOCK)), tab, mats, skip_arg, T=T,
+                HI2=hi2, BLK=_MAT_BLOCK, **flags)
     _launch(_moments_tiles, (len(L.items),), tab, items, scratch, L.colp, keys, skip_arg, nt, PD=_TL[b.pd], T=T,
             MD=_TL[b.md], FACTORED=b.factored, FLAT=L.kind == "flat", MOM=b.mom, HI1=_hi(1.0 - group.beta1, b.T),
             HI2=hi2, ALIGNED=table.aligned, warps=8, **flags, **b.tiles())
     _launch(_unit_sums, (L.n_units,), tab, units, scratch, L.colp, tab, DST=_USQ, T=T, FROM_MATS=False,
-            HAS_FLAG=False, TMAX=0.0, BLOCK=min(1024, max(16, triton.next_power_of_2(L.max_count))))
+            HAS_FLAG=False, TMAX=0.0, BLOCK=_SMALL_BLOCK)
 
 
 def _pass3(b: _Bucket, group: Group, table: _Table, clips: Tensor, keys: Tensor, skip: Optional[Tensor]) -> None:
     L, T, tab = b.layout, _TL[b.T], table.tensor
     items, _, _ = L.tables(tab.device)
     _launch(_prepare_apply, (len(b.index),), tab, clips, keys, T=T,
-            UB=min(1024, max(16, triton.next_power_of_2(L.max_e))))
+            UB=_SMALL_BLOCK)
     lr = group.lr
     lr_ptr = isinstance(lr, Tensor) and lr.device == tab.device
     _launch(_apply_tiles, (len(L.items),), tab, items, clips, keys, skip if skip is not None else tab, PD=_TL[b.pd],
