@@ -40,7 +40,8 @@ and the bias corrections are computed from them in the kernels. ``lr`` is a floa
 Memory traffic per element of an expert bank (factored, no momentum): ``g`` read by pass 1, by pass 2 (``sum u^2``),
 and by pass 3 with ``p`` read and written: 20 bytes in fp32 (fused AdamW: 28), 10 in bf16. Transient memory: the
 statistics (rows, columns, units), the column partials of matrices cut into several strips (at most numel / 256 per
-tensor: strips hold >= `_MIN_ROWS` rows), one float per item, and the tables (`step_transient_bytes`); a
+tensor: strips hold >= `_MIN_ROWS` rows), one float per item, and the tables (`step_transient_bytes`); in `step_`
+``rinv``/``cinv`` overwrite the row and column sums they are computed from. A
 non-contiguous parameter or gradient is also copied (and the parameter written back).
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU tensors, slowly, which is how
@@ -76,7 +77,7 @@ __all__ = ["grad_stats", "update_moments_", "apply_updates_", "step_", "step_tra
            "interpreted", "stochastic_round_bf16", "unit_dims", "stat_dims"]
 
 _TARGET = 1 << 18  # elements per work item
-_MIN_ROWS = 256  # rows per strip of a matrix cut into several: bounds its column partials at numel / 256
+_MIN_ROWS = 512  # rows per strip of a matrix cut into several: bounds its column partials at numel / 512
 _TILE = 4096  # elements per tile of the item kernels
 _MAT_BLOCK = 1024  # rows or columns per program of the per-matrix kernels
 _SMALL_BLOCK = 256  # units per loop of the per-tensor and per-unit kernels
@@ -673,14 +674,21 @@ class _Layout:
         self.dims: list[tuple[int, int, int, int]] = []  # per tensor: E, R, C, NB
         self.unit0: list[int] = []  # per tensor: index of its first unit in the bucket
         self.stats: list[tuple[int, ...]] = []  # per tensor: offsets of sumsq, rc, rvs, row, col (elements)
-        self.moments: list[tuple[int, ...]] = []  # per tensor: offsets of u_sumsq, corr, rinv, cinv
+        self.moments: list[tuple[int, ...]] = []  # per tensor: offsets of u_sumsq, corr (all tensors' first), rinv, cinv
         self.act: list[int] = []  # per tensor: offset in the bank-activity buffer (-1: not a bank)
         self.n_units = self.colp = self.stats_numel = self.moments_numel = self.act_numel = 0
         self.max_c = self.max_rc = 1  # the longest row, the most rows or columns of a matrix
         self.aligned8 = True  # every item starts, and (rows layouts) every row holds, a multiple of 8 elements
         self._tables: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
+        self._rc_sizes: list[tuple[int, int]] = []
         for t, (shape, bank) in enumerate(specs):
             self._add(t, shape, bank)
+        start = 2 * self.n_units  # u_sumsq and corr of every tensor, then rinv and cinv (`step_` keeps only these)
+        for t, (rows, cols) in enumerate(self._rc_sizes):
+            unit0, E = self.unit0[t], self.dims[t][0]
+            self.moments.append((2 * unit0, 2 * unit0 + E) + ((start, start + rows) if self.kind == "factored" else ()))
+            start += rows + cols
+        self.moments_numel = start
 
     def _add(self, t: int, shape: tuple[int, ...], bank: bool) -> None:
         numel = math.prod(shape)
@@ -738,9 +746,7 @@ class _Layout:
         sizes = (E, B, B, B * R, B * C) if factored else (E,)
         self.stats.append(_offsets(self.stats_numel, sizes))
         self.stats_numel += sum(sizes)
-        sizes = (E, E, B * R, B * C) if factored else (E, E)
-        self.moments.append(_offsets(self.moments_numel, sizes))
-        self.moments_numel += sum(sizes)
+        self._rc_sizes.append((B * R, B * C))
         self.act.append(self.act_numel if bank else -1)
         self.act_numel += E if bank else 0
 
@@ -1162,9 +1168,9 @@ def step_(groups: Sequence[Group], *, skip_nonfinite: bool) -> Tensor:
         for b in work.buckets:
             runs.append((work, b, *_workspace(work, b)))
     for work, b, tab, ws, active, keys in runs:
-        _pass1(b, tab, ws[b.layout.stats_numel + b.layout.moments_numel:], flag)
+        _pass1(b, tab, ws[b.layout.stats_numel + 2 * b.layout.n_units:], flag)
     for work, b, tab, ws, active, keys in runs:
-        _pass2(b, work.group, tab, ws[b.layout.stats_numel + b.layout.moments_numel:], keys, flag)
+        _pass2(b, work.group, tab, ws[b.layout.stats_numel + 2 * b.layout.n_units:], keys, flag)
     for work, b, tab, ws, active, keys in runs:
         L = b.layout
         _pass3(b, work.group, tab, ws[ws.numel() - L.n_units:], keys, flag)
@@ -1174,21 +1180,25 @@ def step_(groups: Sequence[Group], *, skip_nonfinite: bool) -> Tensor:
 
 
 def _workspace_numel(L: _Layout) -> int:
-    """Elements of T one bucket's step uses: statistics, moments, column partials and item partials, clips."""
-    return L.stats_numel + L.moments_numel + L.colp + len(L.items) + L.n_units
+    """Elements of T one bucket's `step_` uses: statistics, u_sumsq and corr, column and item partials, clips (rinv
+    and cinv overwrite the row and column sums)."""
+    return L.stats_numel + 2 * L.n_units + L.colp + len(L.items) + L.n_units
 
 
-def _workspace(work: _Work, b: _Bucket) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _workspace(work: _Work, b: _Bucket) -> tuple[_Table, Tensor, Tensor, Tensor]:
     """One bucket's scratch for `step_` (statistics zeroed) and its tensor table."""
     L = b.layout
     ws = torch.empty(_workspace_numel(L), dtype=b.T, device=work.device)
     ws[: L.stats_numel].zero_()
-    moments = ws[L.stats_numel:]
     active = torch.empty(L.act_numel, dtype=torch.bool, device=work.device)
     keys = torch.empty(2 * len(b.index), dtype=torch.int64, device=work.device)
-    tab = _tensor_table(b, work, [_addrs(ws, o) + [0] * (5 - len(o)) for o in L.stats],
-                        [_moment_addrs(moments, active, L, j) for j in range(len(b.index))])
-    return tab, ws, active, keys
+    stats = [_addrs(ws, o) + [0] * (5 - len(o)) for o in L.stats]
+    moments = []
+    for j, st in enumerate(stats):
+        usq, corr = _addrs(ws, [L.stats_numel + o for o in L.moments[j][:2]])
+        act = _addrs(active, [L.act[j]])[0] if L.act[j] >= 0 else 0
+        moments.append([usq, corr, st[3], st[4], act])  # rinv, cinv: over the row and column sums
+    return _tensor_table(b, work, stats, moments), ws, active, keys
 
 
 def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dtype: torch.dtype) -> int:
