@@ -218,7 +218,8 @@ def measure(dtype_name: str, args, device, model_spec: dict) -> dict[str, Any]:
     results = {}
     for name in names:
         t = memory[name]
-        results[name] = {"median_ms": statistics.median(times[name]) * 1e3, "vs_adamw_fused": statistics.median(ratios[name]),
+        results[name] = {"median_ms": statistics.median(times[name]) * 1e3,
+                         "vs_adamw_fused": statistics.median(ratios[name]),
                          "transient_bytes": t, "transient_fraction": None if t is None else t / param_bytes}
     results["SkewAdam triton"]["transient_bytes_planned"] = opts["SkewAdam triton"].transient_bytes_planned()
     shapes: dict[str, int] = {}
@@ -370,7 +371,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         goals[f"{d}: SkewAdam/AdamW fused <= {GOALS[d]}"] = {"measured": round(r["vs_adamw_fused"], 3),
                                                              "met": r["vs_adamw_fused"] <= GOALS[d]}
         frac = r["transient_fraction"]
-        goals[f"{d}: transient < 1% of the parameters"] = {"measured": frac, "met": None if frac is None else frac < 0.01}
+        goals[f"{d}: transient < 1% of the parameters"] = {"measured": frac,
+                                                          "met": None if frac is None else frac < 0.01}
     summary["goals"] = goals
     if not args.no_tests:
         summary["tests"] = run_tests(args.dry_run)

@@ -30,7 +30,6 @@ pytest.importorskip("triton")
 from reference import RefParam  # noqa: E402
 from skewadam.kernels import eager, rounding  # noqa: E402
 from skewadam.kernels import triton as tk  # noqa: E402
-from skewadam.kernels.quant import BLOCK  # noqa: E402
 from skewadam.kernels.types import Group, ParamTensors  # noqa: E402
 from skewadam.state import is_bank, state_spec  # noqa: E402
 from skewadam.tiers import TIER_STATE, Tier  # noqa: E402
@@ -395,7 +394,8 @@ def test_sizes_dtypes_and_devices_are_checked_before_any_launch():
     g = torch.zeros(4, 6, device=DEVICE)
     cases = [
         (lambda r: r._replace(grad=torch.zeros(4, 5, device=DEVICE)), ValueError, "gradient of its shape"),
-        (lambda r: r._replace(row_var=torch.zeros(4, 2, device=DEVICE)), ValueError, r"row_var must have shape \(4, 1\)"),
+        (lambda r: r._replace(row_var=torch.zeros(4, 2, device=DEVICE)), ValueError,
+         r"row_var must have shape \(4, 1\)"),
         (lambda r: r._replace(exp_avg=torch.zeros(4, 6, dtype=torch.float64, device=DEVICE)), ValueError, "exp_avg"),
         (lambda r: r._replace(step=torch.zeros(2, device=DEVICE)), ValueError, "step must have shape"),
         (lambda r: r._replace(col_var=torch.zeros(1, 12, device=DEVICE)[:, ::2]), ValueError,
@@ -494,7 +494,8 @@ class _Allocations(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device != DEVICE:  # device memory (not a pinned staging copy)
                 continue

@@ -34,15 +34,16 @@ AdamW's ``found_inf``); the returned ``skipped`` is that flag, on the device.
 
 Step counts live on the device, beside the parameter, for banks and single tensors alike (the kernels read and
 advance them; a host step would need a sync to skip): the rounding key ``rounding_key(seed, stream, sum of steps)``
-and the bias corrections are computed from them in the kernels. ``lr`` is a float (a kernel argument) or a tensor
-(read in the kernel if on the parameters' device; a CPU tensor's value is read on the host, which is no device sync).
+and the bias corrections are computed from them in the kernels. The group's hyperparameters travel as float64 in
+the table's header row; ``lr`` may be a float or a one-element tensor (read in the kernel if on the parameters'
+device; a CPU tensor's value is read on the host, which is no device sync).
 
 Memory traffic per element of an expert bank (factored, no momentum): ``g`` read by pass 1, by pass 2 (``sum u^2``),
 and by pass 3 with ``p`` read and written: 20 bytes in fp32 (fused AdamW: 28), 10 in bf16. Transient memory: the
-statistics (rows, columns, units), the column partials of matrices cut into several strips (at most numel / 256 per
-tensor: strips hold >= `_MIN_ROWS` rows), one float per item, and the tables (`step_transient_bytes`); in `step_`
-``rinv``/``cinv`` overwrite the row and column sums they are computed from. A
-non-contiguous parameter or gradient is also copied (and the parameter written back).
+statistics (rows, columns, units), the column partials of matrices cut into several strips (at most numel / 512 per
+tensor: strips hold >= `_MIN_ROWS` rows), one float per item, and the tables (`step_transient_bytes`: 0.24% of the
+paper's 6.78B model in fp32, 0.49% in bf16); in `step_` ``rinv``/``cinv`` overwrite the row and column sums they
+are computed from. A non-contiguous parameter or gradient is also copied (and the parameter written back).
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels run on CPU tensors, slowly, which is how
 they are tested without a GPU.
@@ -61,7 +62,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .quant import BLOCK as _QBLOCK
+from . import eager, quant, rounding
 from .rounding import mix32
 from .types import GradStats, Group, Moments, ParamTensors, stat_dims, unit_dims
 
@@ -81,9 +82,11 @@ _MIN_ROWS = 512  # rows per strip of a matrix cut into several: bounds its colum
 _TILE = 4096  # elements per tile of the item kernels
 _MAT_BLOCK = 1024  # rows or columns per program of the per-matrix kernels
 _SMALL_BLOCK = 256  # units per loop of the per-tensor and per-unit kernels
-_ROW_MEAN_FLOOR = 1e-15  # eager.py's _ROW_MEAN_FLOOR (the paper's guard on mean(row) in eps_mode="floor")
-_MOMENTUM_STREAM = 0x5BD1E995  # quant.py's: separates the momentum's rounding bits from the weight's
 _M32 = 0xFFFFFFFF
+# The other kernels' constants, as the kernels here see them (globals of a Triton kernel must be constexpr).
+_QMAX = tl.constexpr(quant._QMAX)  # int8 momentum: the largest code
+_MOMENTUM_STREAM = tl.constexpr(quant._MOMENTUM_STREAM)  # bf16 momentum's rounding key: mix32(key + this)
+_MUL1, _MUL2, _GOLDEN = (tl.constexpr(c) for c in (rounding._MUL1, rounding._MUL2, rounding._GOLDEN))
 _MOM_NONE, _MOM_PLAIN, _MOM_BF16, _MOM_INT8 = 0, 1, 2, 3
 
 # Columns of the tensor table: addresses, then sizes. Addresses of absent tensors are 0 (never dereferenced).
@@ -94,7 +97,8 @@ _E, _R, _C, _NB, _RG, _CG, _NG, _BANK, _KBASE, _UNIT0 = (tl.constexpr(i) for i i
 _NT = tl.constexpr(28)
 # Row 0 of the tensor table holds the group's hyperparameters (float64 bits; the lr tensor's address or 0), the
 # tensors' rows follow: kernel arguments would reach the interpreter as untyped floats (fp32 constants).
-_H_W1, _H_W2, _H_B1, _H_B2, _H_ADD, _H_FLOOR, _H_RM_FLOOR, _H_LR, _H_WD, _H_LR_ADDR = (tl.constexpr(i) for i in range(10))
+_H_W1, _H_W2, _H_B1, _H_B2, _H_ADD, _H_FLOOR, _H_RM_FLOOR, _H_LR, _H_WD, _H_LR_ADDR = (
+    tl.constexpr(i) for i in range(10))
 # Items: tensor, unit, matrix (factored), first row and rows (rows layouts), first element and elements, and the
 # offset of the item's column partials in the scratch (-1: the column sums themselves).
 _I_T, _I_U, _I_B, _I_ROW0, _I_NROWS, _I_E0, _I_N, _I_COLP = (tl.constexpr(i) for i in range(8))
@@ -175,9 +179,9 @@ def _lerp(a, b, w, HI: tl.constexpr):
 def _mix32(x):
     """`skewadam.kernels.rounding.mix32` on uint32."""
     x ^= x >> 16
-    x *= 0x7FEB352D
+    x *= _MUL1
     x ^= x >> 15
-    x *= 0x2C1B3C6D
+    x *= _MUL2
     x ^= x >> 16
     return x
 
@@ -187,7 +191,7 @@ def _round_bf16(x, idx, key):
     """fp32 ``x`` rounded to bf16 with the bits `rounding.stochastic_round_bf16` draws for element ``idx`` (int64)
     under ``key`` (uint32): one hash of (key, idx // 2), low half for even and high half for odd indices; NaN as
     c10::BFloat16 writes it (0x7FC0)."""
-    h = _mix32((idx >> 1).to(tl.uint32) * 0x61C88647 + key)
+    h = _mix32((idx >> 1).to(tl.uint32) * _GOLDEN + key)
     r = tl.where((idx & 1) == 1, h >> 16, h & 0xFFFF)
     t = (x.to(tl.uint32, bitcast=True) + r) & 0xFFFF0000
     t = tl.where((t & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, t)
@@ -227,14 +231,19 @@ def _go(row, u, skip, HAS_SKIP: tl.constexpr):
 
 
 @triton.jit
+def _decode_int8(q, scale, T: tl.constexpr):
+    """quant.dequantize: ``(|c| * c) * scale`` with ``c = q / 127``, for a [rows, one block] tile of codes."""
+    c = _div(q.to(T), _QMAX, T)
+    return tl.abs(c) * c * scale.to(T)[:, None]
+
+
+@triton.jit
 def _stored_momentum(g, m, ms, offs, mask, sidx, smask, T: tl.constexpr, MOM: tl.constexpr):
     """What pass 3 multiplies: the gradient (no momentum) or the stored first moment decoded to T."""
     if MOM == 0:
         src = tl.load(g + offs, mask=mask, other=0.0).to(T)
     elif MOM == 3:
-        c = _div(tl.load(m + offs, mask=mask, other=0).to(T), 127.0, T)
-        s = tl.load(ms + sidx, mask=smask, other=0.0).to(T)
-        src = tl.abs(c) * c * s[:, None]
+        src = _decode_int8(tl.load(m + offs, mask=mask, other=0), tl.load(ms + sidx, mask=smask, other=0.0), T)
     else:
         src = tl.load(m + offs, mask=mask, other=0.0).to(T)
     return src
@@ -255,19 +264,18 @@ def _update_momentum(x, m, ms, offs, mask, sidx, smask, w1, key, T: tl.constexpr
         bits = _round_bf16(new, offs, key)
         tl.store(m + offs, bits, mask=mask)
         src = bits.to(T)
-    else:  # int8: the tile's columns are one block of _QBLOCK per row (sidx)
-        new = _lerp(_stored_momentum(x, m, ms, offs, mask, sidx, smask, T, 3), x, w1, HI1)
-        new = tl.where(mask, new, 0.0)
+    else:  # int8 (quant.quantize_): the tile's columns are one block of quant.BLOCK per row, its scale at sidx
+        old = _decode_int8(tl.load(m + offs, mask=mask, other=0), tl.load(ms + sidx, mask=smask, other=0.0), T)
+        new = tl.where(mask, _lerp(old, x, w1, HI1), 0.0)  # zero-padded like quant._blocked
         absmax = tl.max(tl.abs(new), 1)
-        a = tl.maximum(absmax, _tiny(T))
-        y = _sqrt(_div(tl.abs(new), a[:, None], T), T) * 127.0
+        y = _sqrt(_div(tl.abs(new), tl.maximum(absmax, _tiny(T))[:, None], T), T) * _QMAX
         code = _rint(y)
-        code = tl.where(new < 0, -code, code)
-        tl.store(m + offs, code.to(tl.int8), mask=mask)
+        code = tl.where(new < 0, -code, code)  # copysign (a -0.0 code is the byte 0 too)
+        q = code.to(tl.int8)
         scale = absmax.to(tl.float32)
+        tl.store(m + offs, q, mask=mask)
         tl.store(ms + sidx, scale, mask=smask)
-        c = _div(code, 127.0, T)
-        src = tl.abs(c) * c * scale.to(T)[:, None]
+        src = _decode_int8(q, scale, T)
     return src
 
 
@@ -418,7 +426,7 @@ def _count_steps(tab, keys, skip, n_tensors, T: tl.constexpr,
         total += tl.where(um, new.to(tl.int64), 0)
     key = _mix32(((tl.load(row + _KBASE) + tl.sum(total, 0)) & 0xFFFFFFFF).to(tl.uint32))
     tl.store(keys + t, key.to(tl.int64))
-    tl.store(keys + n_tensors + t, _mix32(key + 0x5BD1E995).to(tl.int64))
+    tl.store(keys + n_tensors + t, _mix32(key + _MOMENTUM_STREAM).to(tl.int64))
 
 
 @triton.jit
@@ -674,7 +682,8 @@ class _Layout:
         self.dims: list[tuple[int, int, int, int]] = []  # per tensor: E, R, C, NB
         self.unit0: list[int] = []  # per tensor: index of its first unit in the bucket
         self.stats: list[tuple[int, ...]] = []  # per tensor: offsets of sumsq, rc, rvs, row, col (elements)
-        self.moments: list[tuple[int, ...]] = []  # per tensor: offsets of u_sumsq, corr (all tensors' first), rinv, cinv
+        self.moments: list[tuple[int, ...]] = []  # per tensor: offsets of u_sumsq, corr (all tensors' first), rinv,
+        # cinv
         self.act: list[int] = []  # per tensor: offset in the bank-activity buffer (-1: not a bank)
         self.n_units = self.colp = self.stats_numel = self.moments_numel = self.act_numel = 0
         self.max_c = self.max_rc = 1  # the longest row, the most rows or columns of a matrix
@@ -698,7 +707,7 @@ class _Layout:
         factored = self.kind == "factored"
         R = shape[-2] if factored else 0
         B = math.prod(shape[:-2]) if factored else 0
-        self.dims.append((E, R, C, max(1, -(-C // _QBLOCK))))
+        self.dims.append((E, R, C, quant.num_blocks(C)))
         self.unit0.append(self.n_units)
         per_unit = [[len(self.items), 0] for _ in range(E)]  # first item, items
 
@@ -794,7 +803,8 @@ class _Bucket(NamedTuple):
     def tiles(self) -> dict[str, int]:
         """Tile shapes of the item kernels: [RB, BC] (rows layouts; BC one int8 block for int8 momentum) or [BLOCK],
         from a few sizes only (each is a compiled variant)."""
-        bc = _QBLOCK if self.mom == _MOM_INT8 else next(w for w in (16, 64, 256) if w >= min(self.layout.max_c, 256))
+        widths = (16, 64, 256)
+        bc = quant.BLOCK if self.mom == _MOM_INT8 else next(w for w in widths if w >= min(self.layout.max_c, 256))
         return dict(RB=_TILE // bc, BC=bc, BLOCK=_TILE)
 
 
@@ -898,7 +908,7 @@ def _check(pt: ParamTensors, i: int, device: torch.device) -> tuple:
         if p.ndim < 1:
             raise ValueError(f"{where}: int8 momentum needs a last dim (its blocks lie along it)")
         state("exp_avg", m, shape, torch.int8)
-        state("exp_avg_scale", pt.exp_avg_scale, shape[:-1] + (max(1, -(-shape[-1] // _QBLOCK)),), torch.float32)
+        state("exp_avg_scale", pt.exp_avg_scale, shape[:-1] + (quant.num_blocks(shape[-1]),), torch.float32)
         mom, md = _MOM_INT8, torch.int8
     elif m.dtype == torch.bfloat16 and T == torch.float32:
         state("exp_avg", m, shape, torch.bfloat16)
@@ -963,7 +973,7 @@ def _header(group: Group, T: torch.dtype, device: torch.device) -> list[int]:
         else:
             lr = float(lr)  # a host tensor beside device parameters: its value, read without a device sync
     add, floor = (group.eps, 0.0) if group.eps_mode == "add" else (0.0, group.eps)
-    rm_floor = _ROW_MEAN_FLOOR if group.eps_mode == "floor" else torch.finfo(T).tiny
+    rm_floor = eager._ROW_MEAN_FLOOR if group.eps_mode == "floor" else torch.finfo(T).tiny
     values = [1.0 - group.beta1, 1.0 - group.beta2, group.beta1, group.beta2, add, floor, rm_floor, float(lr),
               group.weight_decay]
     bits = [struct.unpack("<q", struct.pack("<d", float(v)))[0] for v in values]
