@@ -219,7 +219,9 @@ EAGER = SMALL + [((2, 3, 4, 5), "backbone", {}), ((3, 5, 9), "expert", {})]
 ])
 def test_matches_eager_and_stores_its_compact_momentum_bytes(dtype, momentum_dtype, items, request):
     """fp32: equal up to summation order. The first moment depends on no sum: its bf16 values, int8 codes and scales
-    are eager's bytes. bf16 weights, rounded with the same bits, are at most a few elements one bf16 step apart."""
+    are eager's bytes (int8 against eager on CPU: on CUDA, torch divides by the scalar 127 as a multiplication by its
+    reciprocal, so a code may differ by one). bf16 weights, rounded with the same bits, are at most a few elements one
+    bf16 step apart."""
     if items == "cut":
         request.getfixturevalue("cut_items")
     a = make(EAGER, dtype, momentum_dtype)
@@ -227,9 +229,13 @@ def test_matches_eager_and_stores_its_compact_momentum_bytes(dtype, momentum_dty
     all_grads = grads_for(a, 2, dtype)
     run(a, all_grads, lambda gs: eager_step(gs[0]))
     run(b, all_grads, triton_step)
+    exact = DEVICE.type == "cpu" or momentum_dtype == "bf16"
     for (shape, _, _), x, y in zip(EAGER, a, b):
-        assert_state_equal(x, y, [k for k in ("step", "exp_avg", "exp_avg_scale") if k in x.state
-                                  and (k == "step" or x.state[k].dtype in (torch.int8, torch.bfloat16))])
+        assert_state_equal(x, y, [k for k in ("step", "exp_avg", "exp_avg_scale") if k in x.state and (
+            k == "step" or (exact and x.state[k].dtype in (torch.int8, torch.bfloat16)))])
+        if not exact and x.state.get("exp_avg") is not None and x.state["exp_avg"].dtype == torch.int8:
+            diff = (x.state["exp_avg"].int() - y.state["exp_avg"].int()).abs()
+            assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-2, shape
         for key in ("row_var", "col_var", "exp_avg_sq", "exp_avg"):
             if key in x.state and x.state[key].is_floating_point() and x.state[key].dtype != torch.bfloat16:
                 torch.testing.assert_close(y.state[key], x.state[key], rtol=1e-5, atol=1e-30)
@@ -276,9 +282,11 @@ def test_fused_step_is_bitwise_the_three_passes_with_an_identity_reducer(dtype, 
 
 
 def _nonfinite_grads(ps, dtype):
+    """Gradients with a NaN in a bank and an inf in another tensor."""
     grads = grads_for(ps, 1, dtype)[0]
-    grads[2].view(-1)[3] = float("nan")
-    grads[0][2] = float("inf")
+    bank = next(i for i, p in enumerate(ps) if p.bank)
+    grads[bank].view(-1)[3] = float("nan")
+    grads[next(i for i, g in enumerate(grads) if g.numel() > 2 and i != bank)].view(-1)[2] = float("inf")
     return grads
 
 
@@ -517,16 +525,18 @@ class _Allocations(TorchDispatchMode):
 # ---------------------------------------------------------------------------------------------- GPU only
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_step_makes_no_host_sync():
+    """Whole steps (every bucket kind, bf16 weights, int8 momentum, a device lr, the finite check) under
+    ``set_sync_debug_mode("error")``: any device-to-host synchronisation raises."""
     ps = make(SPECS, torch.bfloat16, "int8")
-    all_grads = grads_for(ps, 3, torch.bfloat16)
+    all_grads = grads_for(ps, 3, torch.bfloat16) + [_nonfinite_grads(ps, torch.bfloat16)]  # (host copies: before)
     lr = torch.tensor(0.01, device=DEVICE)
+    groups = [group(ps, grads, lr=lr) for grads in all_grads]
     results = []
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for grads in all_grads:
-            results.append(tk.step_([group(ps, grads, lr=lr)], skip_nonfinite=True))
-        results.append(tk.step_([group(ps, _nonfinite_grads(ps, torch.bfloat16), lr=lr)], skip_nonfinite=True))
+        for g in groups:
+            results.append(tk.step_([g], skip_nonfinite=True))
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert [bool(r) for r in results] == [False, False, False, True]

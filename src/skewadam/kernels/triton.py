@@ -54,6 +54,7 @@ Shape legend: ``E`` units (bank slices, dim 0; 1 for a single tensor), ``B`` mat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import struct
@@ -840,6 +841,11 @@ def _prepare(group: Group, *, write: bool) -> _Work:
     return _Work(group, buckets, works, grads, device)
 
 
+def _on(device: torch.device):
+    """Launch on ``device``: Triton launches on the current CUDA device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _finish(work: _Work) -> None:
     """Write back the parameters that were updated through a contiguous copy."""
     for pt, p in zip(work.group.params, work.params):
@@ -1076,6 +1082,12 @@ def grad_stats(group: Group) -> list[GradStats]:
     """Pass 1: sums of g^2 per unit, per matrix, per row and per column, and the row statistics' sums; nothing of
     the state is written. Returns one `GradStats` per parameter (views of one buffer per bucket)."""
     work = _prepare(group, write=False)
+    with _on(work.device):
+        return _grad_stats(work)
+
+
+def _grad_stats(work: _Work) -> list[GradStats]:
+    group = work.group
     out: list[Optional[GradStats]] = [None] * len(work.grads)
     for b in work.buckets:
         L = b.layout
@@ -1098,6 +1110,12 @@ def update_moments_(group: Group, stats: Sequence[GradStats], *, skip: Optional[
     _check_skip(skip, work.device)
     if len(stats) != len(group.params):
         raise ValueError(f"got {len(stats)} GradStats for {len(group.params)} parameters")
+    with _on(work.device):
+        return _update_moments(work, stats, skip)
+
+
+def _update_moments(work: _Work, stats: Sequence[GradStats], skip: Optional[Tensor]) -> list[Moments]:
+    group = work.group
     out: list[Optional[Moments]] = [None] * len(work.grads)
     for b in work.buckets:
         L = b.layout
@@ -1137,6 +1155,12 @@ def apply_updates_(group: Group, moments: Sequence[Moments], *, skip: Optional[T
     _check_skip(skip, work.device)
     if len(moments) != len(group.params):
         raise ValueError(f"got {len(moments)} Moments for {len(group.params)} parameters")
+    with _on(work.device):
+        _apply_updates(work, moments, skip)
+
+
+def _apply_updates(work: _Work, moments: Sequence[Moments], skip: Optional[Tensor]) -> None:
+    group = work.group
     for b in work.buckets:
         L = b.layout
         clips = torch.empty(L.n_units, dtype=b.T, device=work.device)
@@ -1172,6 +1196,11 @@ def step_(groups: Sequence[Group], *, skip_nonfinite: bool) -> Tensor:
     device = works[0].device
     if any(w.device != device for w in works):
         raise ValueError("step_ takes groups on one device; call it once per device")
+    with _on(device):
+        return _step(works, device, skip_nonfinite)
+
+
+def _step(works: list[_Work], device: torch.device, skip_nonfinite: bool) -> Tensor:
     flag = torch.zeros(1, dtype=torch.int32, device=device) if skip_nonfinite else None
     runs = []
     for work in works:
@@ -1259,5 +1288,7 @@ def stochastic_round_bf16(x: Tensor, key: int, offset: int = 0) -> Tensor:
     _check_device(x.device)
     src = x.contiguous()
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
-    _launch(_round_kernel, (triton.cdiv(src.numel(), 1024),), src, out, src.numel(), offset, key & _M32, BLOCK=1024)
+    with _on(x.device):
+        _launch(_round_kernel, (triton.cdiv(src.numel(), 1024),), src, out, src.numel(), offset, key & _M32,
+                BLOCK=1024)
     return out
