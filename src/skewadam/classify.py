@@ -42,6 +42,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import re
 import warnings
 from typing import Any, Iterable, Optional, Sequence
@@ -130,6 +131,13 @@ def _compile_rules(rules: Optional[Sequence[tuple[str, str]]]) -> list[tuple[re.
 
 
 # ----------------------------------------------------------------------------------------------- structure
+_MAX_UP = 3  # how many enclosing modules above an expert container may hold its router (torchtitan: moe.router.gate)
+_STACKS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)  # a stack of layers: the router search never climbs into one
+
+# Router forms, strongest evidence first (`_router_fits`).
+_ROWS, _FLAT, _TRANSPOSED, _LATENT, _EXTRA, _EXTRA_FOREIGN, _EP_LOCAL = range(7)
+
+
 @dataclasses.dataclass
 class _Container:
     """A module that may hold routed experts, before a router confirms it."""
@@ -138,10 +146,13 @@ class _Container:
     experts: list[str]  # names of the parameters that are expert if confirmed
     counts: set[int]  # candidate numbers of experts
     dims: set[int]  # sizes of the expert weights (the router's input size must be one)
-    declared: bool  # named by the model's metadata: stands without a router
-    scopes: list[str]  # the blocks to look for the router in, nearest first
+    declared: bool  # named by the model's metadata or marked by the library: stands without a router
+    scopes: list[str]  # the blocks to look for the router in, nearest first: the container's parent is scopes[near]
     opaque: bool  # the router is never inside `path` (lists, named children); a bank's owner may hold it
     flat: bool = False  # experts flattened into 2-D tensors [E*F, D]: the count comes from the router
+    levels: tuple[int, ...] = ()  # (E_outer, E_inner) of banks [Eo, Ei, ...] chosen by a two-stage router
+    marked: bool = False  # the library marks its tensors (`_marked_expert`): this rank may hold only some experts
+    near: int = 0  # index in `scopes` of the container's parent: farther out, a router must not look like a block
 
     @property
     def tensors(self) -> int:
@@ -172,7 +183,7 @@ class _Model:
                 name = names.get(id(p))
                 if name is not None and _parent(name) == path:  # a tied tensor belongs to its first owner only
                     self.direct[path].append((name, p))
-        self.shape = {n: p.shape for v in self.direct.values() for n, p in v}
+        self.shape = {n: tuple(int(s) for s in p.shape) for v in self.direct.values() for n, p in v}
 
     def subtree(self, root: str) -> Iterable[str]:
         return (path for path in self.modules if _within(path, root))
@@ -181,24 +192,32 @@ class _Model:
         return [n for path in self.subtree(root) for n, _ in self.direct[path]]
 
 
-def _structural_labels(model: nn.Module) -> dict[str, str]:
-    """``{name: tier}`` for the parameters structure (and scoped names) call expert or router; the rest is backbone."""
+@dataclasses.dataclass
+class _Structure:
+    """What structure says about a model: labels of the experts and routers found, and for each flattened expert
+    tensor (``[E*F, D]``) the number of experts it stacks along dim 0."""
+
+    labels: dict[str, str]
+    experts_in: dict[str, int]
+
+
+def _structure(model: nn.Module) -> _Structure:
     tree = _Model(model)
     declared_tensors, declared_modules = _declared_experts(tree)
+    marked = {n for v in tree.direct.values() for n, p in v if _marked_expert(p)}
     labels: dict[str, str] = {}
-    experts: set[str] = set()
-    for c in _find_containers(tree, declared_tensors, declared_modules):
-        if any(n in experts for n in c.experts):
-            continue  # already part of a confirmed container (e.g. a bank inside a listed expert)
-        router = _find_router(tree, c, experts)
+    experts_in: dict[str, int] = {}
+    for c in _find_containers(tree, declared_tensors, declared_modules, marked):
+        if any(n in labels for n in c.experts):
+            continue  # already part of a confirmed container (a bank inside a listed expert), or its router
+        router = _find_router(tree, c, {n for n, t in labels.items() if t == Tier.EXPERT.value})
         if router is None and not c.declared:
             continue
-        if c.flat:
-            k = next(iter(router[1]))  # type: ignore[index]
-            c.experts = [n for n in c.experts if tree.shape[n][0] % k == 0]
+        if c.flat and router is not None:
+            k = min(router[1])
+            experts_in.update((n, k) for n in c.experts)
         for n in c.experts:
             labels[n] = Tier.EXPERT.value
-            experts.add(n)
         for n in router[0] if router else ():
             labels.setdefault(n, Tier.ROUTER.value)
     for experts_, router_ in _product_key_experts(tree):
@@ -206,9 +225,14 @@ def _structural_labels(model: nn.Module) -> dict[str, str]:
             labels.setdefault(n, Tier.EXPERT.value)
         for n in router_:
             labels.setdefault(n, Tier.ROUTER.value)
-    for n in declared_tensors:
+    for n in declared_tensors | marked:
         labels[n] = Tier.EXPERT.value
-    return labels
+    return _Structure(labels, experts_in)
+
+
+def _structural_labels(model: nn.Module) -> dict[str, str]:
+    """``{name: tier}`` for the parameters structure (and scoped names) call expert or router; the rest is backbone."""
+    return _structure(model).labels
 
 
 def _product_key_experts(tree: _Model) -> list[tuple[list[str], list[str]]]:
@@ -237,6 +261,18 @@ def _product_key_experts(tree: _Model) -> list[tuple[list[str], list[str]]]:
             experts = [n for t, _ in tables for n in tree.params(t)]
             found.append((experts, [n for r in routers for n in tree.params(r)]))
     return found
+
+
+def _marked_expert(p: Tensor) -> bool:
+    """Marks libraries set on routed-expert parameters: ``p.expert = True`` (fairscale, torchscale, fairseq),
+    ``p.allreduce = False`` (DeepSpeed, Megatron-LM: reduced over the expert-data-parallel group only), DeepSpeed's
+    ``p.group_name`` (its expert-parallel group) and ``p.is_expert_group = True`` (its grouped-GEMM banks)."""
+    return (
+        getattr(p, "expert", None) is True
+        or getattr(p, "allreduce", None) is False
+        or getattr(p, "is_expert_group", None) is True
+        or isinstance(getattr(p, "group_name", None), str)
+    )
 
 
 def _declared_experts(tree: _Model) -> tuple[set[str], set[str]]:
@@ -277,43 +313,72 @@ def _signature(m: nn.Module) -> tuple:
     return tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters())
 
 
-def _find_containers(tree: _Model, declared_tensors: set[str], declared_modules: set[str]) -> list[_Container]:
+def _scopes(tree: _Model, path: str, own: bool) -> list[str]:
+    """Where the router of experts at ``path`` may live, nearest first: (the bank's owner,) then up to `_MAX_UP`
+    enclosing modules, never into a stack of layers (the router of one MoE block is not in another block)."""
+    out = [path] if own else []
+    for _ in range(_MAX_UP):
+        if not path:
+            break
+        path = _parent(path)
+        if isinstance(tree.modules[path], _STACKS):
+            break
+        out.append(path)
+    return out
+
+
+def _find_containers(
+    tree: _Model, declared_tensors: set[str], declared_modules: set[str], marked: set[str]
+) -> list[_Container]:
+    """Every module that may hold routed experts: banks, lists of identical modules, a child called ``experts``
+    holding flattened tensors. Containers the model's metadata declares, or whose tensors the library marks
+    (`_marked_expert`), stand without a router."""
     out: list[_Container] = []
     for path, m in tree.modules.items():
         direct = tree.direct[path]
         declared = path in declared_modules or any(n in declared_tensors for n, _ in direct)
-        # (a) a bank: tensors with >= 3 dims stacked along dim 0 (or >= 2, where the metadata says so)
-        banks = [p for _, p in direct if (p.ndim >= 3 or (declared and p.ndim >= 2)) and p.shape[0] >= 2]
+        # (a) a bank: tensors with >= 3 dims stacked along dim 0 (or >= 2, where the metadata says so), whose
+        # slices are matrices (a depthwise conv's [C, 1, K] is not a stack of C experts)
+        banks = [p for _, p in direct
+                 if (p.ndim >= 3 and min(p.shape[1:]) >= 2 or (declared and p.ndim >= 2)) and p.shape[0] >= 2]
         if banks and (declared or not _is_torch_layer(m)):
+            is_marked = any(n in marked for n, p in direct if p.ndim >= 3)
             counts = {p.shape[0] for p in banks}
             members = [n for n, p in direct if p.ndim >= 1 and p.shape[0] in counts]
             dims = _common_dims(p.shape[1:] for p in banks)
-            out.append(_Container(path, members, counts, dims, declared, [path, _parent(path)], opaque=declared))
+            levels = {tuple(p.shape[:2]) for p in banks if p.ndim >= 4}
+            out.append(_Container(path, members, counts, dims, declared or is_marked, _scopes(tree, path, own=True),
+                                  opaque=declared, levels=levels.pop() if len(levels) == 1 else (), marked=is_marked,
+                                  near=1))
             continue
         # (b) a ModuleList/ModuleDict of >= 2 structurally identical modules
         if isinstance(m, _LIST_TYPES):
             sigs = [s for s in map(_signature, m.children()) if s]  # parameter-free children (dropout) aside
             if len(sigs) >= 2 and len(set(sigs)) == 1:
+                inside = tree.params(path)
+                is_marked = all(n in marked for n in inside)
                 # names last: a list called `experts` is one even when no router picks its members (ViTPose++:
                 # the dataset index does)
-                declared = declared or bool(_EXPERTS_NAME.match(path.rpartition(".")[2]))
+                declared = declared or is_marked or bool(_EXPERTS_NAME.match(path.rpartition(".")[2]))
                 sig = sigs[0]
                 dims = _common_dims(shape for _, shape, _ in sig if len(shape) >= 2) or {
                     s for _, shape, _ in sig for s in shape
                 }
-                out.append(
-                    _Container(path, tree.params(path), {len(sigs)}, dims, declared, [_parent(path)], opaque=True)
-                )
+                out.append(_Container(path, inside, {len(sigs)}, dims, declared, _scopes(tree, path, own=False),
+                                      opaque=True, marked=is_marked))
             continue
-        # (c) names last: a child called `experts` whose tensors flatten the experts (DBRX: [E*F, D]); needs a router
+        # (c) names last: a child called `experts` whose tensors flatten the experts (DBRX, OLMo-core: [E*F, D]);
+        # needs a router, which tells E
         if _EXPERTS_NAME.match(path.rpartition(".")[2]):
             inside = tree.params(path)
             flat = [n for n in inside if len(tree.shape[n]) == 2]
             if flat and all(len(tree.shape[n]) <= 2 for n in inside):  # banks below are found by (a)
-                dims = _common_dims(tree.shape[n] for n in flat)
-                out.append(_Container(path, flat, set(), dims, False, [_parent(path)], opaque=True, flat=True))
-    # Innermost first: experts claim their tensors before an enclosing list of identical layers is considered.
-    out.sort(key=lambda c: -c.path.count("."))
+                dims = {s for n in flat for s in tree.shape[n]}
+                out.append(_Container(path, flat, set(), dims, False, _scopes(tree, path, own=False), opaque=True,
+                                      flat=True))
+    # Innermost first: experts claim their tensors before an enclosing list of identical layers is considered; at
+    # one depth the largest first (a bank before the second-stage router of a two-stage MoE beside it).
+    out.sort(key=lambda c: (-c.path.count("."), -sum(math.prod(tree.shape[n]) for n in c.experts)))
     return out
 
 
@@ -326,30 +391,42 @@ def _common_dims(shapes: Iterable[Sequence[int]]) -> set[int]:
 
 
 def _find_router(tree: _Model, c: _Container, experts: set[str]) -> Optional[tuple[list[str], set[int]]]:
-    """The router of container ``c``: ``(its parameter names, the number(s) of experts it scores)`` or None."""
+    """The router of container ``c``: ``(its parameter names, the number(s) of experts it scores)`` or None.
+
+    In the nearest scope that has one, the best-ranked tensors that fit a router of ``c`` (`_router_fits`): first
+    those whose module does not feed its output back to the width it reads (`_block_like`: attention and MLPs do,
+    a router ends in scores), then by form, then (flattened experts) by how cleanly E splits them."""
     excluded = set(c.experts) | experts
-    for scope in c.scopes:
+    for i, scope in enumerate(c.scopes):
         if scope not in tree.modules or (scope == c.path and c.opaque):
             continue
-        cands = []  # (rank, name, n_experts): lower rank is stronger evidence
+        cands = []  # (rank, name, n_experts, unit): lower rank is stronger evidence
+        widths = {s for n in tree.params(scope) if n not in excluded and len(tree.shape[n]) >= 2 for s in tree.shape[n]}
         for owner in tree.subtree(scope):
             if isinstance(tree.modules[owner], nn.Embedding) or (c.opaque and _within(owner, c.path)):
                 continue
             if owner != scope and _within(c.path, owner):
                 continue  # a module enclosing the experts below the block: not the router
-            for name, p in tree.direct[owner]:
-                if name not in excluded and p.ndim == 2:
-                    rank = _router_rank(int(p.shape[0]), int(p.shape[1]), c)
-                    if rank is not None:
-                        cands.append((rank[0], name, rank[1]))
+            for name, _ in tree.direct[owner]:
+                if name in excluded:
+                    continue
+                unit, child = _unit(tree, scope, owner, c)
+                for form, k, width in _router_fits(tree.shape[name], c, widths):
+                    block_like = child != scope and _block_like(tree, child, name, width, form, c, excluded)
+                    if block_like and not (c.declared and i <= c.near):
+                        continue  # a coincidental shape in attention or an MLP beside the experts
+                    misfit = _flat_misfit(tree, c, k, width) if c.flat else 0
+                    if misfit is not None:
+                        cands.append(((block_like, form, misfit), name, k, unit))
         if cands:
-            best = min(r for r, _, _ in cands)
+            best = min(r for r, _, _, _ in cands)
             params: list[str] = []
             counts: set[int] = set()
-            for rank, name, k in cands:
+            for rank, name, k, unit in cands:
                 if rank == best:
                     counts.add(k)
-                    params.extend(_router_unit(tree, scope, name, c, excluded, k))
+                    params.extend(_router_unit(tree, scope, unit, name, excluded, k))
+            params.extend(_second_stage(tree, scope, c, excluded))
             return list(dict.fromkeys(params)), counts
         # names last, for experts the model's metadata declares: a router-named child of this block
         for child_name, child in tree.modules[scope].named_children() if c.declared else ():
@@ -361,31 +438,110 @@ def _find_router(tree: _Model, c: _Container, experts: set[str]) -> Optional[tup
     return None
 
 
-def _router_rank(rows: int, cols: int, c: _Container) -> Optional[tuple[int, int]]:
-    """How well a ``[rows, cols]`` matrix fits a router of ``c``: ``(rank, n_experts)``, rank 0 best, or None."""
-    fits_input = cols in c.dims
-    if c.flat:  # experts [E*F, D]: the router is [E, D] with E | E*F
-        return (0, rows) if fits_input and rows >= 2 and any(d % rows == 0 and d > rows for d in c.dims) else None
-    if rows in c.counts:  # an input size foreign to the experts (a latent MoE) needs a real bank: >= 2 tensors
-        return (0, rows) if fits_input else ((1, rows) if c.tensors >= 2 else None)
+def _router_fits(shape: tuple[int, ...], c: _Container, widths: set[int]) -> list[tuple[int, int, int]]:
+    """The ways a tensor of ``shape`` can be the router of ``c``: ``[(form, n_experts, input width)]``.
+
+    Forms: ``[E, D]`` (a ``Linear(D, E)``), flat ``[E*D]`` (OLMo-core; a size no matrix of the block has, unlike a
+    norm's or a bias's), transposed ``[D, E]`` (``x @ w``), ``[E, d]`` reading a width foreign to the experts (a
+    latent MoE; needs a real bank of >= 2 tensors), ``[E + s, D]`` scoring shared or "skip" experts too (declared
+    experts only), and ``[k*E_local, D]`` for marked experts of which this rank holds ``E_local`` (expert
+    parallelism). ``D`` is a size of the experts' weights; ``widths`` are the sizes of the block's other matrices."""
+    out = []
+    if len(shape) == 1:
+        for d in c.dims if shape[0] not in widths else ():
+            k, r = divmod(shape[0], d)
+            if not r and k >= 2 and (c.flat or k in c.counts):
+                out.append((_FLAT, k, d))
+        return out
+    if len(shape) != 2:
+        return out
+    rows, cols = shape
+    if c.flat:
+        return [(_ROWS, rows, cols)] if cols in c.dims and rows >= 2 else []
+    if rows in c.counts:
+        if cols in c.dims:
+            out.append((_ROWS, rows, cols))
+        elif c.tensors >= 2:
+            out.append((_LATENT, rows, cols))
+    if cols in c.counts and rows in c.dims:
+        out.append((_TRANSPOSED, cols, rows))
     for n in sorted(c.counts) if c.declared else ():
         if n < rows <= 2 * n:  # declared experts whose router also scores shared or "skip" experts
-            return (2, n) if fits_input else (3, n)
-    return None
+            out.append((_EXTRA if cols in c.dims else _EXTRA_FOREIGN, n, cols))
+    for n in sorted(c.counts) if c.marked else ():
+        if rows % n == 0 and rows > 2 * n and cols in c.dims:
+            out.append((_EP_LOCAL, rows, cols))
+    return out
 
 
-def _router_unit(tree: _Model, scope: str, name: str, c: _Container, excluded: set[str], n_experts: int) -> list[str]:
-    """All parameters of the router: the child of the block that holds the router matrix (its bias, per-expert scales,
-    a router MLP); when the matrix sits directly on the block, it and the block's other per-expert vectors ``[E]``."""
-    owner = _parent(name)
+def _flat_misfit(tree: _Model, c: _Container, k: int, width: int) -> Optional[int]:
+    """How badly ``k`` experts split the flattened tensors of ``c``: the number of distinct sizes of the per-expert
+    matrices (2 for an MLP's ``[F, D]``/``[D, F]``), or None if ``k`` does not divide them or the router's width is
+    no size of them."""
+    sizes: set[int] = set()
+    for n in c.experts:
+        rows, cols = tree.shape[n]
+        if rows % k or rows == k:
+            return None
+        sizes |= {rows // k, cols}
+    return len(sizes) if width in sizes else None
+
+
+def _unit(tree: _Model, scope: str, owner: str, c: _Container) -> tuple[str, str]:
+    """``(unit, child)`` of a router tensor held by ``owner``: the child of the block ``scope`` that holds it (or
+    ``owner``, if that child encloses the experts), and the module the router's parameters are taken from: that
+    child (its bias, per-expert scales, a router MLP), or ``owner`` when the child is more than a router (it holds
+    banks, convs, tables). Both are ``scope`` when the tensor sits on the block itself."""
     if owner == scope:
+        return scope, scope
+    child = _join(scope, owner[len(scope) + 1:].split(".")[0] if scope else owner.split(".")[0])
+    if _within(c.path, child):
+        return owner, owner
+    return (owner if _heavy(tree, child) else child), child
+
+
+def _block_like(tree: _Model, unit: str, name: str, width: int, form: int, c: _Container, excluded: set[str]) -> bool:
+    """Whether ``unit`` maps back to the width ``width`` its tensor ``name`` reads, as attention and MLPs do (their
+    output returns to the residual stream), rather than ending in scores as a router does. A first stage that
+    projects a width nothing in the unit produces down to ``width`` is a two-stage router's own (X-MoE)."""
+    if _heavy(tree, unit):
+        return True
+    mats = [n for n in tree.params(unit) if n != name and n not in excluded and len(tree.shape[n]) >= 2]
+    if form == _TRANSPOSED:  # x @ w layouts: any other matrix of that width is part of a block
+        return any(width in tree.shape[n] for n in mats)
+    produced = {tree.shape[n][0] for n in mats}
+    for n in mats:
+        rows, cols = tree.shape[n][0], tree.shape[n][-1]
+        if rows == width and not (cols != width and cols in c.dims and cols not in produced):
+            return True
+    return False
+
+
+def _second_stage(tree: _Model, scope: str, c: _Container, excluded: set[str]) -> list[str]:
+    """For banks ``[Eo, Ei, ...]`` the second-stage router beside the first: ``[Eo, D, Ei]`` tensors scoring the
+    ``Ei`` experts within each of the ``Eo`` groups (the hierarchical MoE of Shazeer et al. 2017)."""
+    if not c.levels:
+        return []
+    outer, inner = c.levels
+    found = []
+    for n in tree.params(scope):
+        shape = tree.shape[n]
+        if n in excluded or len(shape) != 3 or shape[0] != outer or inner not in shape[1:]:
+            continue
+        width = shape[2] if shape[1] == inner else shape[1]
+        if width in c.dims:
+            found.append(n)
+    return found
+
+
+def _router_unit(tree: _Model, scope: str, unit: str, name: str, excluded: set[str], n_experts: int) -> list[str]:
+    """All parameters of the router: those of its `_unit`; when the tensor sits directly on the block, it and the
+    block's other per-expert vectors ``[E]``."""
+    if unit == scope:
         return [name] + [
             n for n, p in tree.direct[scope] if p.ndim == 1 and p.shape[0] == n_experts and n not in excluded
         ]
-    child = _join(scope, owner[len(scope) + 1:].split(".")[0] if scope else owner.split(".")[0])
-    if _within(c.path, child) or _heavy(tree, child):
-        child = owner  # the child is more than a router (it encloses the experts, or holds banks, convs, tables)
-    return [n for n in tree.params(child) if n not in excluded]
+    return [n for n in tree.params(unit) if n not in excluded]
 
 
 def _heavy(tree: _Model, root: str) -> bool:
