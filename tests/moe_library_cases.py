@@ -116,6 +116,17 @@ def _olmo(name: str, **kwargs) -> Callable[[], nn.Module]:
     return build
 
 
+def _olmo_latent() -> nn.Module:
+    """OLMo-core's latent MoE: experts run in a latent width L < D between latent_down_proj and latent_up_proj."""
+    from olmo_core.nn.moe.moe import LatentMoEConfig
+    from olmo_core.nn.transformer import TransformerConfig
+
+    cfg = TransformerConfig.llama_like_moe(d_model=256, vocab_size=256, n_layers=2, n_heads=4, num_experts=16, top_k=2,
+                                           expert_hidden_size=64, shared_expert_hidden_size=128)
+    cfg.block.feed_forward_moe.latent_moe = LatentMoEConfig(latent_dim=128)
+    return cfg.build(init_device="meta")
+
+
 def _olmo_v2(module: str, fn: str) -> Callable[[], nn.Module]:
     def build():
         return getattr(importlib.import_module(f"olmo_core.nn.moe.v2.{module}"), fn)(vocab_size=256).build(
@@ -295,6 +306,10 @@ CASES: list[Case] = [
     Case("olmo_core:olmoe_1B_7B", _olmo("olmoe_1B_7B", n_layers=2, d_model=256),
          r"\.feed_forward_moe\.experts\.mlp\.w[123]$", r"\.feed_forward_moe\.router\.weight$", ("olmo_core",),
          "DroplessMoEMLP: w1/w2/w3 all [E*F, D]"),
+    Case("olmo_core:latent_moe", _olmo_latent, r"\.feed_forward_moe\.experts\.mlp\.w[123]$",
+         r"\.feed_forward_moe\.router\.weight$", ("olmo_core",),
+         "MoEBase with latent_moe: the router reads the model width D ([E*D]), the flattened experts the latent "
+         "width L; latent_down_proj [L, D] / latent_up_proj [D, L] run on every routed token's path: backbone"),
     Case("olmo_core:v2/qwen3_moe", _olmo_v2("qwen", "build_debug_qwen3_moe_config"),
          r"\.routed_experts\.w_", r"\.routed_experts_router\.", ("olmo_core",),
          "OLMoDDP block: routed_experts banks [E, ...] and routed_experts_router (flat [E*D]) sit on the block next "

@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import logging
@@ -52,7 +53,7 @@ from torch import Tensor, nn
 from .state import is_bank, spec_nbytes, state_spec
 from .tiers import TIER_STATE, Tier
 
-__all__ = ["classify", "describe", "param_groups", "split_kwargs", "Census", "TierCensus", "register_cli"]
+__all__ = ["classify", "flattened_experts", "describe", "param_groups", "split_kwargs", "Census", "TierCensus", "register_cli"]
 
 logger = logging.getLogger("skewadam")
 
@@ -82,9 +83,32 @@ def classify(model: nn.Module, rules: Optional[Sequence[tuple[str, str]]] = None
     Example:
         >>> classify(model, rules=[(r"\\.shared_expert\\.", "expert")])
     """
+    return _classify(model, rules)[0]
+
+
+def flattened_experts(model: nn.Module, rules: Optional[Sequence[tuple[str, str]]] = None) -> dict[str, int]:
+    """How many experts each flattened expert tensor of ``model`` stacks along dim 0: ``{name: E}``.
+
+    Flattened banks keep E experts as one 2-D tensor, ``[E*D, F]`` / ``[E*F, D]`` (OLMo-core's ``MoEMLP``,
+    DBRX), viewed ``[E, D, F]`` in the forward; E is the number of experts their router scores. `param_groups` gives
+    such tensors a group with the key ``experts=E``. Stacked banks ``[E, ...]`` state E in their shape and are not
+    listed; nor is a tensor that ``rules`` move out of the ``expert`` tier.
+
+    Example:
+        >>> flattened_experts(olmo_core_moe)["blocks.0.feed_forward_moe.experts.mlp.w1"]
+        32
+    """
+    return _classify(model, rules)[1]
+
+
+def _classify(
+    model: nn.Module, rules: Optional[Sequence[tuple[str, str]]]
+) -> tuple[dict[str, str], dict[str, int]]:
+    """`classify`'s labels and `flattened_experts`' counts, from one pass over the structure."""
     trainable, _ = _split_trainable(model)
     compiled = _compile_rules(rules)
-    auto = _structural_labels(model)
+    structure = _structure(model)
+    auto = structure.labels
     labels: dict[str, str] = {}
     hits = [0] * len(compiled)
     for name in trainable:
@@ -102,7 +126,8 @@ def classify(model: nn.Module, rules: Optional[Sequence[tuple[str, str]]] = None
             f"match is claimed by an earlier rule); fix the pattern (re.search on names such as "
             f"{next(iter(trainable), '<none>')!r}) or drop the rule"
         )
-    return labels
+    experts = {n: k for n, k in structure.experts_in.items() if labels.get(n) == Tier.EXPERT.value}
+    return labels, experts
 
 
 def _split_trainable(model: nn.Module) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
@@ -150,6 +175,7 @@ class _Container:
     scopes: list[str]  # the blocks to look for the router in, nearest first: the container's parent is scopes[near]
     opaque: bool  # the router is never inside `path` (lists, named children); a bank's owner may hold it
     flat: bool = False  # experts flattened into 2-D tensors [E*F, D]: the count comes from the router
+    splits: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # flat: {E: sizes of the per-expert slices}
     levels: tuple[int, ...] = ()  # (E_outer, E_inner) of banks [Eo, Ei, ...] chosen by a two-stage router
     marked: bool = False  # the library marks its tensors (`_marked_expert`): this rank may hold only some experts
     near: int = 0  # index in `scopes` of the container's parent: farther out, a router must not look like a block
@@ -202,6 +228,8 @@ class _Structure:
 
 
 def _structure(model: nn.Module) -> _Structure:
+    """Labels of the parameters structure (and scoped names) call expert or router (the rest is backbone), and the
+    expert counts of flattened banks."""
     tree = _Model(model)
     declared_tensors, declared_modules = _declared_experts(tree)
     marked = {n for v in tree.direct.values() for n, p in v if _marked_expert(p)}
@@ -228,11 +256,6 @@ def _structure(model: nn.Module) -> _Structure:
     for n in declared_tensors | marked:
         labels[n] = Tier.EXPERT.value
     return _Structure(labels, experts_in)
-
-
-def _structural_labels(model: nn.Module) -> dict[str, str]:
-    """``{name: tier}`` for the parameters structure (and scoped names) call expert or router; the rest is backbone."""
-    return _structure(model).labels
 
 
 def _product_key_experts(tree: _Model) -> list[tuple[list[str], list[str]]]:
@@ -373,9 +396,10 @@ def _find_containers(
             inside = tree.params(path)
             flat = [n for n in inside if len(tree.shape[n]) == 2]
             if flat and all(len(tree.shape[n]) <= 2 for n in inside):  # banks below are found by (a)
-                dims = {s for n in flat for s in tree.shape[n]}
-                out.append(_Container(path, flat, set(), dims, False, _scopes(tree, path, own=False), opaque=True,
-                                      flat=True))
+                splits = _flat_splits([tree.shape[n] for n in flat])
+                dims = set().union(*splits.values())
+                out.append(_Container(path, flat, set(splits), dims, False, _scopes(tree, path, own=False),
+                                      opaque=True, flat=True, splits=splits))
     # Innermost first: experts claim their tensors before an enclosing list of identical layers is considered; at
     # one depth the largest first (a bank before the second-stage router of a two-stage MoE beside it).
     out.sort(key=lambda c: (-c.path.count("."), -sum(math.prod(tree.shape[n]) for n in c.experts)))
@@ -412,12 +436,11 @@ def _find_router(tree: _Model, c: _Container, experts: set[str]) -> Optional[tup
                     continue
                 unit, child = _unit(tree, scope, owner, c)
                 for form, k, width in _router_fits(tree.shape[name], c, widths):
-                    block_like = child != scope and _block_like(tree, child, name, width, form, c, excluded)
-                    if block_like and not (c.declared and i <= c.near):
+                    block_like = child != scope and _block_like(tree, child, width, form, excluded)
+                    if block_like and (c.marked or not c.declared or i > c.near):
                         continue  # a coincidental shape in attention or an MLP beside the experts
-                    misfit = _flat_misfit(tree, c, k, width) if c.flat else 0
-                    if misfit is not None:
-                        cands.append(((block_like, form, misfit), name, k, unit))
+                    rank = (block_like, *_split_misfit(c.splits[k], width), form) if c.flat else (block_like, form)
+                    cands.append((rank, name, k, unit))
         if cands:
             best = min(r for r, _, _, _ in cands)
             params: list[str] = []
@@ -448,16 +471,19 @@ def _router_fits(shape: tuple[int, ...], c: _Container, widths: set[int]) -> lis
     parallelism). ``D`` is a size of the experts' weights; ``widths`` are the sizes of the block's other matrices."""
     out = []
     if len(shape) == 1:
-        for d in c.dims if shape[0] not in widths else ():
-            k, r = divmod(shape[0], d)
-            if not r and k >= 2 and (c.flat or k in c.counts):
-                out.append((_FLAT, k, d))
+        for k in sorted(c.counts) if shape[0] not in widths else ():
+            d, r = divmod(shape[0], k)
+            if not r and d >= 2:
+                if d in (c.splits[k] if c.flat else c.dims):
+                    out.append((_FLAT, k, d))
+                elif c.flat or c.tensors >= 2:
+                    out.append((_LATENT, k, d))
         return out
     if len(shape) != 2:
         return out
     rows, cols = shape
     if c.flat:
-        return [(_ROWS, rows, cols)] if cols in c.dims and rows >= 2 else []
+        return [(_ROWS if cols in c.splits[rows] else _LATENT, rows, cols)] if rows in c.splits else []
     if rows in c.counts:
         if cols in c.dims:
             out.append((_ROWS, rows, cols))
@@ -474,46 +500,73 @@ def _router_fits(shape: tuple[int, ...], c: _Container, widths: set[int]) -> lis
     return out
 
 
-def _flat_misfit(tree: _Model, c: _Container, k: int, width: int) -> Optional[int]:
-    """How badly ``k`` experts split the flattened tensors of ``c``: the number of distinct sizes of the per-expert
-    matrices (2 for an MLP's ``[F, D]``/``[D, F]``), or None if ``k`` does not divide them or the router's width is
-    no size of them."""
-    sizes: set[int] = set()
-    for n in c.experts:
-        rows, cols = tree.shape[n]
-        if rows % k or rows == k:
-            return None
-        sizes |= {rows // k, cols}
-    return len(sizes) if width in sizes else None
+def _flat_splits(shapes: list[tuple[int, ...]]) -> dict[int, set[int]]:
+    """Every number of experts ``k >= 2`` that flattened 2-D tensors ``[k*a, b]`` may stack along dim 0, with the sizes
+    of the per-expert matrices ``[a, b]`` it gives: an MLP's experts split into ``[F, D]`` and ``[D, F]``, 2 sizes."""
+    g = math.gcd(*(rows for rows, _ in shapes))
+    divisors = {d for i in range(1, math.isqrt(g) + 1) if g % i == 0 for d in (i, g // i)}
+    return {
+        k: {s for rows, cols in shapes for s in (rows // k, cols)}
+        for k in sorted(divisors)
+        if k >= 2 and all(rows // k >= 2 for rows, _ in shapes)
+    }
+
+
+def _split_misfit(sizes: set[int], width: int) -> tuple[bool, bool, int]:
+    """How badly a number of experts splits flattened banks into per-expert matrices of ``sizes`` (`_flat_splits`),
+    for a router reading ``width``, lowest best: an MLP's experts give at most two sizes, ``[F, D]`` and ``[D, F]``,
+    one of them the router's width (``D``; not so in a latent MoE); then fewer sizes (``D == F`` gives one)."""
+    mlp = len(sizes) <= 2
+    return not (mlp and width in sizes), not mlp, len(sizes)
 
 
 def _unit(tree: _Model, scope: str, owner: str, c: _Container) -> tuple[str, str]:
-    """``(unit, child)`` of a router tensor held by ``owner``: the child of the block ``scope`` that holds it (or
-    ``owner``, if that child encloses the experts), and the module the router's parameters are taken from: that
-    child (its bias, per-expert scales, a router MLP), or ``owner`` when the child is more than a router (it holds
-    banks, convs, tables). Both are ``scope`` when the tensor sits on the block itself."""
+    """``(unit, child)`` of a router tensor held by ``owner`` in the block ``scope``: ``child`` is the largest module
+    below ``scope`` that holds it but not the experts (a router, or the attention or MLP a coincidental shape sits
+    in), and ``unit`` the module the router's parameters are taken from: ``child`` (its bias, per-expert scales, a
+    router MLP), or ``owner`` when ``child`` is more than a router (it holds banks, convs, tables). Both are
+    ``scope`` when the tensor sits on the block itself."""
     if owner == scope:
         return scope, scope
-    child = _join(scope, owner[len(scope) + 1:].split(".")[0] if scope else owner.split(".")[0])
-    if _within(c.path, child):
-        return owner, owner
+    child = owner
+    while _parent(child) != scope and not _within(c.path, _parent(child)):
+        child = _parent(child)
     return (owner if _heavy(tree, child) else child), child
 
 
-def _block_like(tree: _Model, unit: str, name: str, width: int, form: int, c: _Container, excluded: set[str]) -> bool:
-    """Whether ``unit`` maps back to the width ``width`` its tensor ``name`` reads, as attention and MLPs do (their
-    output returns to the residual stream), rather than ending in scores as a router does. A first stage that
-    projects a width nothing in the unit produces down to ``width`` is a two-stage router's own (X-MoE)."""
+def _block_like(tree: _Model, unit: str, width: int, form: int, excluded: set[str]) -> bool:
+    """Whether ``unit`` is a block that maps its input back to a width it reads, as attention and MLPs do (their
+    output returns to the residual stream), rather than ending in scores as a router does, one or two stages
+    (X-MoE: ``D -> 16 -> E``). Read from the widths: each matrix ``[out, in]`` of the unit is an edge ``in -> out``,
+    and a block closes a cycle (``D -> F -> D``; attention ``D -> H*hd -> D``). Units with convs, tables or banks
+    are blocks too."""
     if _heavy(tree, unit):
         return True
-    mats = [n for n in tree.params(unit) if n != name and n not in excluded and len(tree.shape[n]) >= 2]
+    mats = [tree.shape[n] for n in tree.params(unit) if n not in excluded and len(tree.shape[n]) >= 2]
     if form == _TRANSPOSED:  # x @ w layouts: any other matrix of that width is part of a block
-        return any(width in tree.shape[n] for n in mats)
-    produced = {tree.shape[n][0] for n in mats}
-    for n in mats:
-        rows, cols = tree.shape[n][0], tree.shape[n][-1]
-        if rows == width and not (cols != width and cols in c.dims and cols not in produced):
-            return True
+        return sum(width in shape for shape in mats) > 1
+    edges: dict[int, set[int]] = collections.defaultdict(set)
+    for shape in mats:
+        edges[shape[-1]].add(shape[-2])
+    return _has_cycle(edges)
+
+
+def _has_cycle(edges: dict[int, set[int]]) -> bool:
+    done: set[int] = set()
+    for start in list(edges):
+        stack, path = [(start, iter(edges[start]))], {start}
+        while stack:
+            node, succ = stack[-1]
+            nxt = next(succ, None)
+            if nxt is None:
+                stack.pop()
+                path.discard(node)
+                done.add(node)
+            elif nxt in path:
+                return True
+            elif nxt not in done:
+                path.add(nxt)
+                stack.append((nxt, iter(edges.get(nxt, ()))))
     return False
 
 
@@ -706,6 +759,9 @@ def _check_tier_options(tier_options: Optional[dict[str, dict[str, Any]]]) -> di
             raise ValueError(f"tier_options[{tier!r}] must be a dict of param group settings, e.g. {{'lr': 1e-4}}")
         if "params" in opts or "tier" in opts:
             raise ValueError(f"tier_options[{tier!r}] may not set 'params' or 'tier'; use rules=[...] to move tensors")
+        if "experts" in opts:
+            raise ValueError(f"tier_options[{tier!r}] may not set 'experts': param_groups sets it per flattened bank "
+                             "from the model's structure (skewadam.classify.flattened_experts)")
         out[key] = dict(opts)
     return out
 
@@ -724,14 +780,15 @@ def param_groups(
     The paper's defaults: ``weight_decay`` on backbone and expert tensors, none on the router. ``exempt_1d`` moves
     tensors with < 2 dims (norms, biases, scalars) of each tier into a group without weight decay, as common practice
     does. ``tier_options={"router": {"lr": 1e-4}}`` overrides any group setting per tier (applied last; an exempted
-    group keeps ``weight_decay=0``). Groups carry ``param_names``. With ``log`` the census goes to the ``skewadam``
-    logger (INFO).
+    group keeps ``weight_decay=0``). Groups carry ``param_names``. Flattened expert banks (`flattened_experts`) go
+    to an expert group of their own per count E with the key ``experts=E``: each tensor stacks E experts along dim 0.
+    With ``log`` the census goes to the ``skewadam`` logger (INFO).
 
     Example:
         >>> opt = SkewAdam(param_groups(model, weight_decay=0.1, exempt_1d=True), lr=3e-4)
     """
     options = _check_tier_options(tier_options)
-    labels = classify(model, rules)
+    labels, flat = _classify(model, rules)
     census = describe(model, tier_options=tier_options, labels=labels)
     if log:
         logger.info("%s", census.table())
@@ -745,11 +802,15 @@ def param_groups(
         split = [(names, False)]
         if exempt_1d:
             split = [([n for n in names if trainable[n].ndim >= 2], False), ([n for n in names if trainable[n].ndim < 2], True)]
-        for members, exempt in split:
+        split = [([n for n in m if flat.get(n) == k], exempt, k)
+                 for m, exempt in split for k in [None, *sorted({flat[n] for n in m if n in flat})]]
+        for members, exempt, experts in split:
             if not members:
                 continue
             group = {"params": [trainable[n] for n in members], "param_names": members, "tier": tier,
                      "weight_decay": default_wd}
+            if experts is not None:
+                group["experts"] = experts
             group.update(options.get(tier, {}))
             if exempt:
                 group["weight_decay"] = 0.0

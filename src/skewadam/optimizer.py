@@ -9,6 +9,7 @@ cross-shard reduction seam between them.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import defaultdict
 from itertools import chain
 from typing import Any, Callable, Iterable, NamedTuple, Optional
@@ -32,7 +33,7 @@ _EPS_DEFAULT = {"floor": 1e-8, "add": 1e-30}
 _MOMENTUM_DTYPES = ("fp32", "bf16", "int8")
 _GROUP_KEYS = frozenset(
     {"params", "lr", "betas", "eps", "weight_decay", "eps_mode", "tier", "use_momentum", "use_factored", "bank", "seed",
-     "momentum_dtype"}
+     "momentum_dtype", "experts"}
 )
 # Keys other torch APIs put into param groups: named parameters, LR schedulers' bookkeeping.
 _FOREIGN_KEYS = frozenset({"param_names", "initial_lr"})
@@ -125,6 +126,10 @@ class SkewAdam(Optimizer):
             (the paper's).
         tier: default tier of groups that name none. Default ``"backbone"``.
         use_momentum, use_factored, bank: per-group overrides of the tier's state (``None`` = tier default).
+        experts (group key only): the number of experts each tensor of an ``expert`` group stacks along dim 0, for
+            flattened banks ``[E*D, F]`` (`skewadam.classify.flattened_experts`; `param_groups` sets it). Validated
+            (dim 0 must divide by it) but not yet applied: such a tensor is still factored and clipped as one matrix,
+            with a warning; per-expert statistics come with the kernels' support.
         momentum_dtype: storage of the first moment: ``"fp32"`` (the statistics dtype), ``"bf16"`` (stochastically
             rounded) or ``"int8"`` (block-wise, 256 per fp32 scale; tensors with < 2 dims stay fp32); see
             `skewadam.kernels.quant`. Every kernel (eager and C++) handles it, with the same stored bytes.
@@ -405,6 +410,17 @@ def _validate_group(group: dict, idx: int) -> None:
         Tier.parse(group["tier"])
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+    experts = group.get("experts")
+    if experts is not None:
+        if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+            raise ValueError(f"Invalid experts in {where}: {experts!r} (expected an int >= 1: the number of experts "
+                             "each tensor stacks along dim 0)")
+        if Tier.parse(group["tier"]) != Tier.EXPERT:
+            raise ValueError(f"{where}: experts={experts} is a key of 'expert' groups, got tier {group['tier']!r}")
+        warnings.warn(
+            f"{where}: experts={experts} is not applied yet; its flattened expert tensors are factored and clipped "
+            "as one matrix each", stacklevel=4,
+        )
 
 
 def _validate_param(p: Tensor, group: dict, idx: int) -> None:
@@ -424,6 +440,12 @@ def _validate_param(p: Tensor, group: dict, idx: int) -> None:
         )
     if group["bank"] and p.ndim < 1:
         raise ValueError(f"{where}: bank=True needs parameters with a leading expert dim, got a 0-d tensor")
+    experts = group.get("experts")
+    if experts is not None and (p.ndim < 2 or p.shape[0] % experts):
+        raise ValueError(
+            f"{where}: experts={experts} needs tensors of >= 2 dims whose dim 0 stacks that many experts, got shape "
+            f"{tuple(p.shape)}; put this tensor in a group without 'experts'"
+        )
     if torch.distributed.is_available():  # flattened (FSDP1, DeepSpeed ZeRO-3) or Partial shards are refused
         from .distributed import check_layout
 
