@@ -23,7 +23,7 @@ from safetensors import safe_open  # noqa: E402
 from transformers import Trainer, TrainingArguments, get_scheduler  # noqa: E402
 
 from skewadam import SkewAdam  # noqa: E402
-from skewadam.hf import SkewAdamTrainer, create_optimizer, load_pretrained_weights  # noqa: E402
+from skewadam.integrations.hf import SkewAdamTrainer, create_optimizer, load_pretrained_weights  # noqa: E402
 
 VOCAB, SEQ = 64, 16
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

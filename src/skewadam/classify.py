@@ -11,21 +11,31 @@ Tiers (`skewadam.tiers`):
 Structure decides, names come last. In order:
     1. User rules ``(pattern, tier)``: ``re.search`` on the full parameter name, first match wins.
     2. The model's own metadata: a Transformers config's expert-parallel plan (``base_model_ep_plan``: tensors marked
-       ``grouped_gemm``, modules marked ``ep_dispatch_experts``), tensor-parallel ``moe_tp_experts`` modules, and the
-       experts classes Transformers decorates with ``use_experts_implementation``.
-    3. Shapes: an expert container is a module holding tensors with >= 3 dims stacked along dim 0 (``[E, ...]``), or
-       >= 2 structurally identical sibling modules (a ``ModuleList``/``ModuleDict`` of expert MLPs). It is an MoE
-       layer only next to a router: a matrix ``[E, D]`` (a ``Linear(D, E)``) in the same block whose row count is the
-       number of experts E and whose input size D is a size of the experts' weights; the router is the block's child
-       holding it (every parameter of that child: bias, per-expert scales, a router MLP). For experts the metadata
-       declares, a router that also scores shared or "skip" experts (``[E + s, D]``, s <= E) is accepted when no
-       exact match exists.
+       ``grouped_gemm``, modules marked ``ep_dispatch_experts``), tensor-parallel ``moe_tp_experts`` modules, the
+       experts classes Transformers decorates with ``use_experts_implementation``; and the marks libraries set on
+       expert parameters: ``p.expert = True`` (fairscale, torchscale), ``p.allreduce = False`` (DeepSpeed,
+       Megatron-LM), DeepSpeed's ``p.group_name`` and ``p.is_expert_group``. Marked tensors are experts.
+    3. Shapes: an expert container is a module holding tensors with >= 3 dims stacked along dim 0 (``[E, ...]``,
+       slices that are matrices), or >= 2 structurally identical sibling modules (a ``ModuleList``/``ModuleDict`` of
+       expert MLPs). It is an MoE layer only next to a router, looked for in the container's module and up to three
+       enclosing ones, nearest first, never in another layer of a layer stack (torchtitan: banks at
+       ``moe.routed_experts.inner_experts``, router at ``moe.router.gate``). A router scores the E experts from a
+       size D of the experts' weights: ``[E, D]`` (a ``Linear(D, E)``), flat ``[E*D]`` (OLMo-core), transposed
+       ``[D, E]`` (``x @ w``), or ``[E, d]`` from a width foreign to the experts (a latent MoE); for declared experts
+       also ``[E + s, D]`` (it scores shared or "skip" experts too), for marked ones ``[k*E, D]`` (this rank holds E
+       of the experts). A candidate inside a block that maps its input back to a width it reads (its matrices'
+       widths close a cycle, ``D -> F -> D``, as attention and MLPs do; or it holds convs, tables, banks) is a
+       coincidence, not a router: a shared MLP whose rows divide ``E*F``, linear-attention projections with E rows.
+       The router is the module holding the matrix (every parameter: bias, per-expert scales, the first stage of a
+       two-stage router as X-MoE's ``D -> 16 -> E``); banks ``[Eo, Ei, ...]`` also take the ``[Eo, D, Ei]`` second
+       stage of a hierarchical router.
     4. Product-key experts (PEER, Doge's ``CDMoE``): ``E = k*k`` single-neuron experts as rows of ``Embedding(E, D)``
        tables next to a ``Linear(D, 2k)`` router whose two top-k pick them.
     5. Names, only inside a block already found by structure, with word-boundary rules: a child called ``experts``
-       whose tensors flatten the experts (``[E*F, D]``, DBRX), or, next to experts the metadata declares, a router
-       called ``router``/``gate``/... when no matrix size reveals it. ``gate`` never matches ``gate_proj``; ``shared_experts`` never matches
-       ``experts``.
+       whose tensors flatten the experts (``[E*F, D]``, DBRX; ``[E*D, F]``, OLMo-core), E being the count the router
+       gives that splits them into per-expert MLP matrices (`flattened_experts`); or, next to experts the metadata
+       declares, a router called ``router``/``gate``/... when no matrix size reveals it. ``gate`` never matches
+       ``gate_proj``; ``shared_experts`` never matches ``experts``.
 Everything not labelled is backbone. Parameters with ``requires_grad=False`` are left out (`describe` reports them);
 tied parameters appear once, under their first name.
 

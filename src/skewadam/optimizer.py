@@ -265,6 +265,32 @@ class SkewAdam(Optimizer):
         self.skipped_steps = int(skipped)
 
     # ------------------------------------------------------------------ step
+    def _state_of(self, p: Tensor, group: dict) -> dict:
+        """``p``'s state, allocated (zeros, step 0) by `skewadam.state.state_spec` if it has none yet."""
+        state = self.state[p]
+        if not state:
+            bank = is_bank(p.ndim, group["tier"], group["bank"])
+            spec = state_spec(
+                p.shape, p.dtype, use_momentum=group["use_momentum"], use_factored=group["use_factored"],
+                bank=bank, momentum_dtype=group["momentum_dtype"],
+            )
+            for key, st in spec.items():
+                state[key] = _new_state(p, key, st, bank)
+        return state
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Allocate the state of every parameter now (zeros, step 0), as its first step would: for checkpointers that
+        load into existing state (torchtitan, ``torch.distributed.checkpoint``). Unlike their zero-gradient, zero-lr
+        step, this changes nothing: that step would count a step and decay ``eps`` into the second moments.
+
+        Example:
+            >>> opt.init_state(); dcp.load({"optim": opt.state_dict()}, checkpoint_id=path)
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._state_of(p, group)
+
     def _init_group(self, group: dict, first_id: int) -> Optional[_Work]:
         w = _Work(group, *([] for _ in range(13)))
         for i, p in enumerate(group["params"]):
@@ -277,14 +303,7 @@ class SkewAdam(Optimizer):
                     f"tier {group['tier']!r}); use a dense embedding (sparse=False)"
                 )
             bank = is_bank(p.ndim, group["tier"], group["bank"])
-            state = self.state[p]
-            if not state:
-                spec = state_spec(
-                    p.shape, p.dtype, use_momentum=group["use_momentum"], use_factored=group["use_factored"],
-                    bank=bank, momentum_dtype=group["momentum_dtype"],
-                )
-                for key, st in spec.items():
-                    state[key] = _new_state(p, key, st, bank)
+            state = self._state_of(p, group)
             w.params.append(p)
             w.local_params.append(_local(p))
             w.grads.append(_local(p.grad))
