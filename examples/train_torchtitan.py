@@ -48,7 +48,8 @@ def batch(step: int, vocab: int, args) -> torch.Tensor:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--family", default="deepseek_v3", help="torchtitan.models.<family> (qwen3, gpt_oss, kimi_k2_7, ...)")
+    p.add_argument("--family", default="deepseek_v3",
+                   help="torchtitan.models.<family> (qwen3, gpt_oss, kimi_k2_7, ...)")
     p.add_argument("--flavor", default="debugmodel")
     p.add_argument("--layers", type=int, default=2, help="keep the first N layers (DeepSeek-V3: the 1st is dense)")
     p.add_argument("--steps", type=int, default=20, help="train up to this step")

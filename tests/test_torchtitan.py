@@ -1,5 +1,6 @@
-"""`skewadam.integrations.torchtitan.SkewAdamOptimizers` on one process: a tiny torchtitan Qwen3 MoE (`torchtitan_cases`)
-trains, checkpoints through torchtitan's CheckpointManager and resumes bitwise. Two ranks: tests/distributed/."""
+"""`skewadam.integrations.torchtitan.SkewAdamOptimizers` on one process: a tiny torchtitan Qwen3 MoE
+(`torchtitan_cases`) trains, checkpoints through torchtitan's CheckpointManager and resumes bitwise. Two ranks:
+tests/distributed/test_torchtitan_distributed.py."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from torchtitan_cases import batches, loss_fn, tiny_qwen3_moe  # noqa: E402
 from skewadam import SkewAdam  # noqa: E402
 from skewadam.integrations.torchtitan import SkewAdamOptimizers  # noqa: E402
 
-EXPERTS = r"\.routed_experts\.inner_experts\."
 ROUTER = r"\.router\.gate\."
 
 
@@ -73,7 +73,8 @@ def test_container_builds_one_skewadam_with_tier_groups_and_canonical_names():
 def test_param_group_patterns_choose_groups_and_classify_splits_them_by_tier():
     groups = [ParamGroupConfig(pattern=r"(tok_embeddings|lm_head)\.", optimizer_name="AdamW",
                                optimizer_kwargs={"lr": 1e-3, "weight_decay": 0.0}),
-              ParamGroupConfig(pattern=ROUTER, optimizer_name="SkewAdam", optimizer_kwargs={"lr": 1e-4, "tier": "router"}),
+              ParamGroupConfig(pattern=ROUTER, optimizer_name="SkewAdam",
+                               optimizer_kwargs={"lr": 1e-4, "tier": "router"}),
               ParamGroupConfig(pattern=r".*", optimizer_name="SkewAdam", optimizer_kwargs={"weight_decay": 0.1})]
     model, optimizers = build(param_groups=groups, implementation="for-loop")
     adamw, skewadam = optimizers.optimizers

@@ -63,7 +63,8 @@ from torch import Tensor, nn
 from .state import is_bank, spec_nbytes, state_spec
 from .tiers import TIER_STATE, Tier
 
-__all__ = ["classify", "flattened_experts", "describe", "param_groups", "split_kwargs", "Census", "TierCensus", "register_cli"]
+__all__ = ["classify", "flattened_experts", "describe", "param_groups", "split_kwargs", "Census", "TierCensus",
+           "register_cli"]
 
 logger = logging.getLogger("skewadam")
 

@@ -1,8 +1,9 @@
 """`skewadam.integrations.torchtitan.SkewAdamOptimizers` on a torchtitan MoE parallelized by torchtitan, 2 ranks.
 
 Run by ``test_torchtitan_distributed.py`` as ``torchrun --standalone --nproc_per_node=2 torchtitan_worker.py OUT_DIR``
-(CPU, gloo); ``SKEWADAM_IMPL`` picks the kernel. The tiny Qwen3 MoE (`torchtitan_cases`) is parallelized with
-torchtitan's own parallelization (``parallelize_qwen3``'s EP and FSDP steps, in float64) in two layouts, the two torchtitan gives routed experts:
+(CPU, gloo); ``SKEWADAM_IMPL`` picks the kernel. The tiny Qwen3 MoE (`torchtitan_cases`) is parallelized by
+torchtitan's own functions (``parallelize_qwen3``'s EP and FSDP steps, in float64) in the two layouts torchtitan
+gives routed experts:
 
 - ``ep_shard0``: expert parallelism 2 (4 experts): experts ``(_StridedShard(0), Shard(0))`` on the (efsdp=1, ep=2)
   mesh, each rank holding 2 experts; dense parameters FSDP ``Shard(0)`` on fsdp=2.
