@@ -3,6 +3,9 @@ resumes from a Lightning checkpoint bitwise (CPU)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -44,6 +47,11 @@ def fit(root, max_steps: int, seed: int = 0, ckpt_path=None, save_every: int = 0
                         enable_checkpointing=bool(save_every), default_root_dir=root)
     trainer.fit(module, data(), ckpt_path=ckpt_path)
     return module, trainer.optimizers[0]
+
+
+def test_import_skewadam_does_not_import_lightning():
+    code = "import sys, skewadam; assert not {'lightning', 'pytorch_lightning'} & set(sys.modules), 'lightning imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_configure_optimizers_returning_from_model_trains_every_tier(tmp_path):

@@ -443,10 +443,9 @@ def _find_router(tree: _Model, c: _Container, experts: set[str]) -> Optional[tup
             if owner != scope and _within(c.path, owner):
                 continue  # a module enclosing the experts below the block: not the router
             for name, _ in tree.direct[owner]:
-                if name in excluded:
-                    continue
-                unit, child = _unit(tree, scope, owner, c)
-                for form, k, width in _router_fits(tree.shape[name], c, widths):
+                fits = [] if name in excluded else _router_fits(tree.shape[name], c, widths)
+                unit, child = _unit(tree, scope, owner, c) if fits else (owner, owner)
+                for form, k, width in fits:
                     block_like = child != scope and _block_like(tree, child, width, form, excluded)
                     if block_like and (c.marked or not c.declared or i > c.near):
                         continue  # a coincidental shape in attention or an MLP beside the experts
