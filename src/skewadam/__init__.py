@@ -9,13 +9,13 @@ Layers, lowest first. A module imports only from layers below its own (lazy impo
 every import against this list.
 
     1. tiers, models, data          tier labels; the reference MoE and its corpora (they import nothing of ours)
-    2. state                        state_spec, state_flags, check_state, measure_state
+    2. state, structure             state_spec, state_flags, check_state, measure_state; the MoE structure of a model
     3. kernels, classify            the update kernels; automatic tiers
     4. distributed, groups          DTensor placements and the cross-shard reducer; param groups and their census
     5. optimizer                    SkewAdam
     6. arms, presets                the optimizer arms (one registry); models by name
     7. planner                      plan(): memory per arm
-    8. integrations, hf, harness    Transformers, torchtitan, Lightning; the benchmark (train, bench, report, measure)
+    8. integrations, harness        Transformers, torchtitan; the benchmark (train, bench, report, measure)
     9. cli, skewadam                the command line; this package's re-exports (skewadam/__init__.py)
    10. __main__                     ``python -m skewadam``
 

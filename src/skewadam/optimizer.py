@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections import defaultdict
 from itertools import chain
 from typing import Any, Callable, Iterable, NamedTuple, Optional
@@ -32,7 +33,7 @@ __all__ = ["SkewAdam"]
 _EPS_DEFAULT = {"floor": 1e-8, "add": 1e-30}
 _GROUP_KEYS = frozenset(
     {"params", "lr", "betas", "eps", "weight_decay", "eps_mode", "tier", "use_momentum", "use_factored", "bank", "seed",
-     "momentum_dtype"}
+     "momentum_dtype", "experts"}
 )
 # Keys other torch APIs put into param groups: named parameters, LR schedulers' bookkeeping.
 _FOREIGN_KEYS = frozenset({"param_names", "initial_lr"})
@@ -125,6 +126,10 @@ class SkewAdam(Optimizer):
             (the paper's).
         tier: default tier of groups that name none. Default ``"backbone"``.
         use_momentum, use_factored, bank: per-group overrides of the tier's state (``None`` = tier default).
+        experts (group key only): the number of experts each tensor of an ``expert`` group stacks along dim 0, for
+            flattened banks ``[E*D, F]`` (`skewadam.classify.flattened_experts`; `param_groups` sets it). Validated
+            (dim 0 must divide by it) but not yet applied: such a tensor is still factored and clipped as one matrix,
+            with a warning; per-expert statistics come with the kernels' support.
         momentum_dtype: storage of the first moment: ``"fp32"`` (the statistics dtype), ``"bf16"`` (stochastically
             rounded) or ``"int8"`` (block-wise, 256 per fp32 scale; tensors with < 2 dims stay fp32); see
             `skewadam.kernels.quant`. Every kernel (eager and C++) handles it, with the same stored bytes.
@@ -287,6 +292,32 @@ class SkewAdam(Optimizer):
         self.skipped_steps = int(skipped)
 
     # ------------------------------------------------------------------ step
+    def _state_of(self, p: Tensor, group: dict) -> dict:
+        """``p``'s state, allocated (zeros, step 0) by `skewadam.state.state_spec` if it has none yet."""
+        state = self.state[p]
+        if not state:
+            bank = is_bank(p.ndim, group["tier"], group["bank"])
+            spec = state_spec(
+                p.shape, p.dtype, use_momentum=group["use_momentum"], use_factored=group["use_factored"],
+                bank=bank, momentum_dtype=group["momentum_dtype"],
+            )
+            for key, st in spec.items():
+                state[key] = _new_state(p, key, st, bank)
+        return state
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Allocate the state of every parameter now (zeros, step 0), as its first step would: for checkpointers that
+        load into existing state (torchtitan, ``torch.distributed.checkpoint``). Unlike their zero-gradient, zero-lr
+        step, this changes nothing: that step would count a step and decay ``eps`` into the second moments.
+
+        Example:
+            >>> opt.init_state(); dcp.load({"optim": opt.state_dict()}, checkpoint_id=path)
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._state_of(p, group)
+
     def _init_group(self, group: dict, first_id: int) -> Optional[_Work]:
         w = _Work(group, *([] for _ in range(13)))
         for i, p in enumerate(group["params"]):
@@ -299,14 +330,7 @@ class SkewAdam(Optimizer):
                     f"tier {group['tier']!r}); use a dense embedding (sparse=False)"
                 )
             bank = is_bank(p.ndim, group["tier"], group["bank"])
-            state = self.state[p]
-            if not state:
-                spec = state_spec(
-                    p.shape, p.dtype, use_momentum=group["use_momentum"], use_factored=group["use_factored"],
-                    bank=bank, momentum_dtype=group["momentum_dtype"],
-                )
-                for key, st in spec.items():
-                    state[key] = _new_state(p, key, st, bank)
+            state = self._state_of(p, group)
             w.params.append(p)
             w.local_params.append(_local(p))
             w.grads.append(_local(p.grad))
@@ -434,6 +458,17 @@ def _validate_group(group: dict, idx: int) -> None:
         Tier.parse(group["tier"])
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+    experts = group.get("experts")
+    if experts is not None:
+        if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+            raise ValueError(f"Invalid experts in {where}: {experts!r} (expected an int >= 1: the number of experts "
+                             "each tensor stacks along dim 0)")
+        if Tier.parse(group["tier"]) != Tier.EXPERT:
+            raise ValueError(f"{where}: experts={experts} is a key of 'expert' groups, got tier {group['tier']!r}")
+        warnings.warn(
+            f"{where}: experts={experts} is not applied yet; its flattened expert tensors are factored and clipped "
+            "as one matrix each", stacklevel=4,
+        )
 
 
 def _foreign_message(saved: dict, idx: int) -> str:
@@ -468,6 +503,12 @@ def _validate_param(p: Tensor, group: dict, idx: int) -> None:
         )
     if group["bank"] and p.ndim < 1:
         raise ValueError(f"{where}: bank=True needs parameters with a leading expert dim, got a 0-d tensor")
+    experts = group.get("experts")
+    if experts is not None and (p.ndim < 2 or p.shape[0] % experts):
+        raise ValueError(
+            f"{where}: experts={experts} needs tensors of >= 2 dims whose dim 0 stacks that many experts, got shape "
+            f"{tuple(p.shape)}; put this tensor in a group without 'experts'"
+        )
     if torch.distributed.is_available():  # flattened (FSDP1, DeepSpeed ZeRO-3) or Partial shards are refused
         from .distributed import check_layout
 
