@@ -206,13 +206,14 @@ class DTensorReducer:
             for s, chunk in zip(stats, flat.split([s.numel() for s in stats])):
                 s.copy_(chunk.view_as(s))
 
-    def all_finite(self, local: bool) -> bool:
-        """Whether the gradients are finite on every rank (so all ranks skip a step together or none does)."""
-        flag = torch.tensor([1.0 if local else 0.0], device=self._device or "cpu")
+    def all_finite(self, local: Tensor) -> Tensor:
+        """Whether the gradients are finite on every rank (so all ranks skip a step together or none does), from this
+        rank's 0-d bool ``local``; a 0-d bool tensor (no host sync)."""
+        flag = local.to(device=self._device or local.device, dtype=torch.float32).reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         self.collectives += 1
         self.bytes += flag.element_size()
-        return bool(flag.item() > 0)
+        return flag[0] > 0
 
 
 def _check_grad(param: DTensor) -> None:
