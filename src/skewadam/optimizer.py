@@ -274,6 +274,10 @@ class SkewAdam(Optimizer):
                     f"SkewAdam does not support sparse gradients (param group {index}, "
                     f"tier {group['tier']!r}); use a dense embedding (sparse=False)"
                 )
+            if isinstance(p, DTensor):
+                from .distributed import check_grad
+
+                check_grad(p)
             bank = is_bank(p.ndim, group["tier"], group["bank"])
             state = self.state[p]
             if not state:
