@@ -43,8 +43,8 @@ from torch import Tensor
 
 from .quant import load_momentum, store_momentum_
 from .rounding import rounding_key, stochastic_round_bf16
-from .types import (ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, all_finite, check, stat_dims,
-                    unit_dims, unit_numel)
+from .types import (ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, all_finite, check, check_lr,
+                    stat_dims, unit_dims, unit_numel)
 
 __all__ = ["GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "step_", "unit_dims",
            "stat_dims", "chunk_slices", "ema", "CHUNK_NUMEL", "BLOCK_NUMEL", "SKIP_ON_HOST"]
@@ -154,7 +154,8 @@ def _key(seed: int, pt: ParamTensors):
 # ------------------------------------------------------------------------------------------------------------ pass 1
 def grad_stats(group: Group) -> list[GradStats]:
     """Pass 1: sums of g^2 (nothing is written). Raises ValueError naming a parameter whose gradient or state does
-    not fit it (`skewadam.kernels.types.check`)."""
+    not fit it (`skewadam.kernels.types.check`), or for a tensor lr of more than one element, before any pass writes."""
+    check_lr(group.lr)
     for pt in group.params:
         check(pt)
     return [_grad_stats(pt) for pt in group.params]
@@ -313,6 +314,9 @@ def _apply_updates(pt: ParamTensors, mo: Moments, *, lr: Scalar, decay: Optional
     if n_unit == 0:
         return  # no elements: nothing to write
     dtype = mo.u_sumsq.dtype
+    if isinstance(lr, Tensor):  # the values a Python float is cast to (a 0-d tensor would promote a 0-d parameter)
+        lr = lr.to(dtype)
+        decay = decay.to(dtype) if decay is not None else None
     cc = mo.corr * (mo.u_sumsq / n_unit).sqrt_().clamp_(min=1.0).reciprocal_()  # corr / max(1, rms(u))
     key = _key(seed, pt) if p.dtype == torch.bfloat16 else 0
     n0, per_slice = _slices(p.shape)

@@ -34,7 +34,7 @@ from torch import Tensor
 from .quant import num_blocks
 
 __all__ = ["ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "unit_dims", "unit_numel", "stat_dims",
-           "check", "all_finite"]
+           "check", "check_lr", "all_finite"]
 
 #: The paper's guard on ``mean_i(row_var)`` in ``eps_mode="floor"``.
 ROW_MEAN_FLOOR = 1e-15
@@ -164,6 +164,12 @@ def check(pt: ParamTensors) -> None:
             got = "none" if t is None else f"shape {tuple(t.shape)}"
             need = "none" if shape is None else f"shape {shape}"
             raise ValueError(f"{name}: state {key!r} has {got}, a parameter of shape {p} needs {need}; {_STATE_FIX}")
+
+
+def check_lr(lr: Union[float, Tensor]) -> None:
+    """A tensor lr holds one value (torch's optimizers' rule and message); reading its shape is no host sync."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
 
 
 def all_finite(sums: Sequence[Tensor]) -> Tensor:
