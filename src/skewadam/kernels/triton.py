@@ -85,8 +85,8 @@ _MAT_BLOCK = 1024  # rows or columns per program of the per-matrix kernels
 _SMALL_BLOCK = 256  # units per loop of the per-tensor and per-unit kernels
 _M32 = 0xFFFFFFFF
 # The other kernels' constants, as the kernels here see them (globals of a Triton kernel must be constexpr).
-_QMAX = tl.constexpr(quant._QMAX)  # int8 momentum: the largest code
-_MOMENTUM_STREAM = tl.constexpr(quant._MOMENTUM_STREAM)  # bf16 momentum's rounding key: mix32(key + this)
+_QMAX = tl.constexpr(quant.QMAX)  # int8 momentum: the largest code
+_MOMENTUM_STREAM = tl.constexpr(quant.MOMENTUM_STREAM)  # bf16 momentum's rounding key: mix32(key + this)
 _MUL1, _MUL2, _GOLDEN = (tl.constexpr(c) for c in (rounding._MUL1, rounding._MUL2, rounding._GOLDEN))
 _MOM_NONE, _MOM_PLAIN, _MOM_BF16, _MOM_INT8 = 0, 1, 2, 3
 
