@@ -8,9 +8,6 @@ its parameters keep. The update math lives in `skewadam.kernels` as pure functio
 
 from __future__ import annotations
 
-import inspect
-import math
-import warnings
 from itertools import chain
 from typing import Any, Callable, Iterable, Optional
 
@@ -20,8 +17,8 @@ from torch.optim import Optimizer
 
 from . import kernels
 from .kernels.types import Group, ParamTensors, all_finite, stat_dims, unit_dims
-from .state import MOMENTUM_DTYPES, StateBytes, check_state, is_bank, measure_state, state_flags, state_spec
-from .tiers import Tier
+from .state import StateBytes, check_state, is_bank, measure_state, state_flags, state_spec
+from .validation import EPS_DEFAULT, FOREIGN_KEYS, GROUP_KEYS, foreign_message, validate_group, validate_param
 
 try:  # DTensor (FSDP2, tensor/expert parallelism); absent on builds without torch.distributed
     from torch.distributed.tensor import DTensor
@@ -29,14 +26,6 @@ except ImportError:  # pragma: no cover
     DTensor = ()  # type: ignore[assignment,misc]
 
 __all__ = ["SkewAdam"]
-
-_EPS_DEFAULT = {"floor": 1e-8, "add": 1e-30}
-_GROUP_KEYS = frozenset(
-    {"params", "lr", "betas", "eps", "weight_decay", "eps_mode", "tier", "use_momentum", "use_factored", "bank", "seed",
-     "momentum_dtype", "experts"}
-)
-# Keys other torch APIs put into param groups: named parameters, LR schedulers' bookkeeping.
-_FOREIGN_KEYS = frozenset({"param_names", "initial_lr"})
 
 #: Reducer signature: ``reduce(items)`` sums each statistic in place across the shards of its parameter, where
 #: ``items`` is a list of ``(param, [(statistic, dims_it_sums_over), ...])``. `skewadam.distributed` provides one.
@@ -190,25 +179,29 @@ class SkewAdam(Optimizer):
         for p in params:
             p = p[1] if isinstance(p, tuple) else p  # named parameters: (name, tensor)
             if isinstance(p, Tensor):
-                _validate_param(p, group, len(self.param_groups))
+                validate_param(p, group, len(self.param_groups))
+                if torch.distributed.is_available():  # flattened (FSDP1, ZeRO-3) or Partial shards are refused
+                    from .distributed import check_layout
+
+                    check_layout(p, f"param group {len(self.param_groups)} (tier {group['tier']!r})")
         super().add_param_group(group)
 
     def _resolve_group(self, param_group: dict[str, Any], idx: int) -> dict[str, Any]:
         """A copy of ``param_group`` with this optimizer's defaults filled in, validated, and its state flags, tier
         and eps resolved (the constructor's path and `load_state_dict`'s)."""
-        unknown = set(param_group) - _GROUP_KEYS - _FOREIGN_KEYS
+        unknown = set(param_group) - GROUP_KEYS - FOREIGN_KEYS
         if unknown:
             raise ValueError(
-                f"param group {idx} has unknown key(s) {sorted(unknown)}; SkewAdam groups take {sorted(_GROUP_KEYS)}"
+                f"param group {idx} has unknown key(s) {sorted(unknown)}; SkewAdam groups take {sorted(GROUP_KEYS)}"
             )
         group = dict(param_group)
         for key, default in self.defaults.items():
             group.setdefault(key, default)
-        _validate_group(group, idx)
+        validate_group(group, idx)
         flags = state_flags(group)
         group.update(tier=flags.tier, use_momentum=flags.use_momentum, use_factored=flags.use_factored)
         if group["eps"] is None:
-            group["eps"] = _EPS_DEFAULT[group["eps_mode"]]
+            group["eps"] = EPS_DEFAULT[group["eps_mode"]]
         return group
 
     # ------------------------------------------------------------------ state dict
@@ -244,8 +237,8 @@ class SkewAdam(Optimizer):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
                                  "optimizer's group")
-            if set(saved) - _GROUP_KEYS - _FOREIGN_KEYS:
-                raise ValueError(_foreign_message(saved, idx))
+            if set(saved) - GROUP_KEYS - FOREIGN_KEYS:
+                raise ValueError(foreign_message(saved, idx))
             groups.append(self._resolve_group(saved, idx))
         states = dict(state_dict["state"])
         for idx, (saved, group) in enumerate(zip(groups, self.param_groups)):
@@ -410,100 +403,6 @@ class SkewAdam(Optimizer):
         lines.append(f"skip_nonfinite: {self.skip_nonfinite} (skipped_steps: {self.skipped_steps})")
         lines.append(")")
         return "\n".join(lines)
-
-
-def _validate_group(group: dict, idx: int) -> None:
-    where = f"param group {idx}"
-    lr = group["lr"]
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        lr = lr.item()  # its value is checked as a float's; the group keeps the tensor
-    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-        raise ValueError(f"Invalid learning rate in {where}: {group['lr']!r} (expected a finite float >= 0)")
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid betas in {where}: {betas!r} (expected a pair (beta1, beta2))")
-    for j, b in enumerate(betas):
-        if isinstance(b, Tensor) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {j} in {where}: {b!r} (expected a float in [0, 1))")
-    group["betas"] = (float(betas[0]), float(betas[1]))
-    if group["eps_mode"] not in _EPS_DEFAULT:
-        raise ValueError(f"Invalid eps_mode in {where}: {group['eps_mode']!r} (expected 'floor' or 'add')")
-    eps = group["eps"]
-    if eps is not None and (not isinstance(eps, (int, float)) or not eps > 0 or not math.isfinite(eps)):
-        raise ValueError(f"Invalid epsilon value in {where}: {eps!r} (expected a float > 0)")
-    wd = group["weight_decay"]
-    if not isinstance(wd, (int, float)) or not math.isfinite(wd) or wd < 0:
-        raise ValueError(f"Invalid weight_decay value in {where}: {wd!r} (expected a float >= 0)")
-    if group["momentum_dtype"] not in MOMENTUM_DTYPES:
-        raise ValueError(
-            f"Invalid momentum_dtype in {where}: {group['momentum_dtype']!r} (expected one of {MOMENTUM_DTYPES})"
-        )
-    for flag in ("use_momentum", "use_factored", "bank"):
-        if group[flag] is not None and not isinstance(group[flag], bool):
-            raise ValueError(f"Invalid {flag} in {where}: {group[flag]!r} (expected True, False or None)")
-    if not isinstance(group["seed"], int) or isinstance(group["seed"], bool):
-        raise ValueError(f"Invalid seed in {where}: {group['seed']!r} (expected an int)")
-    try:
-        Tier.parse(group["tier"])
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    experts = group.get("experts")
-    if experts is not None:
-        if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
-            raise ValueError(f"Invalid experts in {where}: {experts!r} (expected an int >= 1: the number of experts "
-                             "each tensor stacks along dim 0)")
-        if Tier.parse(group["tier"]) != Tier.EXPERT:
-            raise ValueError(f"{where}: experts={experts} is a key of 'expert' groups, got tier {group['tier']!r}")
-        warnings.warn(
-            f"{where}: experts={experts} is not applied yet; its flattened expert tensors are factored and clipped "
-            "as one matrix each", stacklevel=4,
-        )
-
-
-def _foreign_message(saved: dict, idx: int) -> str:
-    """What a state dict whose param group ``idx`` has keys SkewAdam does not take is, for the error refusing it."""
-    keys = set(saved) - {"params", "tier"} - _FOREIGN_KEYS
-    if "decoupled_weight_decay" in keys:  # torch's Adam and AdamW share one group layout
-        what = "torch.optim.AdamW" if saved["decoupled_weight_decay"] else "torch.optim.Adam"
-    else:
-        what = next((f"torch.optim.{name}" for name in torch.optim.__all__
-                     if isinstance(cls := getattr(torch.optim, name), type) and issubclass(cls, Optimizer)
-                     and keys <= set(inspect.signature(cls).parameters)), "another optimizer")
-    return (f"param group {idx} of the state dict is not SkewAdam's: it has key(s) {sorted(keys - _GROUP_KEYS)} "
-            f"SkewAdam does not take{'' if 'tier' in saved else ' and no tier'}; it looks like the state dict of "
-            f"{what}. SkewAdam loads what SkewAdam.state_dict() saved: to switch optimizers, load the model weights "
-            f"and start the optimizer fresh")
-
-
-def _validate_param(p: Tensor, group: dict, idx: int) -> None:
-    where = f"param group {idx} (tier {group['tier']!r})"
-    if p.is_complex():
-        raise TypeError(f"{where}: complex parameters are not supported; optimize torch.view_as_real(p) instead")
-    if p.dtype == torch.float16:
-        raise TypeError(
-            f"{where}: fp16 parameters are not supported; keep fp32 parameters with torch.autocast, or use bf16"
-        )
-    if not p.is_floating_point():
-        raise TypeError(f"{where}: parameters must be floating point, got {p.dtype}")
-    if group["momentum_dtype"] == "bf16" and p.dtype == torch.float64:
-        raise TypeError(
-            f"{where}: momentum_dtype='bf16' rounds fp32 momentum to bf16; fp64 parameters keep their momentum in "
-            f"fp64 (momentum_dtype='fp32', the statistics dtype) or int8 (momentum_dtype='int8')"
-        )
-    if group["bank"] and p.ndim < 1:
-        raise ValueError(f"{where}: bank=True needs parameters with a leading expert dim, got a 0-d tensor")
-    experts = group.get("experts")
-    if experts is not None and (p.ndim < 2 or p.shape[0] % experts):
-        raise ValueError(
-            f"{where}: experts={experts} needs tensors of >= 2 dims whose dim 0 stacks that many experts, got shape "
-            f"{tuple(p.shape)}; put this tensor in a group without 'experts'"
-        )
-    if torch.distributed.is_available():  # flattened (FSDP1, DeepSpeed ZeRO-3) or Partial shards are refused
-        from .distributed import check_layout
-
-        check_layout(p, where)
 
 
 def _new_state(p: Tensor, key: str, st, bank: bool) -> Tensor:

@@ -16,25 +16,20 @@ ULP off, and which ones depends on the CPU; a faithful fp64 root rounded to fp32
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..state import BLOCK, num_blocks
 from .rounding import Key, mix32, stochastic_round_bf16
 
 __all__ = ["BLOCK", "QMAX", "MOMENTUM_STREAM", "num_blocks", "quantize_", "dequantize", "load_momentum",
            "store_momentum_"]
 
-BLOCK = 256
 QMAX = 127.0  # the int8 grid's largest code
 MOMENTUM_STREAM = 0x5BD1E995  # separates the momentum's rounding bits from the weight's (same param and step)
-
-
-def num_blocks(last_dim: int) -> int:
-    return max(1, math.ceil(last_dim / BLOCK))
 
 
 def _blocked(x: Tensor) -> Tensor:

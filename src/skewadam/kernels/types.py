@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .quant import num_blocks
+from ..state import num_blocks
 
 __all__ = ["ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "unit_dims", "unit_numel", "stat_dims",
            "check", "check_lr", "all_finite"]
