@@ -31,7 +31,6 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .kernels.quant import num_blocks
 from .tiers import TIER_STATE, Tier
 
 try:  # DTensor (FSDP2): a shard's local tensor is what this process holds
@@ -39,10 +38,18 @@ try:  # DTensor (FSDP2): a shard's local tensor is what this process holds
 except ImportError:  # pragma: no cover
     DTensor = ()  # type: ignore[assignment,misc]
 
+#: int8 momentum (`skewadam.kernels.quant`): elements per block along the last dim, each block with one fp32 scale.
+BLOCK = 256
+
+
+def num_blocks(last_dim: int) -> int:
+    """int8 scales per row of ``last_dim`` elements: ``ceil(last_dim / BLOCK)``, at least one."""
+    return max(1, math.ceil(last_dim / BLOCK))
+
 __all__ = [
-    "StateTensor", "StateFlags", "state_flags", "state_spec", "check_state", "spec_nbytes", "is_bank", "is_factored",
-    "state_dtype_for", "COUNTER_KEYS", "MOMENTUM_DTYPES", "StateBytes", "measure_state", "UNTIERED", "format_bytes",
-    "BINARY_UNITS",
+    "BLOCK", "num_blocks", "StateTensor", "StateFlags", "state_flags", "state_spec", "check_state", "spec_nbytes",
+    "is_bank", "is_factored", "state_dtype_for", "COUNTER_KEYS", "MOMENTUM_DTYPES", "StateBytes", "measure_state",
+    "UNTIERED", "format_bytes", "BINARY_UNITS",
 ]
 
 #: State entries that are bookkeeping (step counts), reported apart from the statistics themselves.
