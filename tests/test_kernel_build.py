@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -48,6 +49,7 @@ def test_a_build_is_announced_before_it_starts_and_timed_after_and_compiles_a_co
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     calls = []
+    lib = SimpleNamespace(fields=dict)  # no records to check against types.py
 
     def fake_load(name, sources, *, extra_cflags, extra_ldflags, build_directory):
         calls.append(sources)
@@ -55,15 +57,15 @@ def test_a_build_is_announced_before_it_starts_and_timed_after_and_compiles_a_co
             assert "compiling SkewAdam's C++ kernel, once per environment, ~1 min" in capsys.readouterr().err
         extra_ldflags.append("-lappended")  # as torch does: the flags of the build key must not change
         Path(build_directory, f"{name}.so").write_bytes(b"")
-        return "lib"
+        return lib
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
-    assert cpu._load() == "lib"
+    assert cpu._load() is lib
     assert "compiled the C++ kernel in" in capsys.readouterr().err
     name, folder = cpu._build_dir()
     assert calls == [[str(Path(folder, "skewadam_cpu.cpp"))]]  # not the checkout: build.ninja names no worktree
     assert Path(folder, "skewadam_cpu.cpp").read_bytes() == cpu._SOURCE.read_bytes() and cpu.built()
-    assert cpu._load() == "lib" and capsys.readouterr().err == "" and len(calls) == 2  # built: loads silently
+    assert cpu._load() is lib and capsys.readouterr().err == "" and len(calls) == 2  # built: loads silently
 
 
 @pytest.mark.skipif(not cpu.available(), reason="no C++ compiler here")
