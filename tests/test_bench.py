@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -241,3 +242,15 @@ def test_a_diverged_run_is_flagged_in_the_table_the_report_and_the_summary_line(
     assert "**1 run(s) diverged**" in text and "skewadam_lr0.001_seed0: final val ppl 40,893.0" in text
     nan = dict(logs[0], summary={**logs[0]["summary"], "diverged": True})
     assert report.divergence(nan).startswith("non-finite loss at step")
+
+
+def test_a_run_diverging_past_floats_range_is_flagged_by_the_command_not_failed(tmp_path, capsys):
+    """lr 100 blows AdamW up within 4 steps: whether the loss turns non-finite or a validation loss passes
+    float64's exp range (once an OverflowError that failed the run), the run is kept and flagged on every line."""
+    out = tmp_path / "out"
+    assert main(["bench", "--preset", "smoke", "--optimizers", "adamw", "--lrs", "100", "--steps", "4", "--out",
+                 str(out), "--no-progress", "--no-plots"]) == 0
+    stdout, stderr = capsys.readouterr()
+    assert re.search(r"\[1/1\] adamw_lr100_seed0: best val ppl [\d.]+, \d+ s; DIVERGED: ", stdout)
+    assert "| adamw | 100 | 1 (1 diverged) |" in stdout and "**1 run(s) diverged**" in stdout
+    assert "1 run(s) diverged: adamw_lr100_seed0 (" in stderr and "failed" not in stderr

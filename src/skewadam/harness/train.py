@@ -81,9 +81,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+_MAX_LOG = math.log(sys.float_info.max)
+
+
 @torch.no_grad()
 def evaluate(model: MoETransformer, batches: list) -> dict[str, float]:
-    """Mean LM loss and balance loss over the fixed validation batches (eval mode: no router noise)."""
+    """Mean LM loss and balance loss over the fixed validation batches (eval mode: no router noise); the perplexity
+    of a loss past float64's range (a diverging run) is inf, for the report to flag, not an OverflowError."""
     model.eval()
     lm, bal = [], []
     for x, y in batches:
@@ -92,7 +96,7 @@ def evaluate(model: MoETransformer, batches: list) -> dict[str, float]:
         bal.append(out.balance_loss.item())
     model.train()
     val_loss = sum(lm) / len(lm)
-    return {"val_loss": val_loss, "val_ppl": math.exp(val_loss), "val_balance_loss": sum(bal) / len(bal)}
+    return {"val_loss": val_loss, "val_ppl": math.exp(val_loss) if val_loss < _MAX_LOG else math.inf, "val_balance_loss": sum(bal) / len(bal)}
 
 
 def _set_lr(optimizer, base_lrs: list[float], factor: float) -> None:
