@@ -52,6 +52,18 @@ def test_plan_bench_and_bench_step_take_the_same_names_and_the_old_ones_as_alias
     assert set(ALL) <= set(arms.names(buildable=True)) and set(arms.PLAN_DEFAULT) <= set(arms.names(planned=True))
 
 
+
+def test_the_readme_lists_the_registrys_names_and_its_commands_use_them():
+    """The docs are the registry's fourth user: the README's list of names is `arms.names()`, in its order, and every
+    optimizer a README command names is a current name, not an alias."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    listing = text[text.index("Optimizer names are the same"):]
+    listing = listing[listing.index(":"):listing.index("Earlier names")]
+    assert re.findall(r"`([\w+-]+)`", listing) == arms.names()
+    commands = re.findall(r"--optimizers? ((?:[a-z][\w+-]*[ ,\n]*)+)", text)
+    named = [n for c in commands for n in re.split(r"[ ,\n]+", c.strip()) if n != "all"]
+    assert len(named) >= 10 and all(n in arms.ARMS for n in named), named
+
 def test_an_unknown_name_is_refused_by_every_command_listing_the_registry(capsys):
     for argv in (["plan", "tiny", "--optimizer", "lion"], ["bench-step", "--optimizers", "lion"]):
         with pytest.raises(SystemExit):
