@@ -158,14 +158,15 @@ def default_jobs(base: RunConfig) -> int:
 
 
 def default() -> BenchConfig:
-    """`skewadam bench` with no arguments: AdamW, Adafactor, Muon, SkewAdam at their best lrs, 60 steps (~6 min, 2 cores).
+    """`skewadam bench` with no arguments: AdamW, Adafactor, Muon, SkewAdam at their best lrs, 60 steps (~5 min).
 
     Each arm trains at its default lr, the best of the study (``--preset study``, ``docs/study/results.md``: 3 lrs x
     3 seeds of 200 steps), on the study's data, model, batch and schedule, for 60 steps with 8 validation batches
     every 15. Budgeted from times measured on 2 cores shared with other work (1-min load 5.5-6.2 with the bench's own
     two runs): one single-threaded run per core; a run costs ~27 s to start and ~1.5 s a step (an evaluation ~3
     steps), Muon ~2.9 s (its bf16 Newton-Schulz is 21x slower than fp32 on a CPU without AVX-512 bf16). Four runs
-    took 13 min 43 s at 200 steps and 7 min 33 s at 80 there. Longer runs, more seeds, SkewAdam's
+    took 13 min 43 s at 200 steps and 7 min 33 s at 80 there; at 60, 5 min 13 s (load 4.3-6.5), which leaves room
+    for a first run's kernel build (~1 min) within 8 minutes. Longer runs, more seeds, SkewAdam's
     ``eps_mode="floor"`` and the ablations: ``--steps``, ``--seeds``, ``--optimizers all``, ``--preset study``."""
     return BenchConfig(base=RunConfig(steps=60, eval_interval=15, threads=1))
 
