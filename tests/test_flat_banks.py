@@ -1,17 +1,19 @@
 """Flattened expert banks: 2-D tensors stacking E experts along dim 0 (``[E*D, F]``, OLMo-core's ``MoEMLP``, DBRX),
 labelled by `skewadam.classify.flattened_experts` and grouped with ``experts=E`` by `param_groups`; SkewAdam validates
-the key. The optimizer does not apply it yet (each such tensor is factored and clipped as one matrix): the test of
-the contract, a flattened bank trains bitwise like the stacked bank ``[E, D, F]``, is marked xfail until it does.
+the key and steps each such tensor as the stacked bank ``[E, D, F]`` it flattens (per-expert clip, step counts and
+factored statistics): a flattened bank trains bitwise like the stacked bank, and its state is the stacked bank's.
 Legend: E experts, D rows of one expert, F columns.
 """
 
 from __future__ import annotations
 
+import copy as copy_module
+
 import pytest
 import torch
 from torch import nn
 
-from skewadam import SkewAdam
+from skewadam import SkewAdam, describe, kernels
 from skewadam.classify import flattened_experts
 from skewadam.groups import param_groups
 
@@ -64,32 +66,53 @@ def test_skewadam_validates_the_experts_key(experts, tier, shape, match):
         SkewAdam([{"params": [nn.Parameter(torch.zeros(shape))], "tier": tier, "experts": experts}])
 
 
-def test_skewadam_warns_that_experts_is_not_applied_yet():
-    with pytest.warns(UserWarning, match="experts=4 is not applied yet"):
-        SkewAdam([{"params": [nn.Parameter(torch.zeros(8, 3))], "tier": "expert", "experts": 4}])
-
-
-@pytest.mark.xfail(strict=True, reason="the kernels do not apply `experts` yet: a flattened bank is factored and "
-                                       "clipped as one matrix (planned with the kernel rewrite)")
-@pytest.mark.parametrize("flags", [{}, {"use_momentum": True}], ids=["factored", "momentum"])
-def test_flattened_bank_trains_bitwise_like_the_stacked_bank(flags):
+@pytest.mark.parametrize("impl", kernels.impls())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("flags", [{}, {"use_momentum": True}, {"use_momentum": True, "momentum_dtype": "int8"}],
+                         ids=["factored", "momentum", "int8-momentum"])
+def test_flattened_bank_trains_bitwise_like_the_stacked_bank(flags, dtype, impl):
+    """The rule: ``experts=E`` steps ``[E*D, F]`` as the stacked ``[E, D, F]`` (same kernel, same view of the same
+    memory), so weights, step counts and every state tensor are bitwise the stacked bank's; a resumed copy of the
+    flattened optimizer goes on bitwise (its state dict holds the stacked bank's state shapes)."""
     gen = torch.Generator().manual_seed(0)
-    w0_EDF = torch.randn(E, D, F, generator=gen)
+    w0_EDF = torch.randn(E, D, F, generator=gen).to(dtype)
     stacked = nn.Parameter(w0_EDF.clone())
     flat = nn.Parameter(w0_EDF.reshape(E * D, F).clone())
-    kwargs = dict(lr=1e-2, weight_decay=0.1, **flags)
+    kwargs = dict(lr=1e-2, weight_decay=0.1, impl=impl, **flags)
     opt_stacked = SkewAdam([{"params": [stacked], "tier": "expert"}], **kwargs)
-    with pytest.warns(UserWarning):
-        opt_flat = SkewAdam([{"params": [flat], "tier": "expert", "experts": E}], **kwargs)
+    opt_flat = SkewAdam([{"params": [flat], "tier": "expert", "experts": E}], **kwargs)
     scale_E11 = torch.tensor([1.0, 100.0, 0.01, 1.0]).view(E, 1, 1)  # expert 1's clip binds
+    resumed = None
     for t in range(6):
-        grad_EDF = torch.randn(E, D, F, generator=gen) * scale_E11
+        grad_EDF = (torch.randn(E, D, F, generator=gen) * scale_E11).to(dtype)
         grad_EDF[3] = 0.0  # expert 3 never receives a token
         if t % 2:
             grad_EDF[0] = 0.0
+        if t == 3:
+            copy = nn.Parameter(flat.detach().clone())
+            resumed = SkewAdam([{"params": [copy], "tier": "expert", "experts": E}], **kwargs)
+            resumed.load_state_dict(copy_module.deepcopy(opt_flat.state_dict()))  # as from a file
         stacked.grad = grad_EDF.clone()
         flat.grad = grad_EDF.reshape(E * D, F).clone()
         opt_stacked.step()
         opt_flat.step()
+        if resumed is not None:
+            copy.grad = flat.grad.clone()
+            resumed.step()
     assert torch.equal(flat.detach().view(E, D, F), stacked.detach())
-    assert opt_flat.state[flat]["step"].tolist() == opt_stacked.state[stacked]["step"].tolist()  # [6, 3, 6, 0]
+    assert torch.equal(copy.detach(), flat.detach())
+    assert opt_flat.state[flat]["step"].tolist() == [3, 6, 6, 0]  # expert 0 idle every other step, 3 always
+    for key, value in opt_stacked.state[stacked].items():
+        assert torch.equal(opt_flat.state[flat][key], value), key
+        assert torch.equal(resumed.state[copy][key], value), key
+
+
+def test_a_flattened_bank_s_state_is_counted_as_the_stacked_bank_s():
+    """The census and the optimizer agree: both size a flattened bank's state as the stacked bank's."""
+    model = FlatMoE()
+    opt = SkewAdam(param_groups(model, log=False))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    census = describe(model)
+    assert census.tiers["expert"].state_bytes == opt.state_bytes().by_tier["expert"]

@@ -116,10 +116,12 @@ def describe(
     flags = {t: state_flags({**(defaults or {}), **options.get(t, {}), "tier": t}) for t in _TIERS}
     trainable, frozen = split_trainable(model)
     labels = classify(model, rules) if labels is None else labels
+    flat = flattened_experts(model, rules)  # sized as the stacked banks they flatten, as the optimizer steps them
     rows = {t: [0, 0, 0, 0] for t in _TIERS}
     for name, p in trainable.items():
         tier = labels[name]
-        stats, counters = spec_nbytes(flags[tier].spec(p.shape, p.dtype))
+        tier_flags = flags[tier]._replace(experts=flat[name]) if tier == "expert" and name in flat else flags[tier]
+        stats, counters = spec_nbytes(tier_flags.spec(p.shape, p.dtype))
         row = rows[tier]
         row[0] += 1
         row[1] += p.numel()

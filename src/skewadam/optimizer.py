@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from . import kernels
 from .kernels.types import Group, ParamTensors, all_finite, stat_dims, unit_dims
-from .state import StateBytes, check_state, is_bank, measure_state, state_flags, state_spec
+from .state import StateBytes, check_state, is_bank, measure_state, state_flags
 from .validation import EPS_DEFAULT, FOREIGN_KEYS, GROUP_KEYS, foreign_message, validate_group, validate_param
 
 try:  # DTensor (FSDP2, tensor/expert parallelism); absent on builds without torch.distributed
@@ -274,12 +274,9 @@ class SkewAdam(Optimizer):
         """``p``'s state, allocated (zeros, step 0) by `skewadam.state.state_spec` if it has none yet."""
         state = self.state[p]
         if not state:
-            bank = is_bank(p.ndim, group["tier"], group["bank"])
-            spec = state_spec(
-                p.shape, p.dtype, use_momentum=group["use_momentum"], use_factored=group["use_factored"],
-                bank=bank, momentum_dtype=group["momentum_dtype"],
-            )
-            for key, st in spec.items():
+            flags = state_flags(group)
+            bank = flags.is_bank(p.ndim)
+            for key, st in flags.spec(p.shape, p.dtype).items():
                 state[key] = _new_state(p, key, st, bank)
         return state
 
@@ -333,15 +330,18 @@ class SkewAdam(Optimizer):
                 from .distributed import check_grad
 
                 check_grad(p)
-            bank = is_bank(p.ndim, group["tier"], group["bank"])
-            state = self._state_of(p, group)
             name = f"param_groups[{index}]['params'][{i}]" + (f" ({names[i]!r})" if names else "")
+            state = self._state_of(p, group)
+            param, grad, shape = _local(p), _local(p.grad), p.shape
+            experts = group.get("experts")
+            if experts is not None:  # a flattened bank [E*D, ...]: the kernels step its view [E, D, ...]
+                param, grad, shape = _bank_view(p, experts, name)
             params.append(p)
             tensors.append(ParamTensors(
-                _local(p), _local(p.grad), _local(state["step"]), _local(state.get("exp_avg")),
+                param, grad, _local(state["step"]), _local(state.get("exp_avg")),
                 _local(state.get("exp_avg_scale")), _local(state.get("exp_avg_sq")), _local(state.get("row_var")),
-                _local(state.get("col_var")), p.shape, bank, _rounding_stream(p, first_id + i, group["momentum_dtype"]),
-                name,
+                _local(state.get("col_var")), shape, experts is not None or is_bank(p.ndim, group["tier"], group["bank"]),
+                _rounding_stream(p, first_id + i, group["momentum_dtype"]), name,
             ))
         if not params:
             return None
@@ -407,6 +407,19 @@ class SkewAdam(Optimizer):
         lines.append(f"skip_nonfinite: {self.skip_nonfinite} (skipped_steps: {self.skipped_steps})")
         lines.append(")")
         return "\n".join(lines)
+
+
+def _bank_view(p: Tensor, experts: int, name: str) -> tuple[Tensor, Tensor, tuple[int, ...]]:
+    """A flattened bank's parameter and gradient as the stacked bank ``[E, D, ...]`` (views: steps write ``p``)."""
+    if isinstance(p, DTensor):
+        raise ValueError(f"{name}: experts={experts} (a flattened expert bank) is not supported for DTensor "
+                         "parameters; stack the experts as one [E, D, F] tensor, or leave 'experts' out of the group")
+    if not p.is_contiguous():
+        raise ValueError(f"{name}: experts={experts} needs a contiguous parameter, got strides {p.stride()}")
+    shape = (experts, p.shape[0] // experts, *p.shape[1:])
+    if p.grad.shape != p.shape:  # the kernels' own check names this; a view would hide it
+        return p.view(shape), p.grad, shape
+    return p.view(shape), p.grad.reshape(shape), shape
 
 
 def _new_state(p: Tensor, key: str, st, bank: bool) -> Tensor:

@@ -126,13 +126,21 @@ class StateFlags(NamedTuple):
     use_factored: bool
     bank: Optional[bool]  # None: the bank rule of `is_bank`
     momentum_dtype: str
+    experts: Optional[int] = None  # flattened banks: each tensor stacks this many experts along dim 0
 
     def is_bank(self, ndim: int) -> bool:
-        """Whether a parameter of this group with ``ndim`` dims is a bank (`is_bank`)."""
-        return is_bank(ndim, self.tier, self.bank)
+        """Whether a parameter of this group with ``ndim`` dims is a bank (`is_bank`; a flattened bank always is)."""
+        return self.experts is not None or is_bank(ndim, self.tier, self.bank)
+
+    def view_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape the kernels see: a flattened bank ``[E*D, ...]`` as the stacked bank ``[E, D, ...]``."""
+        if self.experts is None:
+            return tuple(shape)
+        return (self.experts, shape[0] // self.experts, *shape[1:])
 
     def spec(self, shape: Sequence[int], param_dtype: torch.dtype) -> dict[str, StateTensor]:
-        """`state_spec` of a parameter of this group."""
+        """`state_spec` of a parameter of this group (of its `view_shape`)."""
+        shape = self.view_shape(shape)
         return state_spec(shape, param_dtype, use_momentum=self.use_momentum, use_factored=self.use_factored,
                           bank=self.is_bank(len(shape)), momentum_dtype=self.momentum_dtype)
 
@@ -142,11 +150,12 @@ def state_flags(group: Mapping[str, Any]) -> StateFlags:
 
     ``tier`` (default ``"backbone"``) sets ``use_momentum``/``use_factored`` (`skewadam.tiers.TIER_STATE`) where the
     group gives ``None`` or nothing; ``bank`` stays ``None`` (the bank rule) unless given; ``momentum_dtype``
-    defaults to ``"fp32"``. The optimizer, the census and the planner all resolve through here.
+    defaults to ``"fp32"``; ``experts`` (flattened banks) is kept. The optimizer, the census and the planner all
+    resolve through here.
 
     Example:
         >>> state_flags({"tier": "expert", "use_momentum": True, "lr": 1e-3})
-        StateFlags(tier='expert', use_momentum=True, use_factored=True, bank=None, momentum_dtype='fp32')
+        StateFlags(tier='expert', use_momentum=True, use_factored=True, bank=None, momentum_dtype='fp32', experts=None)
     """
     tier = Tier.parse(group.get("tier") or Tier.BACKBONE)
     defaults = TIER_STATE[tier]
@@ -155,7 +164,8 @@ def state_flags(group: Mapping[str, Any]) -> StateFlags:
     momentum_dtype = group.get("momentum_dtype") or "fp32"
     if momentum_dtype not in MOMENTUM_DTYPES:
         raise ValueError(f"Invalid momentum_dtype: {momentum_dtype!r} (expected one of {MOMENTUM_DTYPES})")
-    return StateFlags(tier.value, bool(use_momentum), bool(use_factored), group.get("bank"), momentum_dtype)
+    return StateFlags(tier.value, bool(use_momentum), bool(use_factored), group.get("bank"), momentum_dtype,
+                      group.get("experts"))
 
 
 def check_state(state: Mapping[str, Any], spec: Mapping[str, StateTensor], where: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 
 import torch
 from torch import Tensor
@@ -69,10 +68,6 @@ def validate_group(group: dict, idx: int) -> None:
                              "each tensor stacks along dim 0)")
         if Tier.parse(group["tier"]) != Tier.EXPERT:
             raise ValueError(f"{where}: experts={experts} is a key of 'expert' groups, got tier {group['tier']!r}")
-        warnings.warn(
-            f"{where}: experts={experts} is not applied yet; its flattened expert tensors are factored and clipped "
-            "as one matrix each", stacklevel=4,
-        )
 
 
 def foreign_message(saved: dict, idx: int) -> str:
