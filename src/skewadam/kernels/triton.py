@@ -65,7 +65,7 @@ from torch import Tensor
 
 from . import eager, quant, rounding
 from .rounding import mix32
-from .types import GradStats, Group, Moments, ParamTensors, stat_dims, unit_dims
+from .types import ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, stat_dims, unit_dims
 
 try:
     import triton
@@ -979,7 +979,7 @@ def _header(group: Group, T: torch.dtype, device: torch.device) -> list[int]:
         else:
             lr = float(lr)  # a host tensor beside device parameters: its value, read without a device sync
     add, floor = (group.eps, 0.0) if group.eps_mode == "add" else (0.0, group.eps)
-    rm_floor = eager._ROW_MEAN_FLOOR if group.eps_mode == "floor" else torch.finfo(T).tiny
+    rm_floor = ROW_MEAN_FLOOR if group.eps_mode == "floor" else torch.finfo(T).tiny
     values = [1.0 - group.beta1, 1.0 - group.beta2, group.beta1, group.beta2, add, floor, rm_floor, float(lr),
               group.weight_decay]
     bits = [struct.unpack("<q", struct.pack("<d", float(v)))[0] for v in values]
