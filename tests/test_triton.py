@@ -321,17 +321,16 @@ def test_idle_bank_slices_keep_weights_and_state_bitwise():
                 assert not torch.equal(value[1:], q.state[key][1:]), (shape, key)
 
 
-ZERO_SIZE = [((0,), "backbone", {}), ((0, 5), "backbone", {}), ((4, 0), "backbone", {}), ((3, 0, 4), "expert", {}),
+ZERO_SIZE = [((0,), "backbone", {}), ((0, 5), "backbone", {}), ((0, 5), "expert", {}), ((4, 0), "backbone", {}), ((3, 0, 4), "expert", {}),
              ((2, 3, 0), "expert", {"use_momentum": True}), ((0, 4, 4), "expert", {}), ((2, 0), "router", {}),
              ((5, 6), "backbone", {})]
 
 
 @pytest.mark.parametrize("momentum_dtype", ["fp32", "int8"])
 def test_zero_size_dims_step_like_eager(momentum_dtype):
-    """A unit without elements is an idle bank slice (no step counted); the rest steps as eager does. (Eager's int8
-    codec cannot reshape an empty tensor: its empty tensors keep fp32 momentum here; the step rule ignores it.)"""
-    ref = [P(s, t, o, torch.float32, momentum_dtype if math.prod(s) else "fp32", seed=i)
-           for i, (s, t, o) in enumerate(ZERO_SIZE)]
+    """A unit without elements (in every tier, factored or not) is left untouched, its step count included, as by
+    eager; the rest steps as eager does."""
+    ref = make(ZERO_SIZE, torch.float32, momentum_dtype)
     ps = make(ZERO_SIZE, torch.float32, momentum_dtype)
     for grads in grads_for(ps, 2, torch.float32):
         eager_step(group(ref, [g.clone() for g in grads]))
@@ -339,9 +338,11 @@ def test_zero_size_dims_step_like_eager(momentum_dtype):
     for (shape, _, _), x, y in zip(ZERO_SIZE, ref, ps):
         assert torch.equal(x.state["step"], y.state["step"]), shape
         torch.testing.assert_close(y.param, x.param, rtol=1e-5, atol=1e-6)
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in x.state and x.state[key].dtype == y.state[key].dtype:
+        for key in y.state:
+            if x.state[key].dtype == y.state[key].dtype:
                 torch.testing.assert_close(y.state[key], x.state[key], rtol=1e-5, atol=1e-6)
+        if not math.prod(shape):
+            assert not any(v.float().any() for v in y.state.values()), shape  # untouched: zeros, no NaN
 
 
 def test_noncontiguous_parameters_and_gradients_are_updated_in_place():
@@ -547,3 +548,40 @@ def test_cuda_step_makes_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert [bool(r) for r in results] == [False, False, False, True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_optimizer_step_makes_no_host_sync():
+    """Issue 14: a whole ``SkewAdam.step()`` (impl="triton", skip_nonfinite=True; every tier, bf16 weights, int8
+    momentum, a device lr) under ``set_sync_debug_mode("error")``; a non-finite step is skipped on the device and
+    counted in ``skipped_steps`` when it is read. Step counts live on the device, and stay there through
+    state_dict/load_state_dict."""
+    from skewadam import SkewAdam
+
+    ps = make(SPECS, torch.bfloat16)
+    params = [torch.nn.Parameter(p.param) for p in ps]
+    groups = {}
+    for (_, tier, o), p in zip(SPECS, params):
+        groups.setdefault((tier, tuple(sorted(o.items()))), []).append(p)
+    opt = SkewAdam([{"params": g, "tier": t, **dict(o)} for (t, o), g in groups.items()],
+                   lr=torch.tensor(0.01, device=DEVICE), momentum_dtype="int8", impl="triton", skip_nonfinite=True)
+    all_grads = grads_for(ps, 4, torch.bfloat16) + [_nonfinite_grads(ps, torch.bfloat16)]
+    for p, g in zip(params, all_grads[0]):
+        p.grad = g
+    opt.step()  # state allocated, kernels compiled, tables cached
+    assert all(s["step"].device == DEVICE for s in opt.state.values())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for grads in all_grads[1:]:
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert opt.skipped_steps == 1
+    fresh = SkewAdam([{"params": g, "tier": t, **dict(o)} for (t, o), g in groups.items()], lr=0.01,
+                     momentum_dtype="int8", impl="triton")
+    fresh.load_state_dict(opt.state_dict())
+    assert all(s["step"].device == DEVICE for s in fresh.state.values())
+    assert [int(s["step"].sum()) for s in fresh.state.values()] == [int(s["step"].sum()) for s in opt.state.values()]

@@ -241,8 +241,10 @@ def _powi(b, t):
 
 @triton.jit
 def _go(row, u, skip, HAS_SKIP: tl.constexpr):
-    """Whether unit ``u`` of a tensor is updated: not skipped, and for a bank, a slice with a non-zero gradient."""
+    """Whether unit ``u`` of a tensor is updated: not skipped, with elements in the global shape, and for a bank, a
+    slice with a non-zero gradient."""
     act = tl.load(_addr(row, _ACT, tl.int1) + u, mask=tl.load(row + _BANK) != 0, other=1) != 0
+    act = act & (tl.load(row + _NG) > 0)
     if HAS_SKIP:
         act = act & (tl.load(skip) == 0)
     return act
@@ -835,7 +837,7 @@ class _Work(NamedTuple):
 
     group: Group
     buckets: list[_Bucket]
-    params: list[Tensor]  # contiguous: the parameter itself or a copy written back by `_finish`
+    params: list[Tensor]  # contiguous: the parameter itself or a copy written back by `_written`
     grads: list[Tensor]
     device: torch.device
 
@@ -873,11 +875,24 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _finish(work: _Work) -> None:
-    """Write back the parameters that were updated through a contiguous copy."""
-    for pt, p in zip(work.group.params, work.params):
-        if p is not pt.param:
-            pt.param.copy_(p)
+_STATE = ("step", "exp_avg", "exp_avg_scale", "exp_avg_sq", "row_var", "col_var")
+
+
+def _written(work: _Work, *, state: bool, params: bool) -> None:
+    """After the launches that write them: bump the version counters of the state (``state``) and write back the
+    parameters updated through a contiguous copy, bumping the others' (``params``), as torch's in-place ops do, so
+    autograd refuses a backward through a tensor the step changed (the kernels write through raw addresses)."""
+    bump = []
+    if state:
+        bump += [t for pt in work.group.params for t in (getattr(pt, k) for k in _STATE) if t is not None]
+    if params:
+        for pt, p in zip(work.group.params, work.params):
+            if p is not pt.param:
+                pt.param.copy_(p)  # (an in-place op: it bumps the version itself)
+            else:
+                bump.append(p)
+    if bump:
+        torch.autograd.graph.increment_version(bump)
 
 
 def _check_device(device: torch.device) -> None:
@@ -1106,7 +1121,9 @@ def update_moments_(group: Group, stats: Sequence[GradStats], *, skip: Optional[
     if len(stats) != len(group.params):
         raise ValueError(f"got {len(stats)} GradStats for {len(group.params)} parameters")
     with _on(work.device):
-        return _update_moments(work, stats, skip)
+        out = _update_moments(work, stats, skip)
+    _written(work, state=True, params=False)
+    return out
 
 
 def _update_moments(work: _Work, stats: Sequence[GradStats], skip: Optional[Tensor]) -> list[Moments]:
@@ -1152,6 +1169,7 @@ def apply_updates_(group: Group, moments: Sequence[Moments], *, skip: Optional[T
         raise ValueError(f"got {len(moments)} Moments for {len(group.params)} parameters")
     with _on(work.device):
         _apply_updates(work, moments, skip)
+    _written(work, state=False, params=True)
 
 
 def _apply_updates(work: _Work, moments: Sequence[Moments], skip: Optional[Tensor]) -> None:
@@ -1175,7 +1193,6 @@ def _apply_updates(work: _Work, moments: Sequence[Moments], skip: Optional[Tenso
             addrs.append(a)
         tab = _tensor_table(b, work, [[0] * 5] * len(b.index), addrs)
         _pass3(b, group, tab, clips, keys, skip)
-    _finish(work)
 
 
 def step_(groups: Sequence[Group], *, skip_nonfinite: bool) -> Tensor:
@@ -1209,7 +1226,7 @@ def _step(works: list[_Work], device: torch.device, skip_nonfinite: bool) -> Ten
         L = b.layout
         _pass3(b, work.group, tab, ws[ws.numel() - L.n_units:], keys, flag)
     for work in works:
-        _finish(work)
+        _written(work, state=True, params=True)
     return flag[0] != 0 if flag is not None else torch.zeros((), dtype=torch.bool, device=device)
 
 
