@@ -38,14 +38,14 @@ def _triton() -> Optional[ModuleType]:
     return triton
 
 
-def impls() -> list[str]:
-    """The implementations that run on CPU tensors here: ``eager``, ``cpp`` when the C++ kernel builds, and
-    ``triton`` when its kernels run in Triton's interpreter (``TRITON_INTERPRET=1``: tests/conftest.py sets it
-    without a GPU)."""
+def impls(interpreted: bool = False) -> list[str]:
+    """The implementations that run on CPU tensors here: ``eager``, and ``cpp`` when the C++ kernel builds; with
+    ``interpreted``, also ``triton`` when its kernels run in Triton's interpreter (``TRITON_INTERPRET=1``:
+    tests/conftest.py sets it without a GPU), minutes per test on the shapes the other kernels' tests use."""
     from . import cpu
 
     out = ["eager", "cpp"] if cpu.available() else ["eager"]
-    if os.environ.get("TRITON_INTERPRET") == "1":  # (triton is not imported otherwise: it is not needed on CPU)
+    if interpreted and os.environ.get("TRITON_INTERPRET") == "1":  # (triton is not imported otherwise)
         tk = _triton()
         if tk is not None and tk.available("cpu"):
             out.append("triton")
