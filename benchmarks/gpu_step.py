@@ -94,7 +94,7 @@ def optimizers(model, args) -> dict[str, Any]:
     import torch
 
     from skewadam import SkewAdam
-    from skewadam.classify import param_groups
+    from skewadam.groups import param_groups
 
     lr = 1e-4
     params = list(model.parameters())
@@ -281,7 +281,7 @@ def compile_only(arch: int, model_spec: dict) -> dict[str, Any]:
 
 
 def _groups(model):
-    from skewadam.classify import param_groups
+    from skewadam.groups import param_groups
 
     return param_groups(model, log=False)
 
