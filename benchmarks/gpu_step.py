@@ -17,8 +17,8 @@ Usage (from the repository root):
     python benchmarks/gpu_step.py --dry-run            # CPU, Triton's interpreter, a tiny model: the script's logic
     python benchmarks/gpu_step.py --compile-only       # no GPU needed: compile every kernel a step launches (sm_90)
 
-The SkewAdam arm calls `skewadam.kernels.triton.step_` on groups built from `skewadam.classify.param_groups`
-(state from `skewadam.state.state_spec`, step counts on the device) until ``SkewAdam(impl="triton")`` exists.
+The SkewAdam arms are ``SkewAdam(param_groups(model), impl="triton")`` (and ``impl="eager"``), stepped as a user
+would: ``opt.step()``, with ``skip_nonfinite=True`` (the Triton kernel's finite check stays on the device).
 """
 
 from __future__ import annotations
@@ -60,62 +60,19 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------------------------------------- SkewAdam on Triton
-class TritonSkewAdam:
-    """SkewAdam's state for ``param_groups`` (dicts as `skewadam.classify.param_groups` returns), stepped by
-    `skewadam.kernels.triton.step_` with the finite check on the device; ``skipped`` is a device counter."""
+def transient_bytes_planned(opt) -> int:
+    """What `skewadam.kernels.triton.step_transient_bytes` says a step of ``opt`` (a SkewAdam) allocates: the sum
+    over its groups (a step holds every group's workspace at once), per parameter dtype."""
+    from skewadam.kernels import triton as tk
+    from skewadam.state import is_bank
 
-    def __init__(self, param_groups: list[dict[str, Any]], *, lr: float, momentum_dtype: str = "fp32",
-                 eps: float = 1e-30, eps_mode: str = "add", betas=(0.9, 0.999), seed: int = 0) -> None:
-        import torch
-
-        from skewadam.state import is_bank, state_spec
-        from skewadam.tiers import TIER_STATE, Tier
-
-        self.groups = []
-        stream = 0
-        for g in param_groups:
-            tier = Tier.parse(g["tier"])
-            flags = TIER_STATE[tier]
-            params = []
-            for p in g["params"]:
-                bank = is_bank(p.ndim, tier.value, None)
-                spec = state_spec(p.shape, p.dtype, bank=bank, momentum_dtype=momentum_dtype, **flags)
-                state = {k: torch.zeros(s.shape, dtype=s.dtype, device=p.device) for k, s in spec.items()}
-                params.append((p, state, bank, stream))
-                stream += 1
-            self.groups.append((params, dict(lr=g.get("lr", lr), weight_decay=g.get("weight_decay", 0.0))))
-        self.betas, self.eps, self.eps_mode, self.seed = betas, eps, eps_mode, seed
-        self.skipped = None
-
-    def records(self):
-        from skewadam.kernels.types import Group, ParamTensors
-
-        out = []
-        for params, hp in self.groups:
-            recs = [ParamTensors(p, p.grad, s["step"], s.get("exp_avg"), s.get("exp_avg_scale"), s.get("exp_avg_sq"),
-                                 s.get("row_var"), s.get("col_var"), tuple(p.shape), bank, stream)
-                    for p, s, bank, stream in params]
-            out.append(Group(recs, hp["lr"], self.betas[0], self.betas[1], self.eps, self.eps_mode,
-                             hp["weight_decay"], self.seed))
-        return out
-
-    def step(self) -> None:
-        from skewadam.kernels import triton as tk
-
-        skipped = tk.step_(self.records(), skip_nonfinite=True)
-        self.skipped = skipped.int() if self.skipped is None else self.skipped + skipped
-
-    def transient_bytes_planned(self) -> int:
-        import torch
-        from skewadam.kernels import triton as tk
-
-        total = 0
-        for params, _ in self.groups:
-            by_dtype: dict[Any, list] = {}
-            for p, _, bank, _ in params:
-                by_dtype.setdefault(p.dtype, []).append((tuple(p.shape), bank))
-            total += sum(tk.step_transient_bytes(t, d) for d, t in by_dtype.items())
-        return total
+    total = 0
+    for g in opt.param_groups:
+        by_dtype: dict[Any, list] = {}
+        for p in g["params"]:
+            by_dtype.setdefault(p.dtype, []).append((tuple(p.shape), is_bank(p.ndim, g["tier"], g["bank"])))
+        total += sum(tk.step_transient_bytes(t, d) for d, t in by_dtype.items())
+    return total
 
 
 # ---------------------------------------------------------------------------------------------- the measurement
@@ -137,12 +94,13 @@ def optimizers(model, args) -> dict[str, Any]:
     import torch
 
     from skewadam import SkewAdam
-    from skewadam.classify import param_groups
+    from skewadam.groups import param_groups
 
     lr = 1e-4
     params = list(model.parameters())
     opts = {
-        "SkewAdam triton": TritonSkewAdam(param_groups(model, log=False), lr=lr, momentum_dtype=args.momentum_dtype),
+        "SkewAdam triton": SkewAdam(param_groups(model, log=False), lr=lr, impl="triton",
+                                    momentum_dtype=args.momentum_dtype),
         "AdamW fused": torch.optim.AdamW(params, lr=lr, fused=True),
         "AdamW foreach": torch.optim.AdamW(params, lr=lr, foreach=True),
         "Adafactor": torch.optim.Adafactor(params, lr=lr),
@@ -214,19 +172,19 @@ def measure(dtype_name: str, args, device, model_spec: dict) -> dict[str, Any]:
         for name in names:
             times[name] += [f() for f in pending[name]]
             ratios[name].append(per_round[name] / per_round["AdamW fused"])
-    skipped = opts["SkewAdam triton"].skipped
+    skipped = opts["SkewAdam triton"].skipped_steps  # (a device counter: read once, here)
     results = {}
     for name in names:
         t = memory[name]
         results[name] = {"median_ms": statistics.median(times[name]) * 1e3,
                          "vs_adamw_fused": statistics.median(ratios[name]),
                          "transient_bytes": t, "transient_fraction": None if t is None else t / param_bytes}
-    results["SkewAdam triton"]["transient_bytes_planned"] = opts["SkewAdam triton"].transient_bytes_planned()
+    results["SkewAdam triton"]["transient_bytes_planned"] = transient_bytes_planned(opts["SkewAdam triton"])
     shapes: dict[str, int] = {}
     for p in params:
         shapes[str(tuple(p.shape))] = shapes.get(str(tuple(p.shape)), 0) + 1
     out = {"params": n, "param_bytes": param_bytes, "tensors": len(params), "shapes": shapes, "results": results,
-           "skewadam_skipped_steps": int(skipped) if skipped is not None else 0}
+           "skewadam_skipped_steps": skipped}
     del opts, model, params
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -287,26 +245,29 @@ def compile_only(arch: int, model_spec: dict) -> dict[str, Any]:
         key = (kernel.__name__, tuple(sig.items()), tuple((k, str(v)) for k, v in meta.items()), warps)
         seen.setdefault(key, (kernel, sig, dict(meta), warps))
 
-    saved = tk._launch, tk._check_device
-    tk._launch, tk._check_device = record, lambda device: None
+    from skewadam import SkewAdam
+
+    saved = tk._launch, tk._check_device, tk.available
+    tk._launch, tk._check_device, tk.available = record, lambda device: None, lambda device="cuda": True
     try:
         for dtype in ("fp32", "bf16"):
             m = build_model(DRY_MODEL, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], torch.device("cpu"))
-            TritonSkewAdam(_groups(m), lr=1e-3).step()
+            SkewAdam(_groups(m), lr=1e-3, impl="triton").step()
         for dtype in (torch.float32, torch.bfloat16, torch.float64):
             for momentum in ("fp32", "bf16", "int8"):
                 if momentum == "bf16" and dtype == torch.float64:
                     continue
                 for eps_mode, lr in (("add", 1e-3), ("floor", torch.tensor(1e-3))):
-                    opt = TritonSkewAdam(_coverage(dtype), lr=lr, momentum_dtype=momentum, eps_mode=eps_mode,
-                                         eps=1e-8 if eps_mode == "floor" else 1e-30)
+                    opt = SkewAdam(_coverage(dtype), lr=lr, momentum_dtype=momentum, eps_mode=eps_mode,
+                                   eps=1e-8 if eps_mode == "floor" else 1e-30, impl="triton")
                     opt.step()
-                    for g in opt.records():  # the three passes, the seam's path
+                    for i in range(len(opt.param_groups)):  # the three passes, the seam's path
+                        _, g = opt._init_group(opt.param_groups[i], i, 0, True)
                         for skip in (None, torch.zeros((), dtype=torch.bool)):
                             tk.apply_updates_(g, tk.update_moments_(g, tk.grad_stats(g), skip=skip), skip=skip)
         tk.stochastic_round_bf16(torch.zeros(3), 1)
     finally:
-        tk._launch, tk._check_device = saved
+        tk._launch, tk._check_device, tk.available = saved
     target = GPUTarget("cuda", arch, 32)
     failures, t0 = [], time.perf_counter()
     for (name, _, consts, warps), (kernel, sig, meta, _) in seen.items():
@@ -320,7 +281,7 @@ def compile_only(arch: int, model_spec: dict) -> dict[str, Any]:
 
 
 def _groups(model):
-    from skewadam.classify import param_groups
+    from skewadam.groups import param_groups
 
     return param_groups(model, log=False)
 

@@ -105,10 +105,13 @@ class SkewAdam(Optimizer):
             `skewadam.kernels.quant`. Every kernel (eager and C++) handles it, with the same stored bytes.
         seed: seed of the stochastic rounding of bf16 parameters (and bf16 momentum).
         skip_nonfinite: if any gradient holds inf/NaN, skip the whole step (weights and state untouched) and count
-            it in ``skipped_steps``, as AMP's GradScaler does. On by default: costs one host sync per step on GPU.
+            it in ``skipped_steps``, as AMP's GradScaler does. On by default: costs one host sync per step on GPU
+            with the eager kernel, none with the Triton kernel (the step is skipped on the device).
         impl: update kernel (`skewadam.kernels.select`): ``"auto"`` (the ``SKEWADAM_IMPL`` environment variable if
-            set, else the C++ kernel for CPU tensors when it builds, eager torch ops otherwise), ``"eager"`` or
-            ``"cpp"``. All give the same math; the C++ kernel is several times faster on CPU.
+            set, else the C++ kernel for CPU tensors when it builds, the Triton kernel for CUDA tensors when triton
+            imports, eager torch ops otherwise), ``"eager"``, ``"cpp"`` or ``"triton"`` (no host sync in a step; its
+            step counts live on the parameters' device). All give the same math; the C++ kernel is several times
+            faster on CPU.
 
     Example:
         >>> opt = SkewAdam([
@@ -267,17 +270,27 @@ class SkewAdam(Optimizer):
             for key, value in states.get(saved_id, {}).items():
                 if state[key].dtype != value.dtype:
                     state[key] = value.to(device=state[key].device, copy=True)
+            if "step" in state and self._device_steps(p):  # torch's load leaves a step count on the host
+                state["step"] = state["step"].to(_local(p).device)
         self.skipped_steps = int(skipped)
 
+    def _device_steps(self, p: Tensor) -> bool:
+        """Whether the kernel for ``p`` keeps its step count beside it, off the host (`skewadam.kernels.triton`)."""
+        return p.device.type != "cpu" and getattr(kernels.select(self._impl, p.device), "DEVICE_STEPS", False)
+
     # ------------------------------------------------------------------ step
-    def _state_of(self, p: Tensor, group: dict) -> dict:
-        """``p``'s state, allocated (zeros, step 0) by `skewadam.state.state_spec` if it has none yet."""
+    def _state_of(self, p: Tensor, group: dict, device_steps: bool = False) -> dict:
+        """``p``'s state, allocated (zeros, step 0) by `skewadam.state.state_spec` if it has none yet; with
+        ``device_steps`` (the kernel advances step counts on the device) a host step count is moved beside ``p``."""
         state = self.state[p]
+        if state and device_steps and isinstance(state.get("step"), Tensor):
+            if state["step"].device != _local(p).device:
+                state["step"] = state["step"].to(_local(p).device)
         if not state:
             flags = state_flags(group)
             bank = flags.is_bank(p.ndim)
             for key, st in flags.spec(p.shape, p.dtype).items():
-                state[key] = _new_state(p, key, st, bank)
+                state[key] = _new_state(p, key, st, bank, device_steps)
         return state
 
     @torch.no_grad()
@@ -312,10 +325,12 @@ class SkewAdam(Optimizer):
         skipped = skipped.to(torch.int64)
         self.__dict__["_skipped_pending"] = skipped if pending is None else pending + skipped
 
-    def _init_group(self, group: dict, index: int, first_id: int) -> Optional[tuple[list[Tensor], Group]]:
+    def _init_group(self, group: dict, index: int, first_id: int,
+                    device_steps: bool = False) -> Optional[tuple[list[Tensor], Group]]:
         """Lazy state, then the kernel's record of group ``index`` (its parameters with gradients; local shards of
         DTensors) and those parameters as the user holds them (for the reducer); None if no parameter has a gradient.
-        ``first_id`` is the optimizer-wide index of the group's first parameter (its rounding stream)."""
+        ``first_id`` is the optimizer-wide index of the group's first parameter (its rounding stream);
+        ``device_steps``: the kernel keeps step counts on the parameters' device (`_state_of`)."""
         params, tensors = [], []
         names = group.get("param_names")
         for i, p in enumerate(group["params"]):
@@ -331,7 +346,7 @@ class SkewAdam(Optimizer):
 
                 check_grad(p)
             name = f"param_groups[{index}]['params'][{i}]" + (f" ({names[i]!r})" if names else "")
-            state = self._state_of(p, group)
+            state = self._state_of(p, group, device_steps)
             param, grad, shape = _local(p), _local(p.grad), p.shape
             experts = group.get("experts")
             if experts is not None:  # a flattened bank [E*D, ...]: the kernels step its view [E, D, ...]
@@ -364,20 +379,21 @@ class SkewAdam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        first = next((p for group in self.param_groups for p in group["params"] if p.grad is not None), None)
+        if first is None:
+            return loss
+        impl = kernels.select(self._impl, _local(first).device)
         work, first_id = [], 0
         for index, group in enumerate(self.param_groups):
-            w = self._init_group(group, index, first_id)
+            w = self._init_group(group, index, first_id, getattr(impl, "DEVICE_STEPS", False))
             first_id += len(group["params"])
             if w is not None:
                 work.append(w)
-        if not work:
-            return loss
         if self._reducer is None and any(isinstance(p, DTensor) for params, _ in work for p in params):
             from .distributed import DTensorReducer
 
             self._reducer = DTensorReducer()
         groups = [group for _, group in work]
-        impl = kernels.select(self._impl, groups[0].params[0].param.device)
         if self._reducer is None:  # one process: the kernel runs the whole step at once
             self._count_skipped(impl.step_(groups, skip_nonfinite=self.skip_nonfinite))
             return loss
@@ -422,14 +438,15 @@ def _bank_view(p: Tensor, experts: int, name: str) -> tuple[Tensor, Tensor, tupl
     return p.view(shape), p.grad.reshape(shape), shape
 
 
-def _new_state(p: Tensor, key: str, st, bank: bool) -> Tensor:
+def _new_state(p: Tensor, key: str, st, bank: bool, device_steps: bool = False) -> Tensor:
+    if key == "step" and not bank:  # a tensor's count: on the host like torch's (read each step), or beside the
+        # parameter for a kernel that advances it there (no host sync); a plain tensor for DTensors too
+        return torch.zeros(st.shape, dtype=st.dtype, device=_local(p).device if device_steps else "cpu")
     if isinstance(p, DTensor):
         from .distributed import new_state_dtensor
 
         return new_state_dtensor(p, key, st)
-    # Per-tensor step counts stay on the host like torch's (read each step); a bank's live with its parameter.
-    device = p.device if (key != "step" or bank) else torch.device("cpu")
-    return torch.zeros(st.shape, dtype=st.dtype, device=device)
+    return torch.zeros(st.shape, dtype=st.dtype, device=p.device)  # a bank's step counts live with it
 
 
 def _all_finite(sums: list[Tensor], reducer: Optional[Reducer] = None) -> Tensor:

@@ -1,11 +1,16 @@
 """SkewAdam's update as Triton kernels: the passes of `skewadam.kernels.eager` for GPU tensors, with no host sync.
 
 The math is eager's, operation for operation, in the state dtype ``T`` (fp32 for bf16 parameters, the parameter's
-dtype otherwise): lerps as ATen's CPU kernel computes them (one fused multiply-add), ``p*decay - lr*u`` as
-``torch.add(alpha=-lr)`` does (one fused multiply-add), every other operation IEEE-rounded in eager's order (kernels
-are compiled with ``enable_fp_fusion=False``, divisions and square roots round to nearest). What differs from eager is
-only the order of summation; so the compact first moment (bf16, int8), which depends on no sum, is stored bitwise as
-eager stores it. bf16 parameters and momentum are rounded with exactly the bits of `skewadam.kernels.rounding`.
+dtype otherwise): EMAs as `eager.ema` (``x * (1 - beta) + s * beta``, the coefficients float64 rounded to T), the
+write as ``p * decay - u * lr`` (lr and decay float64 rounded to T), the int8 code as `quant.quantize_` (the ratio
+rounded to fp32, its correctly rounded root, times 127, rint), every operation IEEE-rounded on its own in eager's order
+(kernels are compiled with ``enable_fp_fusion=False``: no FMA; divisions and square roots round to nearest). What
+differs from eager is only the order of summation. So, as eager and the C++ kernel promise each other, the element-wise
+state is bitwise eager's: step counts, the first moment in every storage (fp32/fp64 values, bf16 values, int8 codes
+and scales) and the full second moment; bf16 parameters and momentum are rounded with exactly the bits of
+`skewadam.kernels.rounding`. The factored statistics and the weights depend on sums: they agree to rounding. (Against
+eager run on CUDA an int8 code can differ by one: torch's CUDA division by the scalar 127 multiplies by its
+reciprocal.)
 
 Launch structure. A param group is split into *buckets* by (parameter dtype, factored or not, first-moment format),
 the values that change the compiled code; each pass is a few launches per bucket, whatever its number of tensors
@@ -33,10 +38,17 @@ Passes (eager's, with the distributed seam between them):
 AdamW's ``found_inf``); the returned ``skipped`` is that flag, on the device.
 
 Step counts live on the device, beside the parameter, for banks and single tensors alike (the kernels read and
-advance them; a host step would need a sync to skip): the rounding key ``rounding_key(seed, stream, sum of steps)``
-and the bias corrections are computed from them in the kernels. The group's hyperparameters travel as float64 in
-the table's header row; ``lr`` may be a float or a one-element tensor (read in the kernel if on the parameters'
-device; a CPU tensor's value is read on the host, which is no device sync).
+advance them; a host step would need a sync to skip; `DEVICE_STEPS` tells the optimizer): the rounding key
+``rounding_key(seed, stream, sum of steps)`` and the bias corrections are computed from them in the kernels. A unit
+with no elements in the global shape is left untouched, its step count included. The group's hyperparameters travel
+as float64 in the table's header row; ``lr`` may be a float or a one-element float tensor (read in the kernel if on
+the parameters' device; a CPU tensor's value is read on the host, which is no device sync). A ``skip`` flag is read
+on the device too (`SKIP_ON_HOST` is False).
+
+Checks, on the host before any launch, from shapes and metadata only (no device read): `types.check` on every record
+(the sizes every index is computed from, naming the parameter), `types.check_lr`, then the dtypes, devices and
+contiguity the tables assume; statistics and moments handed back between passes are checked against the shapes
+the next pass indexes.
 
 Memory traffic per element of an expert bank (factored, no momentum): ``g`` read by pass 1, by pass 2 (``sum u^2``),
 and by pass 3 with ``p`` read and written: 20 bytes in fp32 (fused AdamW: 28), 10 in bf16. Transient memory: the
@@ -63,9 +75,9 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import eager, quant, rounding
+from . import quant, rounding
 from .rounding import mix32
-from .types import ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, stat_dims, unit_dims
+from .types import ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, check, check_lr, stat_dims, unit_dims
 
 try:
     import triton
@@ -76,7 +88,10 @@ except ImportError as e:  # pragma: no cover - exercised only where triton is ab
     ) from e
 
 __all__ = ["grad_stats", "update_moments_", "apply_updates_", "step_", "step_transient_bytes", "available",
-           "interpreted", "stochastic_round_bf16", "unit_dims", "stat_dims"]
+           "interpreted", "stochastic_round_bf16", "unit_dims", "stat_dims", "SKIP_ON_HOST", "DEVICE_STEPS"]
+
+SKIP_ON_HOST = False  # a ``skip`` tensor is read by the kernels on the device (no host sync)
+DEVICE_STEPS = True  # every step count (a non-bank tensor's too) lives on the parameter's device
 
 _TARGET = 1 << 18  # elements per work item
 _MIN_ROWS = 512  # rows per strip of a matrix cut into several: bounds its column partials at numel / 512
@@ -111,7 +126,9 @@ _NX = tl.constexpr(5)
 _U_T, _U_U, _U_ITEM0, _U_NITEMS, _U_MAT0, _U_NMATS = (tl.constexpr(i) for i in range(6))
 _NU = tl.constexpr(6)
 
-_TL = {torch.float32: tl.float32, torch.float64: tl.float64, torch.bfloat16: tl.bfloat16, torch.int8: tl.int8}
+_TL = {torch.float32: tl.float32, torch.float64: tl.float64, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+       torch.int8: tl.int8}
+_LR_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # a tensor lr's, read in the kernel
 
 
 # ================================================================================================ device helpers
@@ -169,11 +186,11 @@ def _sqrt(x, T: tl.constexpr):
 
 
 @triton.jit
-def _lerp(a, b, w, HI: tl.constexpr):
-    """torch.lerp(a, b, w) as ATen's vectorised CPU kernel computes it: one fused multiply-add on the near end."""
-    if HI:
-        return tl.fma(w - 1.0, b - a, b)
-    return tl.fma(w, b - a, a)
+def _ema(s, x, b, w):
+    """`skewadam.kernels.eager.ema`: ``x * (1 - beta) + s * beta``, each operation rounded on its own (no FMA: the
+    kernels are compiled with ``enable_fp_fusion=False``); ``b`` and ``w`` are beta and 1 - beta, each rounded from
+    float64 to the statistics dtype, as torch rounds a Python float scalar."""
+    return x * w + s * b
 
 
 @triton.jit
@@ -224,8 +241,10 @@ def _powi(b, t):
 
 @triton.jit
 def _go(row, u, skip, HAS_SKIP: tl.constexpr):
-    """Whether unit ``u`` of a tensor is updated: not skipped, and for a bank, a slice with a non-zero gradient."""
+    """Whether unit ``u`` of a tensor is updated: not skipped, with elements in the global shape, and for a bank, a
+    slice with a non-zero gradient."""
     act = tl.load(_addr(row, _ACT, tl.int1) + u, mask=tl.load(row + _BANK) != 0, other=1) != 0
+    act = act & (tl.load(row + _NG) > 0)
     if HAS_SKIP:
         act = act & (tl.load(skip) == 0)
     return act
@@ -251,26 +270,26 @@ def _stored_momentum(g, m, ms, offs, mask, sidx, smask, T: tl.constexpr, MOM: tl
 
 
 @triton.jit
-def _update_momentum(x, m, ms, offs, mask, sidx, smask, w1, key, T: tl.constexpr, MOM: tl.constexpr,
-                     HI1: tl.constexpr):
-    """Pass 2's first moment of one tile: ``lerp(m, g, 1 - beta1)`` stored in its format (quant.store_momentum_'s
+def _update_momentum(x, m, ms, offs, mask, sidx, smask, b1, w1, key, T: tl.constexpr, MOM: tl.constexpr):
+    """Pass 2's first moment of one tile: ``ema(m, g, beta1)`` stored in its format (quant.store_momentum_'s
     operations); returns the stored value in T (what pass 3 reads), or ``g`` without momentum."""
     if MOM == 0:
         src = x
     elif MOM == 1:
-        src = _lerp(tl.load(m + offs, mask=mask, other=0.0), x, w1, HI1)
+        src = _ema(tl.load(m + offs, mask=mask, other=0.0), x, b1, w1)
         tl.store(m + offs, src, mask=mask)
     elif MOM == 2:
-        new = _lerp(tl.load(m + offs, mask=mask, other=0.0).to(T), x, w1, HI1)
+        new = _ema(tl.load(m + offs, mask=mask, other=0.0).to(T), x, b1, w1)
         bits = _round_bf16(new, offs, key)
         tl.store(m + offs, bits, mask=mask)
         src = bits.to(T)
     else:  # int8 (quant.quantize_): the tile's columns are one block of quant.BLOCK per row, its scale at sidx
         old = _decode_int8(tl.load(m + offs, mask=mask, other=0), tl.load(ms + sidx, mask=smask, other=0.0), T)
-        new = tl.where(mask, _lerp(old, x, w1, HI1), 0.0)  # zero-padded like quant._blocked
+        new = tl.where(mask, _ema(old, x, b1, w1), 0.0)  # zero-padded like quant._blocked
         absmax = tl.max(tl.abs(new), 1)
-        y = _sqrt(_div(tl.abs(new), tl.maximum(absmax, _tiny(T))[:, None], T), T) * _QMAX
-        code = _rint(y)
+        # the code in fp32 whatever T: |x| / absmax rounded to fp32, its correctly rounded root, times 127, rint
+        ratio = _div(tl.abs(new), tl.maximum(absmax, _tiny(T))[:, None], T).to(tl.float32)
+        code = _rint(tl.math.sqrt_rn(ratio) * _QMAX)
         code = tl.where(new < 0, -code, code)  # copysign (a -0.0 code is the byte 0 too)
         q = code.to(tl.int8)
         scale = absmax.to(tl.float32)
@@ -402,6 +421,7 @@ def _count_steps(tab, keys, skip, n_tensors, T: tl.constexpr,
     row = _row(tab, t)
     E = tl.load(row + _E)
     bank = tl.load(row + _BANK)
+    ng = tl.load(row + _NG)
     sumsq = _addr(row, _SUMSQ, T)
     step = _addr(row, _STEP, tl.float32)
     corr = _addr(row, _CORR, T)
@@ -411,8 +431,9 @@ def _count_steps(tab, keys, skip, n_tensors, T: tl.constexpr,
     for u0 in range(0, E, UB):
         us = u0 + tl.arange(0, UB)
         um = us < E
-        # (a block and a scalar are combined with tl.where: the interpreter mistypes `block & scalar`)
-        active = tl.where(bank != 0, tl.load(sumsq + us, mask=um, other=0.0) > 0, um)
+        # (a block and a scalar are combined with tl.where: the interpreter mistypes `block & scalar`); a unit
+        # without elements in the global shape (NG = 0) is left untouched, its step count included
+        active = tl.where(bank != 0, tl.load(sumsq + us, mask=um, other=0.0) > 0, tl.where(ng > 0, um, False))
         new = tl.load(step + us, mask=um, other=0.0) + active.to(tl.float32)
         write = um
         if HAS_SKIP:
@@ -431,8 +452,7 @@ def _count_steps(tab, keys, skip, n_tensors, T: tl.constexpr,
 
 
 @triton.jit
-def _factored_moments(tab, mats, skip, T: tl.constexpr, HI2: tl.constexpr,
-                      EPS_ADD: tl.constexpr, HAS_SKIP: tl.constexpr, BLK: tl.constexpr):
+def _factored_moments(tab, mats, skip, T: tl.constexpr, EPS_ADD: tl.constexpr, HAS_SKIP: tl.constexpr, BLK: tl.constexpr):
     """Per (matrix, chunk k): the row and column EMAs of chunk k (active units only) and ``rinv``/``cinv``:
     floor: ``rinv = 1/sqrt(max(row_var / max(mean_i row_var, 1e-15), eps))``, ``cinv = 1/sqrt(max(col_var, eps))``;
     add: ``rinv = 1/sqrt(row_var / max(mean_i row_var, tiny))``, ``cinv = 1/sqrt(col_var)``. The row mean is carried
@@ -448,22 +468,22 @@ def _factored_moments(tab, mats, skip, T: tl.constexpr, HI2: tl.constexpr,
     Cg = tl.load(row + _CG).to(T)
     active = _go(row, u, skip, False)
     write = _go(row, u, skip, HAS_SKIP)
-    beta2 = _hyper(tab, _H_B2)
     add = _hyper(tab, _H_ADD)
-    w = _hyper(tab, _H_W2).to(T)
+    b2 = _hyper(tab, _H_B2).to(T)
+    w2 = _hyper(tab, _H_W2).to(T)
     a = add.to(T)
     f = _hyper(tab, _H_FLOOR).to(T)
     rvs = tl.load(_addr(row, _RVS, T) + b)
     rc = tl.load(_addr(row, _RC, T) + b)
     radd = (tl.load(row + _RG).to(tl.float64) * add).to(T)
-    rsum = rvs * beta2.to(T) + (_div(rc, Cg, T) + radd) * (1.0 - beta2).to(T)
+    rsum = rvs * b2 + (_div(rc, Cg, T) + radd) * w2
     rsum = tl.where(active, rsum, rvs)
     rm = tl.maximum(_div(rsum, Rg, T), _hyper(tab, _H_RM_FLOOR).to(T))
     rows = k * BLK + tl.arange(0, BLK)
     rmask = rows < R
     rv_p = _addr(row, _RV, T) + b * R + rows
     rv = tl.load(rv_p, mask=rmask, other=1.0)
-    new = _lerp(rv, _div(tl.load(_addr(row, _ROW, T) + b * R + rows, mask=rmask, other=0.0), Cg, T) + a, w, HI2)
+    new = _ema(rv, _div(tl.load(_addr(row, _ROW, T) + b * R + rows, mask=rmask, other=0.0), Cg, T) + a, b2, w2)
     tl.store(rv_p, new, mask=tl.where(write, rmask, False))
     rv = tl.where(active, new, rv)
     if EPS_ADD:
@@ -475,7 +495,7 @@ def _factored_moments(tab, mats, skip, T: tl.constexpr, HI2: tl.constexpr,
     cmask = cols < C
     cv_p = _addr(row, _CV, T) + b * C + cols
     cv = tl.load(cv_p, mask=cmask, other=1.0)
-    new = _lerp(cv, _div(tl.load(_addr(row, _COL, T) + b * C + cols, mask=cmask, other=0.0), Rg, T) + a, w, HI2)
+    new = _ema(cv, _div(tl.load(_addr(row, _COL, T) + b * C + cols, mask=cmask, other=0.0), Rg, T) + a, b2, w2)
     tl.store(cv_p, new, mask=tl.where(write, cmask, False))
     cv = tl.where(active, new, cv)
     if EPS_ADD:
@@ -486,16 +506,16 @@ def _factored_moments(tab, mats, skip, T: tl.constexpr, HI2: tl.constexpr,
 
 
 @triton.jit
-def _full_u(src, x, v, offs, mask, scale, w2, add, floor, T: tl.constexpr, HI2: tl.constexpr,
-            EPS_ADD: tl.constexpr, WRITE: tl.constexpr):
-    """Full second moment of one tile: ``v = lerp(v, g^2 [+ eps], 1 - beta2)`` (stored if WRITE), and
+def _full_u(src, x, v, offs, mask, scale, b2, w2, add, floor, T: tl.constexpr, EPS_ADD: tl.constexpr,
+            WRITE: tl.constexpr):
+    """Full second moment of one tile: ``v = ema(v, g^2 [+ eps], beta2)`` (stored if WRITE), and
     ``u = src * scale / sqrt(v)`` (floor: ``sqrt(max(v, eps))``)."""
     vv = tl.load(v + offs, mask=mask, other=1.0)
     if WRITE:
         if EPS_ADD:
-            vv = _lerp(vv, x * x + add, w2, HI2)
+            vv = _ema(vv, x * x + add, b2, w2)
         else:
-            vv = _lerp(vv, x * x, w2, HI2)
+            vv = _ema(vv, x * x, b2, w2)
         tl.store(v + offs, vv, mask=mask)
     if not EPS_ADD:
         vv = tl.maximum(vv, floor)
@@ -505,7 +525,7 @@ def _full_u(src, x, v, offs, mask, scale, w2, add, floor, T: tl.constexpr, HI2: 
 @triton.jit
 def _moments_tiles(tab, items, scratch, part0, keys, skip, n_tensors, PD: tl.constexpr,
                    T: tl.constexpr, MD: tl.constexpr, FACTORED: tl.constexpr, FLAT: tl.constexpr, MOM: tl.constexpr,
-                   HI1: tl.constexpr, HI2: tl.constexpr, EPS_ADD: tl.constexpr, HAS_SKIP: tl.constexpr,
+                   EPS_ADD: tl.constexpr, HAS_SKIP: tl.constexpr,
                    ALIGNED: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr, BLOCK: tl.constexpr):
     """Per item of an updated unit: the first moment (and the full second moment) in place, and the item's partial
     ``sum u^2`` with ``u = src * rinv_i * corr * cinv_j`` (factored) or ``src * corr / sqrt(v)``."""
@@ -521,7 +541,9 @@ def _moments_tiles(tab, items, scratch, part0, keys, skip, n_tensors, PD: tl.con
     v = _big(row, _V, T, ALIGNED)
     corr = tl.load(_addr(row, _CORR, T) + u)
     mkey = tl.load(keys + n_tensors + t).to(tl.uint32)
+    b1t = _hyper(tab, _H_B1).to(T)
     w1t = _hyper(tab, _H_W1).to(T)
+    b2t = _hyper(tab, _H_B2).to(T)
     w2t = _hyper(tab, _H_W2).to(T)
     at = _hyper(tab, _H_ADD).to(T)
     ft = _hyper(tab, _H_FLOOR).to(T)
@@ -533,8 +555,8 @@ def _moments_tiles(tab, items, scratch, part0, keys, skip, n_tensors, PD: tl.con
             offs = s + tl.arange(0, BLOCK)
             mask = offs < e1
             x = tl.load(g + offs, mask=mask, other=0.0).to(T)
-            src = _update_momentum(x, m, ms, offs, mask, offs, mask, w1t, mkey, T, MOM, HI1)
-            uu = _full_u(src, x, v, offs, mask, corr, w2t, at, ft, T, HI2, EPS_ADD, True)
+            src = _update_momentum(x, m, ms, offs, mask, offs, mask, b1t, w1t, mkey, T, MOM)
+            uu = _full_u(src, x, v, offs, mask, corr, b2t, w2t, at, ft, T, EPS_ADD, True)
             acc += tl.where(mask, uu * uu, 0.0)
     else:
         C = _load8(row + _C, ALIGNED)
@@ -555,12 +577,12 @@ def _moments_tiles(tab, items, scratch, part0, keys, skip, n_tensors, PD: tl.con
                 offs = rows[:, None] * C + cols[None, :]
                 mask = rm[:, None] & cm[None, :]
                 x = tl.load(g + offs, mask=mask, other=0.0).to(T)
-                src = _update_momentum(x, m, ms, offs, mask, rows * NB + c // BC, rm, w1t, mkey, T, MOM, HI1)
+                src = _update_momentum(x, m, ms, offs, mask, rows * NB + c // BC, rm, b1t, w1t, mkey, T, MOM)
                 if FACTORED:
                     sc = tl.load(rinv + rows, mask=rm, other=0.0) * corr
                     uu = src * sc[:, None] * ci[None, :]
                 else:
-                    uu = _full_u(src, x, v, offs, mask, corr, w2t, at, ft, T, HI2, EPS_ADD, True)
+                    uu = _full_u(src, x, v, offs, mask, corr, b2t, w2t, at, ft, T, EPS_ADD, True)
                 acc += tl.where(mask, uu * uu, 0.0)
     tl.store(scratch + part0 + pid, tl.sum(acc))
 
@@ -592,8 +614,9 @@ def _apply_tiles(tab, items, clips, keys, skip, PD: tl.constexpr,
                  T: tl.constexpr, MD: tl.constexpr, FACTORED: tl.constexpr, FLAT: tl.constexpr, MOM: tl.constexpr,
                  EPS_ADD: tl.constexpr, HAS_SKIP: tl.constexpr, LR_PTR: tl.constexpr, LRD: tl.constexpr,
                  ALIGNED: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr, BLOCK: tl.constexpr):
-    """Per item of an updated unit: ``p = p * (1 - lr*wd) - lr * u * clip`` (``torch.add(alpha=-lr)``: one fused
-    multiply-add), rounded stochastically for bf16 parameters."""
+    """Per item of an updated unit: ``p = p * (1 - lr*wd) - (u * clip) * lr`` (eager's operations, each rounded; lr
+    and the decay are float64 rounded to T, a tensor lr read here on the device), rounded stochastically for bf16
+    parameters."""
     pid = tl.program_id(0)
     it = items + pid * _NI
     t = tl.load(it + _I_T)
@@ -610,7 +633,7 @@ def _apply_tiles(tab, items, clips, keys, skip, PD: tl.constexpr,
     else:
         lr64 = _hyper(tab, _H_LR)
     decay = (1.0 - lr64 * _hyper(tab, _H_WD)).to(T)
-    nlr = (-lr64).to(T)
+    lr = lr64.to(T)
     cc = tl.load(_addr(row, _CORR, T) + u) * tl.load(clips + tl.load(row + _UNIT0) + u)
     key = tl.load(keys + t).to(tl.uint32)
     ft = _hyper(tab, _H_FLOOR).to(T)
@@ -621,8 +644,8 @@ def _apply_tiles(tab, items, clips, keys, skip, PD: tl.constexpr,
             offs = s + tl.arange(0, BLOCK)
             mask = offs < e1
             src = _stored_momentum(g, m, ms, offs, mask, offs, mask, T, MOM)
-            uu = _full_u(src, src, v, offs, mask, cc, 0.0, 0.0, ft, T, False, EPS_ADD, False)
-            _write(p, offs, mask, uu, decay, nlr, key, PD, T)
+            uu = _full_u(src, src, v, offs, mask, cc, 0.0, 0.0, 0.0, ft, T, EPS_ADD, False)
+            _write(p, offs, mask, uu, decay, lr, key, PD, T)
     else:
         C = _load8(row + _C, ALIGNED)
         NB = tl.load(row + _NB)
@@ -645,13 +668,13 @@ def _apply_tiles(tab, items, clips, keys, skip, PD: tl.constexpr,
                     sc = tl.load(rinv + rows, mask=rm, other=0.0) * cc
                     uu = src * sc[:, None] * ci[None, :]
                 else:
-                    uu = _full_u(src, src, v, offs, mask, cc, 0.0, 0.0, ft, T, False, EPS_ADD, False)
-                _write(p, offs, mask, uu, decay, nlr, key, PD, T)
+                    uu = _full_u(src, src, v, offs, mask, cc, 0.0, 0.0, 0.0, ft, T, EPS_ADD, False)
+                _write(p, offs, mask, uu, decay, lr, key, PD, T)
 
 
 @triton.jit
-def _write(p, offs, mask, uu, decay, nlr, key, PD: tl.constexpr, T: tl.constexpr):
-    new = tl.fma(uu, nlr, tl.load(p + offs, mask=mask, other=0.0).to(T) * decay)
+def _write(p, offs, mask, uu, decay, lr, key, PD: tl.constexpr, T: tl.constexpr):
+    new = tl.load(p + offs, mask=mask, other=0.0).to(T) * decay - uu * lr
     if PD == tl.bfloat16:
         tl.store(p + offs, _round_bf16(new, offs, key), mask=mask)
     else:
@@ -814,18 +837,24 @@ class _Work(NamedTuple):
 
     group: Group
     buckets: list[_Bucket]
-    params: list[Tensor]  # contiguous: the parameter itself or a copy written back by `_finish`
+    params: list[Tensor]  # contiguous: the parameter itself or a copy written back by `_written`
     grads: list[Tensor]
     device: torch.device
 
 
 def _prepare(group: Group, *, write: bool) -> _Work:
-    """Check every tensor of ``group`` (sizes the kernels index with, dtypes, devices) and bucket them."""
+    """Check every record of ``group`` (`skewadam.kernels.types.check`: the sizes the kernels index with; then the
+    dtypes, devices and layouts they assume) and the lr, then bucket the tensors. Nothing is launched before."""
     if not isinstance(group, Group):
         raise TypeError(f"the Triton kernel takes a skewadam.kernels.types.Group, got {type(group).__name__}")
     if group.eps_mode not in ("add", "floor"):
         raise ValueError(f"eps_mode must be 'add' or 'floor', got {group.eps_mode!r}")
+    check_lr(group.lr)
+    if isinstance(group.lr, Tensor) and group.lr.dtype not in _LR_DTYPES:
+        raise TypeError(f"a tensor lr must be floating point, got {group.lr.dtype}")
     params = list(group.params)
+    for pt in params:
+        check(pt)
     device = params[0].param.device if params else torch.device("cpu")
     if params:
         _check_device(device)
@@ -846,11 +875,24 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _finish(work: _Work) -> None:
-    """Write back the parameters that were updated through a contiguous copy."""
-    for pt, p in zip(work.group.params, work.params):
-        if p is not pt.param:
-            pt.param.copy_(p)
+_STATE = ("step", "exp_avg", "exp_avg_scale", "exp_avg_sq", "row_var", "col_var")
+
+
+def _written(work: _Work, *, state: bool, params: bool) -> None:
+    """After the launches that write them: bump the version counters of the state (``state``) and write back the
+    parameters updated through a contiguous copy, bumping the others' (``params``), as torch's in-place ops do, so
+    autograd refuses a backward through a tensor the step changed (the kernels write through raw addresses)."""
+    bump = []
+    if state:
+        bump += [t for pt in work.group.params for t in (getattr(pt, k) for k in _STATE) if t is not None]
+    if params:
+        for pt, p in zip(work.group.params, work.params):
+            if p is not pt.param:
+                pt.param.copy_(p)  # (an in-place op: it bumps the version itself)
+            else:
+                bump.append(p)
+    if bump:
+        torch.autograd.graph.increment_version(bump)
 
 
 def _check_device(device: torch.device) -> None:
@@ -863,64 +905,44 @@ def _check_device(device: torch.device) -> None:
 
 
 def _check(pt: ParamTensors, i: int, device: torch.device) -> tuple:
-    """The bucket key of one parameter, after checking every tensor the kernels index with."""
-    p, g = pt.param, pt.grad
-    where = f"skewadam Triton kernel, parameter {i} of its group (shape {tuple(p.shape)})"
+    """The bucket key of one parameter whose sizes `check` has accepted, after checking the dtypes, devices and
+    layouts the kernels assume (a table row holds addresses of contiguous tensors on one device)."""
+    p = pt.param
+    where = pt.name or f"parameter {i} of its group"
     if p.dtype not in (torch.float32, torch.bfloat16, torch.float64):
-        raise TypeError(f"{where}: parameters must be float32, bfloat16 or float64, got {p.dtype}")
+        raise TypeError(f"{where}: the Triton kernel takes float32, bfloat16 or float64 parameters, got {p.dtype}")
     T = torch.float32 if p.dtype == torch.bfloat16 else p.dtype
-    if g is None or g.shape != p.shape or g.dtype != p.dtype:
-        got = "no gradient" if g is None else f"a gradient of shape {tuple(g.shape)} and dtype {g.dtype}"
-        raise ValueError(f"{where}: needs a gradient of its shape and dtype {p.dtype}, got {got}")
-    if len(pt.shape) != p.ndim:
-        raise ValueError(f"{where}: global shape {tuple(pt.shape)} has not the rank of the local tensor")
-    if pt.bank and p.ndim < 1:
-        raise ValueError(f"{where}: a bank needs a leading expert dim, got a 0-d tensor")
-    E = p.shape[0] if pt.bank else 1
-    factored = pt.row_var is not None or pt.col_var is not None
 
-    def state(name: str, t: Optional[Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        if t is None:
-            raise ValueError(f"{where}: {name} is missing")
-        if tuple(t.shape) != shape or t.dtype != dtype:
-            raise ValueError(f"{where}: {name} must have shape {shape} and dtype {dtype}, got "
-                             f"{tuple(t.shape)} and {t.dtype}")
+    def state(name: str, t: Tensor, dtype: torch.dtype) -> None:
+        if t.dtype != dtype:
+            raise ValueError(f"{where}: state {name!r} has dtype {t.dtype}, the Triton kernel needs {dtype}")
         if t.device != device:
             raise ValueError(
                 f"{where}: {name} is on {t.device}, the parameters on {device}; the Triton kernel reads and writes "
                 "all state on the parameters' device (step counts included: it advances them there, with no host "
                 "sync, so keep state['step'] on the parameter's device)")
         if not t.is_contiguous():
-            raise ValueError(f"{where}: {name} must be contiguous")
+            raise ValueError(f"{where}: state {name!r} must be contiguous")
 
-    for name, t in (("the parameter", p), ("the gradient", g)):
+    for name, t in (("the parameter", p), ("the gradient", pt.grad)):
         if t.device != device:
             raise ValueError(f"{where}: {name} is on {t.device}, other parameters of the group on {device}")
-    state("step", pt.step, (E,) if pt.bank else (), torch.float32)
-    shape = tuple(p.shape)
-    if factored:
-        if p.ndim < 2 + pt.bank:
-            raise ValueError(f"{where}: a factored second moment needs two dims per unit")
-        if pt.exp_avg_sq is not None:
-            raise ValueError(f"{where}: has both a factored (row_var/col_var) and a full (exp_avg_sq) second moment")
-        state("row_var", pt.row_var, shape[:-1] + (1,), T)
-        state("col_var", pt.col_var, shape[:-2] + (1, shape[-1]), T)
-    else:
-        state("exp_avg_sq", pt.exp_avg_sq, shape, T)
+    state("step", pt.step, torch.float32)
+    factored = pt.row_var is not None
+    for name in ("row_var", "col_var") if factored else ("exp_avg_sq",):
+        state(name, getattr(pt, name), T)
     m = pt.exp_avg
     if m is None:
         mom, md = _MOM_NONE, T
     elif m.dtype == torch.int8:
-        if p.ndim < 1:
-            raise ValueError(f"{where}: int8 momentum needs a last dim (its blocks lie along it)")
-        state("exp_avg", m, shape, torch.int8)
-        state("exp_avg_scale", pt.exp_avg_scale, shape[:-1] + (quant.num_blocks(shape[-1]),), torch.float32)
+        state("exp_avg", m, torch.int8)
+        state("exp_avg_scale", pt.exp_avg_scale, torch.float32)
         mom, md = _MOM_INT8, torch.int8
     elif m.dtype == torch.bfloat16 and T == torch.float32:
-        state("exp_avg", m, shape, torch.bfloat16)
+        state("exp_avg", m, torch.bfloat16)
         mom, md = _MOM_BF16, torch.bfloat16
     else:
-        state("exp_avg", m, shape, T)
+        state("exp_avg", m, T)
         mom, md = _MOM_PLAIN, T
     kind = "factored" if factored else "rows" if mom == _MOM_INT8 else "flat"
     return p.dtype, T, kind, mom, md
@@ -967,17 +989,14 @@ def _tensor_table(b: _Bucket, work: _Work, stats: list[list[int]], moments: list
 
 
 def _header(group: Group, T: torch.dtype, device: torch.device) -> list[int]:
-    """Row 0 of a tensor table: the group's hyperparameters as float64 bits (and the lr tensor's address)."""
-    lr = group.lr
-    lr_addr = 0
+    """Row 0 of a tensor table: the group's hyperparameters as float64 bits (and the lr tensor's address: the
+    kernel reads it on the device; a tensor elsewhere, on the host, is read here, which is no device sync)."""
+    lr, lr_addr = group.lr, 0
     if isinstance(lr, Tensor):
-        if lr.numel() != 1 or lr.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"lr must be a float or a one-element float32/float64 tensor, got {lr.dtype} "
-                             f"of shape {tuple(lr.shape)}")
         if lr.device == device:
             lr_addr, lr = lr.data_ptr(), 0.0
         else:
-            lr = float(lr)  # a host tensor beside device parameters: its value, read without a device sync
+            lr = float(lr)
     add, floor = (group.eps, 0.0) if group.eps_mode == "add" else (0.0, group.eps)
     rm_floor = ROW_MEAN_FLOOR if group.eps_mode == "floor" else torch.finfo(T).tiny
     values = [1.0 - group.beta1, 1.0 - group.beta2, group.beta1, group.beta2, add, floor, rm_floor, float(lr),
@@ -990,13 +1009,6 @@ def _header(group: Group, T: torch.dtype, device: torch.device) -> list[int]:
 def _launch(kernel, grid: tuple[int, ...], *args, warps: int = 4, **meta) -> None:
     if all(grid):
         kernel[grid](*args, num_warps=warps, enable_fp_fusion=False, **meta)
-
-
-def _hi(w: float, T: torch.dtype) -> bool:
-    """Whether torch.lerp takes its far-end formula for weight ``w`` (|w| >= 0.5 in T)."""
-    if T == torch.float32:
-        w = struct.unpack("f", struct.pack("f", w))[0]
-    return abs(w) >= 0.5
 
 
 def _pass1(b: _Bucket, table: _Table, scratch: Tensor, flag: Optional[Tensor]) -> None:
@@ -1020,13 +1032,11 @@ def _pass2(b: _Bucket, group: Group, table: _Table, scratch: Tensor, keys: Tenso
     flags = dict(EPS_ADD=group.eps_mode == "add", HAS_SKIP=skip is not None)
     _launch(_count_steps, (nt,), tab, keys, skip_arg, nt, T=T, HAS_MOM=b.mom != _MOM_NONE, HAS_SKIP=skip is not None,
             UB=_SMALL_BLOCK)
-    hi2 = _hi(1.0 - group.beta2, b.T)
     if b.factored:
         _launch(_factored_moments, (len(L.mats), triton.cdiv(L.max_rc, _MAT_BLOCK)), tab, mats, skip_arg, T=T,
-                HI2=hi2, BLK=_MAT_BLOCK, **flags)
+                BLK=_MAT_BLOCK, **flags)
     _launch(_moments_tiles, (len(L.items),), tab, items, scratch, L.colp, keys, skip_arg, nt, PD=_TL[b.pd], T=T,
-            MD=_TL[b.md], FACTORED=b.factored, FLAT=L.kind == "flat", MOM=b.mom, HI1=_hi(1.0 - group.beta1, b.T),
-            HI2=hi2, ALIGNED=table.aligned, warps=8, **flags, **b.tiles())
+            MD=_TL[b.md], FACTORED=b.factored, FLAT=L.kind == "flat", MOM=b.mom, ALIGNED=table.aligned, warps=8, **flags, **b.tiles())
     _launch(_unit_sums, (L.n_units,), tab, units, scratch, L.colp, tab, DST=_USQ, T=T, FROM_MATS=False,
             HAS_FLAG=False, TMAX=0.0, BLOCK=_SMALL_BLOCK)
 
@@ -1040,7 +1050,7 @@ def _pass3(b: _Bucket, group: Group, table: _Table, clips: Tensor, keys: Tensor,
     lr_ptr = isinstance(lr, Tensor) and lr.device == tab.device
     _launch(_apply_tiles, (len(L.items),), tab, items, clips, keys, skip if skip is not None else tab, PD=_TL[b.pd],
             T=T, MD=_TL[b.md], FACTORED=b.factored, FLAT=L.kind == "flat", MOM=b.mom, EPS_ADD=group.eps_mode == "add",
-            HAS_SKIP=skip is not None, LR_PTR=lr_ptr, LRD=_TL.get(lr.dtype, tl.float32) if lr_ptr else tl.float32,
+            HAS_SKIP=skip is not None, LR_PTR=lr_ptr, LRD=_TL[lr.dtype] if lr_ptr else tl.float32,
             ALIGNED=table.aligned, warps=8, **b.tiles())
 
 
@@ -1111,7 +1121,9 @@ def update_moments_(group: Group, stats: Sequence[GradStats], *, skip: Optional[
     if len(stats) != len(group.params):
         raise ValueError(f"got {len(stats)} GradStats for {len(group.params)} parameters")
     with _on(work.device):
-        return _update_moments(work, stats, skip)
+        out = _update_moments(work, stats, skip)
+    _written(work, state=True, params=False)
+    return out
 
 
 def _update_moments(work: _Work, stats: Sequence[GradStats], skip: Optional[Tensor]) -> list[Moments]:
@@ -1157,6 +1169,7 @@ def apply_updates_(group: Group, moments: Sequence[Moments], *, skip: Optional[T
         raise ValueError(f"got {len(moments)} Moments for {len(group.params)} parameters")
     with _on(work.device):
         _apply_updates(work, moments, skip)
+    _written(work, state=False, params=True)
 
 
 def _apply_updates(work: _Work, moments: Sequence[Moments], skip: Optional[Tensor]) -> None:
@@ -1180,7 +1193,6 @@ def _apply_updates(work: _Work, moments: Sequence[Moments], skip: Optional[Tenso
             addrs.append(a)
         tab = _tensor_table(b, work, [[0] * 5] * len(b.index), addrs)
         _pass3(b, group, tab, clips, keys, skip)
-    _finish(work)
 
 
 def step_(groups: Sequence[Group], *, skip_nonfinite: bool) -> Tensor:
@@ -1214,7 +1226,7 @@ def _step(works: list[_Work], device: torch.device, skip_nonfinite: bool) -> Ten
         L = b.layout
         _pass3(b, work.group, tab, ws[ws.numel() - L.n_units:], keys, flag)
     for work in works:
-        _finish(work)
+        _written(work, state=True, params=True)
     return flag[0] != 0 if flag is not None else torch.zeros((), dtype=torch.bool, device=device)
 
 
