@@ -3,6 +3,7 @@ them, and ``python -m skewadam``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -107,11 +108,13 @@ def test_cli_plan_set_overrides_a_config_value(capsys):
         _cli(["plan", "tiny", "--set", "num_hidden_layers"], capsys)
 
 
-def test_cli_plan_of_an_arm_without_a_memory_model_says_which_have_one(capsys):
-    with pytest.raises(SystemExit, match=r"skewadam plan: no memory model of \['muon'\]: plan any of adamw"):
-        _cli(["plan", "tiny", "--optimizer", "muon"], capsys)
-    with pytest.raises(SystemExit, match=r"skewadam plan: no memory model of \['muon'\]"):
-        _cli(["plan", "tiny", "--measure", "muon"], capsys)
+def test_cli_plan_of_an_arm_without_a_memory_model_says_which_have_one(capsys, monkeypatch):
+    unmodelled = dataclasses.replace(arms.ARMS["muon"], name="muon-unmodelled", state=None, transient=None)
+    monkeypatch.setitem(arms.ARMS, unmodelled.name, unmodelled)
+    with pytest.raises(SystemExit, match=r"skewadam plan: no memory model of \['muon-unmodelled'\]: plan any of adamw"):
+        _cli(["plan", "tiny", "--optimizer", "muon-unmodelled"], capsys)
+    with pytest.raises(SystemExit, match=r"skewadam plan: no memory model of \['muon-unmodelled'\]"):
+        _cli(["plan", "tiny", "--measure", "muon-unmodelled"], capsys)
     with pytest.raises(SystemExit, match=r"skewadam bench-step: \['adamw8bit-bnb'\]: memory models only"):
         _cli(["bench-step", "--optimizers", "adamw8bit"], capsys)
 

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 
 from .tiers import Tier
 
-__all__ = ["classify", "split_trainable"]
+__all__ = ["classify", "split_trainable", "hidden_matrices"]
 
 # Attribute names of children that hold routed experts / score them: the last resort, inside a structural block.
 _EXPERTS_NAME = re.compile(r"^(experts?|moe_experts|routed_experts)$")
@@ -388,3 +388,26 @@ def _heavy(tree: _Model, root: str) -> bool:
         or any(p.ndim >= 3 for _, p in tree.direct[path])
         for path in tree.subtree(root)
     )
+
+
+# ------------------------------------------------------------------------------------------------ hidden matrices
+def hidden_matrices(model: nn.Module, labels: Optional[dict[str, str]] = None) -> list[str]:
+    """Names of the hidden matrices of ``model``: the 2-D backbone weights that are not embeddings, the output
+    head, norms, biases or the router, i.e. what Muon-style orthogonal updates are for (`skewadam.steppers`).
+
+    Embeddings are found by structure: ``nn.Embedding`` weights, any parameter tied to one (the same tensor under
+    another name), and the weight of ``model.get_output_embeddings()`` where the model has it (Transformers' LM
+    head, tied or not). ``labels`` are `classify`'s (computed if not given); only ``backbone`` tensors qualify.
+
+    Example:
+        >>> hidden_matrices(MoETransformer(get_config("tiny")))[:2]
+        ['blocks.0.attn.wq.weight', 'blocks.0.attn.wk.weight']
+    """
+    labels = classify(model) if labels is None else labels
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(getattr(head, "weight", None), Tensor):
+        tables.add(id(head.weight))
+    trainable, _ = split_trainable(model)
+    return [n for n, p in trainable.items()
+            if labels.get(n) == Tier.BACKBONE.value and p.ndim == 2 and id(p) not in tables]

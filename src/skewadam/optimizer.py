@@ -8,7 +8,6 @@ cross-shard reduction seam between them.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections import defaultdict
 from itertools import chain
@@ -18,8 +17,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import kernels
-from .state import MOMENTUM_DTYPES, StateBytes, check_state, is_bank, measure_state, state_flags, state_spec
+from . import kernels, steppers
+from .state import (MOMENTUM_DTYPES, StateBytes, check_state, foreign_group_message, is_bank, measure_state,
+                    state_flags, state_spec)
 from .tiers import Tier
 
 try:  # DTensor (FSDP2, tensor/expert parallelism); absent on builds without torch.distributed
@@ -32,7 +32,7 @@ __all__ = ["SkewAdam"]
 _EPS_DEFAULT = {"floor": 1e-8, "add": 1e-30}
 _GROUP_KEYS = frozenset(
     {"params", "lr", "betas", "eps", "weight_decay", "eps_mode", "tier", "use_momentum", "use_factored", "bank", "seed",
-     "momentum_dtype"}
+     "momentum_dtype", *steppers.GROUP_DEFAULTS}
 )
 # Keys other torch APIs put into param groups: named parameters, LR schedulers' bookkeeping.
 _FOREIGN_KEYS = frozenset({"param_names", "initial_lr"})
@@ -106,6 +106,9 @@ class SkewAdam(Optimizer):
     whose gradient is all zero (an expert that received no token) is left untouched, weights and state, exactly as
     the paper's separate expert modules with ``grad=None`` are.
 
+    Beyond the paper, ``update="orthogonal"``: Muon's :math:`p \leftarrow p(1-\mathrm{lr}\lambda) - \mathrm{lr}\,
+    0.2\sqrt{\max(A,B)}\,\mathrm{NS}_5(u)`, no second moment (`skewadam.kernels.orthogonal`, `skewadam.steppers`).
+
     .. Note:: Deviations from the paper's code.
         bf16 parameters are written with exact, unbiased stochastic rounding (a counter-based hash of ``seed``, the
         parameter and its step; no generator state to save) instead of dithering, and weight decay is fused into the
@@ -134,6 +137,8 @@ class SkewAdam(Optimizer):
         impl: update kernel (`skewadam.kernels.select`): ``"auto"`` (the ``SKEWADAM_IMPL`` environment variable if
             set, else the C++ kernel for CPU tensors when it builds, eager torch ops otherwise), ``"eager"`` or
             ``"cpp"``. All give the same math; the C++ kernel is several times faster on CPU.
+        update, relative_step, beta2_decay: ``"adam"`` or ``"orthogonal"``; Adafactor's relative step (update x
+            ``max(1e-3, rms(p))``) and ``beta2_t = 1 - t^beta2_decay`` (`skewadam.steppers`). Off by default.
 
     Example:
         >>> opt = SkewAdam([
@@ -160,11 +165,12 @@ class SkewAdam(Optimizer):
         seed: int = 0,
         skip_nonfinite: bool = True,
         impl: str = "auto",
+        update: str = "adam", relative_step: bool = False, beta2_decay: Optional[float] = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode, tier=tier,
             use_momentum=use_momentum, use_factored=use_factored, bank=bank, seed=seed,
-            momentum_dtype=momentum_dtype,
+            momentum_dtype=momentum_dtype, update=update, relative_step=relative_step, beta2_decay=beta2_decay,
         )
         if impl not in kernels.IMPLS:
             raise ValueError(f"Invalid impl: {impl!r} (expected one of {kernels.IMPLS})")
@@ -259,7 +265,7 @@ class SkewAdam(Optimizer):
                 raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
                                  "optimizer's group")
             if set(saved) - _GROUP_KEYS - _FOREIGN_KEYS:
-                raise ValueError(_foreign_message(saved, idx))
+                raise ValueError(foreign_group_message(saved, idx, _GROUP_KEYS, _FOREIGN_KEYS))
             groups.append(self._resolve_group(saved, idx))
         states = dict(state_dict["state"])
         for idx, (saved, group) in enumerate(zip(groups, self.param_groups)):
@@ -320,6 +326,16 @@ class SkewAdam(Optimizer):
             w.param_ids.append(_rounding_stream(p, first_id + i, group["momentum_dtype"]))
         return w if w.params else None
 
+    def _step_outside(self, outside: list[tuple[dict, int]], work: list[_Work]) -> bool:
+        """Step `skewadam.steppers`' groups once every gradient (theirs, the kernels') is finite; False: skipped."""
+        params = [p for g, _ in outside for p in g["params"] if p.grad is not None]
+        grads = [_local(p.grad) for p in params] + [g for w in work for g in w.grads]
+        if self.skip_nonfinite and not steppers.grads_finite(grads, self._reducer):
+            self.skipped_steps += 1
+            return False
+        impl = kernels.select(self._impl, _local(params[0]).device) if params else None
+        return steppers.step_(outside, steppers.Context(self.state, _new_state, _rounding_stream, self._reducer, impl))
+
     def _reduce(self, work: list[_Work], per_group: list[list[list[tuple[Tensor, tuple[int, ...]]]]]) -> None:
         if self._reducer is None:
             return
@@ -332,18 +348,21 @@ class SkewAdam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work, first_id = [], 0
+        work, first_id, outside = [], 0, []
         for group in self.param_groups:
-            w = self._init_group(group, first_id)
-            first_id += len(group["params"])
-            if w is not None:
+            if steppers.outside_kernels(group):  # orthogonal / Adafactor-option groups: `skewadam.steppers`
+                outside.append((group, first_id))
+            elif (w := self._init_group(group, first_id)) is not None:
                 work.append(w)
-        if not work:
-            return loss
-        if self._reducer is None and any(isinstance(p, DTensor) for w in work for p in w.params):
+            first_id += len(group["params"])
+        if self._reducer is None and any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
             from .distributed import DTensorReducer
 
             self._reducer = DTensorReducer()
+        if outside and not self._step_outside(outside, work):
+            return loss
+        if not work:
+            return loss
         impl = kernels.select(self._impl, work[0].local_params[0].device)
         if self._reducer is None and hasattr(impl, "step_"):  # one process: the kernel runs the whole step at once
             if not impl.step_(
@@ -430,25 +449,11 @@ def _validate_group(group: dict, idx: int) -> None:
             raise ValueError(f"Invalid {flag} in {where}: {group[flag]!r} (expected True, False or None)")
     if not isinstance(group["seed"], int) or isinstance(group["seed"], bool):
         raise ValueError(f"Invalid seed in {where}: {group['seed']!r} (expected an int)")
+    steppers.validate_group(group, where)
     try:
         Tier.parse(group["tier"])
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-
-
-def _foreign_message(saved: dict, idx: int) -> str:
-    """What a state dict whose param group ``idx`` has keys SkewAdam does not take is, for the error refusing it."""
-    keys = set(saved) - {"params", "tier"} - _FOREIGN_KEYS
-    if "decoupled_weight_decay" in keys:  # torch's Adam and AdamW share one group layout
-        what = "torch.optim.AdamW" if saved["decoupled_weight_decay"] else "torch.optim.Adam"
-    else:
-        what = next((f"torch.optim.{name}" for name in torch.optim.__all__
-                     if isinstance(cls := getattr(torch.optim, name), type) and issubclass(cls, Optimizer)
-                     and keys <= set(inspect.signature(cls).parameters)), "another optimizer")
-    return (f"param group {idx} of the state dict is not SkewAdam's: it has key(s) {sorted(keys - _GROUP_KEYS)} "
-            f"SkewAdam does not take{'' if 'tier' in saved else ' and no tier'}; it looks like the state dict of "
-            f"{what}. SkewAdam loads what SkewAdam.state_dict() saved: to switch optimizers, load the model weights "
-            f"and start the optimizer fresh")
 
 
 def _validate_param(p: Tensor, group: dict, idx: int) -> None:
@@ -468,6 +473,7 @@ def _validate_param(p: Tensor, group: dict, idx: int) -> None:
         )
     if group["bank"] and p.ndim < 1:
         raise ValueError(f"{where}: bank=True needs parameters with a leading expert dim, got a 0-d tensor")
+    steppers.check_param(p, group, where)
     if torch.distributed.is_available():  # flattened (FSDP1, DeepSpeed ZeRO-3) or Partial shards are refused
         from .distributed import check_layout
 

@@ -13,6 +13,10 @@ Names follow torch: ``step``, ``exp_avg`` (first moment), ``exp_avg_sq`` (full s
 parameters), ``"bf16"``, or ``"int8"`` (block-wise, with ``exp_avg_scale`` ``[..., ceil(C / 256)]``; tensors with
 < 2 dims keep the statistics dtype, see `skewadam.kernels.quant`).
 
+``update`` is what a group's update is made of: ``"adam"`` (the default: momentum and/or a second moment, as above)
+or ``"orthogonal"`` (the orthogonalised momentum of `skewadam.kernels.orthogonal`: ``exp_avg`` only, no second
+moment; without momentum, as for expert banks orthogonalised per expert from the gradient, only ``step``).
+
 A *bank* is a stacked expert tensor ``[E, ...]`` whose slices along dim 0 are treated as separate experts: its
 ``step`` holds one count per slice, and whether a slice is factored depends on the slice's rank, not the bank's.
 
@@ -23,6 +27,7 @@ the latter.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections import defaultdict
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
@@ -41,12 +46,13 @@ except ImportError:  # pragma: no cover
 
 __all__ = [
     "StateTensor", "StateFlags", "state_flags", "state_spec", "check_state", "spec_nbytes", "is_bank", "is_factored",
-    "state_dtype_for", "COUNTER_KEYS", "MOMENTUM_DTYPES", "StateBytes", "measure_state", "UNTIERED",
+    "state_dtype_for", "foreign_group_message", "COUNTER_KEYS", "MOMENTUM_DTYPES", "UPDATES", "StateBytes", "measure_state", "UNTIERED",
 ]
 
 #: State entries that are bookkeeping (step counts), reported apart from the statistics themselves.
 COUNTER_KEYS = frozenset({"step"})
 MOMENTUM_DTYPES = ("fp32", "bf16", "int8")
+UPDATES = ("adam", "orthogonal")  # a group's ``update``: the tiers' Adam-style update, or orthogonalised momentum
 UNTIERED = "untiered"  # tier of a param group that names none (a plain torch optimizer)
 
 
@@ -85,8 +91,9 @@ def state_spec(
     use_factored: bool,
     bank: bool,
     momentum_dtype: str = "fp32",
+    update: str = "adam",
 ) -> dict[str, StateTensor]:
-    """The state tensors of one parameter, in allocation order.
+    """The state tensors of one parameter, in allocation order (``update="orthogonal"``: no second moment).
 
     Example:
         >>> spec = state_spec((8, 64, 32), torch.bfloat16, use_momentum=False, use_factored=True, bank=True)
@@ -102,6 +109,8 @@ def state_spec(
             spec["exp_avg_scale"] = StateTensor(shape[:-1] + (num_blocks(shape[-1]),), torch.float32)
         else:
             spec["exp_avg"] = StateTensor(shape, torch.bfloat16 if momentum_dtype == "bf16" else dtype)
+    if update == "orthogonal":
+        return spec
     if is_factored(shape, use_factored=use_factored, bank=bank):
         spec["row_var"] = StateTensor(shape[:-1] + (1,), dtype)
         spec["col_var"] = StateTensor(shape[:-2] + (1, shape[-1]), dtype)
@@ -118,6 +127,7 @@ class StateFlags(NamedTuple):
     use_factored: bool
     bank: Optional[bool]  # None: the bank rule of `is_bank`
     momentum_dtype: str
+    update: str = "adam"
 
     def is_bank(self, ndim: int) -> bool:
         """Whether a parameter of this group with ``ndim`` dims is a bank (`is_bank`)."""
@@ -126,7 +136,7 @@ class StateFlags(NamedTuple):
     def spec(self, shape: Sequence[int], param_dtype: torch.dtype) -> dict[str, StateTensor]:
         """`state_spec` of a parameter of this group."""
         return state_spec(shape, param_dtype, use_momentum=self.use_momentum, use_factored=self.use_factored,
-                          bank=self.is_bank(len(shape)), momentum_dtype=self.momentum_dtype)
+                          bank=self.is_bank(len(shape)), momentum_dtype=self.momentum_dtype, update=self.update)
 
 
 def state_flags(group: Mapping[str, Any]) -> StateFlags:
@@ -134,7 +144,8 @@ def state_flags(group: Mapping[str, Any]) -> StateFlags:
 
     ``tier`` (default ``"backbone"``) sets ``use_momentum``/``use_factored`` (`skewadam.tiers.TIER_STATE`) where the
     group gives ``None`` or nothing; ``bank`` stays ``None`` (the bank rule) unless given; ``momentum_dtype``
-    defaults to ``"fp32"``. The optimizer, the census and the planner all resolve through here.
+    defaults to ``"fp32"``, ``update`` to ``"adam"``; an ``"orthogonal"`` group keeps no second moment
+    (``use_factored`` resolves to False). The optimizer, the census and the planner all resolve through here.
 
     Example:
         >>> state_flags({"tier": "expert", "use_momentum": True, "lr": 1e-3})
@@ -147,7 +158,15 @@ def state_flags(group: Mapping[str, Any]) -> StateFlags:
     momentum_dtype = group.get("momentum_dtype") or "fp32"
     if momentum_dtype not in MOMENTUM_DTYPES:
         raise ValueError(f"Invalid momentum_dtype: {momentum_dtype!r} (expected one of {MOMENTUM_DTYPES})")
-    return StateFlags(tier.value, bool(use_momentum), bool(use_factored), group.get("bank"), momentum_dtype)
+    update = group.get("update") or "adam"
+    if update not in UPDATES:
+        raise ValueError(f"Invalid update: {update!r} (expected one of {UPDATES})")
+    if update == "orthogonal":
+        if group.get("use_factored"):
+            raise ValueError("update='orthogonal' keeps no second moment: leave use_factored unset (or False) in "
+                             "that group, or use update='adam'")
+        use_factored = False
+    return StateFlags(tier.value, bool(use_momentum), bool(use_factored), group.get("bank"), momentum_dtype, update)
 
 
 def check_state(state: Mapping[str, Any], spec: Mapping[str, StateTensor], where: str) -> None:
@@ -158,7 +177,8 @@ def check_state(state: Mapping[str, Any], spec: Mapping[str, StateTensor], where
         raise ValueError(
             f"{where}: state has keys {sorted(state)}, expected {list(spec)}"
             + (f" (missing {missing})" if missing else "") + (f" (unexpected {extra})" if extra else "")
-            + "; it was saved under other state settings (tier, use_momentum, use_factored, bank, momentum_dtype) "
+            + "; it was saved under other state settings (tier, update, use_momentum, use_factored, bank, "
+            "momentum_dtype) "
             "or for another parameter: load it where the settings and parameters match"
         )
     for key, want in spec.items():
@@ -171,6 +191,22 @@ def check_state(state: Mapping[str, Any], spec: Mapping[str, StateTensor], where
                 f"{where}: state {key!r} is {list(value.shape)} {value.dtype}, expected {list(want.shape)} "
                 f"{want.dtype} for this parameter; the state belongs to a parameter of another shape or dtype"
             )
+
+
+def foreign_group_message(saved: Mapping[str, Any], idx: int, keys_taken: frozenset, foreign: frozenset) -> str:
+    """Why param group ``idx`` of a loaded state dict, with keys SkewAdam does not take (not in ``keys_taken``,
+    ``foreign`` aside), is refused: whose state dict it looks like, and what to do instead."""
+    keys = set(saved) - {"params", "tier"} - foreign
+    if "decoupled_weight_decay" in keys:  # torch's Adam and AdamW share one group layout
+        what = "torch.optim.AdamW" if saved["decoupled_weight_decay"] else "torch.optim.Adam"
+    else:
+        what = next((f"torch.optim.{name}" for name in torch.optim.__all__
+                     if isinstance(cls := getattr(torch.optim, name), type) and issubclass(cls, torch.optim.Optimizer)
+                     and keys <= set(inspect.signature(cls).parameters)), "another optimizer")
+    return (f"param group {idx} of the state dict is not SkewAdam's: it has key(s) {sorted(keys - keys_taken)} "
+            f"SkewAdam does not take{'' if 'tier' in saved else ' and no tier'}; it looks like the state dict of "
+            f"{what}. SkewAdam loads what SkewAdam.state_dict() saved: to switch optimizers, load the model weights "
+            f"and start the optimizer fresh")
 
 
 def spec_nbytes(spec: dict[str, StateTensor]) -> tuple[int, int]:
