@@ -21,7 +21,7 @@ from transformers import TrainingArguments
 
 import skewadam
 from skewadam.data import VOCAB_SIZE, load_corpus
-from skewadam.hf import SkewAdamTrainer
+from skewadam.integrations.hf import SkewAdamTrainer
 
 
 class Windows(Dataset):

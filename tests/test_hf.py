@@ -23,7 +23,8 @@ from safetensors import safe_open  # noqa: E402
 from transformers import Trainer, TrainingArguments, get_scheduler  # noqa: E402
 
 from skewadam import SkewAdam  # noqa: E402
-from skewadam.hf import SkewAdamTrainer, create_optimizer, load_pretrained_weights  # noqa: E402
+from skewadam.integrations.hf import (  # noqa: E402
+    SkewAdamFactory, SkewAdamTrainer, create_optimizer, load_pretrained_weights)
 
 VOCAB, SEQ = 64, 16
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -126,6 +127,51 @@ def test_trainer_optimizers_tuple_with_create_optimizer(tmp_path):
     opt = unwrap(trainer.optimizer)
     assert type(opt) is SkewAdam and {g["tier"] for g in opt.param_groups} == {"backbone", "expert", "router"}
     assert all(int(s["step"].max()) == 2 for s in opt.state.values())
+
+
+def _tiers(model, opt) -> dict[str, str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: g["tier"] for g in opt.param_groups for p in g["params"]}
+
+
+def test_optimizer_cls_and_kwargs_with_the_factory_tiers_from_the_model(tmp_path):
+    model = tiny_moe("mixtral")
+    trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=4), train_dataset=dataset(),
+                      optimizer_cls_and_kwargs=(SkewAdamFactory, {"lr": 1e-2, "weight_decay": 0.1}))
+    trainer.train()
+    opt = unwrap(trainer.optimizer)
+    assert type(opt) is SkewAdam
+    assert _tiers(model, opt) == {n: expected_tier(n) for n, _ in model.named_parameters()}
+    assert {g["tier"]: (g["initial_lr"], g["weight_decay"]) for g in opt.param_groups} == {
+        "backbone": (1e-2, 0.1), "expert": (1e-2, 0.1), "router": (1e-2, 0.0)}
+    assert all(int(s["step"].max()) == 4 for s in opt.state.values())
+
+
+def test_optimizer_cls_and_kwargs_with_skewadam_itself_trains_untiered(tmp_path):
+    # Trainer hands an optimizer class bare tensors in decay / no-decay groups: no names, no model, no tiers
+    model = tiny_moe("mixtral")
+    trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=2), train_dataset=dataset(),
+                      optimizer_cls_and_kwargs=(SkewAdam, {"lr": 1e-2}))
+    trainer.train()
+    assert set(_tiers(model, unwrap(trainer.optimizer)).values()) == {"backbone"}
+
+
+def test_factory_resume_is_bitwise_for_a_model_saved_as_held(tmp_path):
+    # GPT-OSS saves its fused experts as held, so plain Trainer's resume restores every weight
+    def run(out, resume=None):
+        model = tiny_moe("gpt_oss")
+        args = training_args(out, max_steps=6, save_strategy="steps", save_steps=3)
+        trainer = Trainer(model=model, args=args, train_dataset=dataset(),
+                          optimizer_cls_and_kwargs=(SkewAdamFactory, {"lr": 1e-2, "weight_decay": 0.1}))
+        trainer.train(resume_from_checkpoint=resume)
+        return model, unwrap(trainer.optimizer)
+
+    full, full_opt = run(tmp_path / "full")
+    resumed, resumed_opt = run(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-3"))
+    for (name, p), q in zip(full.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+    a, b = full_opt.state_dict()["state"], resumed_opt.state_dict()["state"]
+    assert all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
 
 
 def test_skewadam_trainer_refuses_optimizer_cls_and_kwargs(tmp_path):

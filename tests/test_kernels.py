@@ -1,8 +1,11 @@
-"""The update kernels: every implementation equals the fp64 reference; the C++ kernel equals eager, is bitwise equal
-to itself across its fused and three-pass (distributed seam) paths and across thread counts, rounds bf16 with the
-bits of `skewadam.kernels.rounding`, allocates no parameter-sized buffer, and degrades to eager without a compiler.
+"""The update kernels: every implementation equals the fp64 reference; the C++ kernel's element-wise state is bitwise
+eager's and its weights equal eager's to rounding; it is bitwise equal to itself across its fused and three-pass
+(distributed seam) paths and across thread counts, rounds bf16 with the bits of `skewadam.kernels.rounding`,
+allocates no parameter-sized buffer, and degrades to eager without a compiler. Every kernel refuses a gradient or
+state that does not fit its parameter (naming it), leaves tensors with a zero-size dim untouched, and takes a tensor lr.
 
-`impl` (a fixture over `skewadam.kernels.impls()`) runs a test on every implementation usable here.
+`impl` (a fixture over `skewadam.kernels.impls()`) runs a test on every implementation usable here; `three_pass`
+runs it on one process's whole-step call and on the three passes of the distributed seam (an identity reducer).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import torch
 
 from reference import RefParam
 from skewadam import SkewAdam, kernels
-from skewadam.kernels import cpu, eager, rounding
+from skewadam.kernels import cpu, eager, rounding, types
 from skewadam.state import is_bank
 
 CPP = "cpp" in kernels.impls()
@@ -24,6 +27,14 @@ needs_cpp = pytest.mark.skipif(not CPP, reason="the C++ CPU kernel does not buil
 @pytest.fixture(params=kernels.impls())
 def impl(request) -> str:
     return request.param
+
+
+@pytest.fixture(params=[False, True], ids=["one-process", "three-pass"])
+def three_pass(request) -> bool:
+    return request.param
+
+
+IDENTITY = lambda items: None  # noqa: E731 - a reducer that sums nothing: the three passes of one process
 
 
 # (shape, tier, overrides): every rank 0-d..4-d, banks (3-d expert tensors), momentum and factoring switched both ways,
@@ -51,19 +62,24 @@ def _grads(shapes, steps, dtype, seed=0):
     for k in range(steps):
         grads = [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
         for grad in grads:
-            if grad.ndim == 3 and k % 2:
+            if grad.ndim == 3 and k % 2 and len(grad):
                 grad[0].zero_()
         out.append(grads)
     return out
 
 
-def _run(impl, specs, steps, dtype, *, seed=0, reducer=None, **kw):
+def _run(impl, specs, steps, dtype, *, seed=0, reducer=None, lr_tensor=None, **kw):
+    """Train ``specs`` for ``steps`` on `_grads`; ``lr_tensor``: set as every group's lr after construction (as torchao
+    and torch.compile'd loops keep it)."""
     torch.manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64).to(dtype)) for s, _, _ in specs]
     groups = [{"params": [p], "tier": t, **o} for p, (_, t, o) in zip(params, specs)]
     opt = SkewAdam(groups, impl=impl, **kw)
     if reducer is not None:
         opt._reducer = reducer
+    if lr_tensor is not None:
+        for group in opt.param_groups:
+            group["lr"] = lr_tensor
     for grads in _grads([s for s, _, _ in specs], steps, dtype):
         for p, g in zip(params, grads):
             p.grad = g
@@ -107,6 +123,29 @@ def test_cpp_matches_eager_in_fp32():
     b, _ = _run("cpp", SPECS, 8, torch.float32, lr=0.01, weight_decay=0.1)
     for x, y in zip(a, b):
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
+
+
+@needs_cpp
+@pytest.mark.parametrize("eps_mode", ["floor", "add"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_cpp_element_wise_state_is_bitwise_eager_s(dtype, eps_mode, three_pass):
+    """The contract (cpu.py): step counts, the first moment and the full second moment are element-wise EMAs that
+    both kernels compute with the same IEEE operations (no fused multiply-add), so they are bitwise equal on any CPU;
+    the factored statistics and the weights depend on sums added in different orders, so they agree to rounding."""
+    hp = dict(lr=0.01, weight_decay=0.1, eps_mode=eps_mode, eps=1e-8 if eps_mode == "floor" else 1e-30)
+    a, opt_a = _run("eager", SPECS, 6, dtype, **hp)
+    b, opt_b = _run("cpp", SPECS, 6, dtype, reducer=IDENTITY if three_pass else None, **hp)
+    compared = set()
+    for (shape, _, _), x, y in zip(SPECS, a, b):
+        for key, value in opt_a.state[x].items():
+            if key in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(opt_b.state[y][key], value), (shape, key)
+                compared.add(key)
+            else:
+                torch.testing.assert_close(opt_b.state[y][key], value, rtol=1e-3, atol=1e-12)
+        if dtype != torch.bfloat16:
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)
+    assert compared == {"step", "exp_avg", "exp_avg_sq"}
 
 
 @needs_cpp
@@ -269,3 +308,236 @@ def test_cpp_updates_a_tensor_of_more_than_2_31_elements():
     for rows in torch.arange(shape[0]).split(2048):
         expected = -(2**-4) * p.grad[rows].float()
         assert torch.equal(p.detach()[rows].float(), expected), int(rows[0])
+
+
+# ------------------------------------------------------------------------------------------- sizes a kernel indexes
+NAME = r"param_groups\[0\]\['params'\]\[0\]"
+
+
+def _stepped(impl, shape=(8, 6), **kw):
+    p = torch.nn.Parameter(torch.randn(shape, dtype=torch.float64))
+    opt = SkewAdam([p], impl=impl, **kw)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    return p, opt
+
+
+def test_state_of_another_shape_is_refused_at_the_step_naming_the_parameter(impl, three_pass):
+    """Issue 13 item 2: a (8, 6) parameter's state under a (16, 12) one. The C++ kernel read and wrote out of bounds
+    ("corrupted size vs. prev_size", abort); every kernel raises a ValueError naming the parameter and the fix."""
+    a, opt_a = _stepped(impl)
+    b = torch.nn.Parameter(torch.randn(16, 12, dtype=torch.float64))
+    opt_b = SkewAdam([b], impl=impl)
+    if three_pass:
+        opt_b._reducer = IDENTITY
+    opt_b.state[b] = {k: v.clone() for k, v in opt_a.state[a].items()}  # what a load leaves if it does not check
+    before = b.detach().clone()
+    b.grad = torch.randn_like(b)
+    with pytest.raises(ValueError, match=NAME + r": state '\w+' has shape .* needs .*del optimizer\.state\[p\]"):
+        opt_b.step()
+    assert torch.equal(b, before)
+    del opt_b.state[b]  # the fix the message names
+    opt_b.step()
+    assert not torch.equal(b, before)
+
+
+def test_a_state_dict_of_another_shape_is_refused(impl):
+    """The reproduction of issue 13 item 2 (refused at the load where it validates shapes, else at the step)."""
+    a, opt_a = _stepped(impl)
+    b = torch.nn.Parameter(torch.randn(16, 12, dtype=torch.float64))
+    opt_b = SkewAdam([b], impl=impl)
+    before = b.detach().clone()
+    with pytest.raises(ValueError, match="shape"):
+        opt_b.load_state_dict(opt_a.state_dict())
+        b.grad = torch.randn_like(b)
+        opt_b.step()
+    assert torch.equal(b, before)
+
+
+def test_parameter_data_of_a_new_shape_is_refused(impl, three_pass):
+    p, opt = _stepped(impl)
+    if three_pass:
+        opt._reducer = IDENTITY
+    p.data = torch.randn(16, 12, dtype=torch.float64)
+    p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match=NAME + r": state .* shape"):
+        opt.step()
+
+
+def test_gradient_data_of_another_shape_is_refused(impl, three_pass):
+    p, opt = _stepped(impl)
+    if three_pass:
+        opt._reducer = IDENTITY
+    p.grad.data = torch.randn(3, 3, dtype=torch.float64)  # .data skips autograd's own shape check
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=NAME + r": gradient of shape .*3, 3.* for a parameter of shape .*8, 6"):
+        opt.step()
+    assert torch.equal(p, before)
+
+
+def test_errors_name_the_parameter_by_its_name_when_the_group_has_param_names(impl):
+    model = torch.nn.Linear(6, 8).double()
+    opt = SkewAdam(model.named_parameters(), impl=impl)
+    model(torch.randn(2, 6, dtype=torch.float64)).sum().backward()
+    opt.step()
+    model.weight.data = torch.randn(16, 12, dtype=torch.float64)
+    model.weight.grad = torch.randn_like(model.weight)
+    with pytest.raises(ValueError, match=NAME + r" \('weight'\): state"):
+        opt.step()
+
+
+def _record(impl_name, shape=(8, 6), bank=False, **kw):
+    """One parameter after a step, as the kernel's record (its group's), with the kernel module."""
+    p, opt = _stepped(impl_name, shape, **kw)
+    p.grad = torch.randn_like(p)
+    _, group = opt._init_group(opt.param_groups[0], 0, 0)
+    return kernels.select(impl_name, p.device), group
+
+
+@pytest.mark.parametrize("field, make", [
+    ("grad", lambda pt: pt.grad[:4]),
+    ("step", lambda pt: torch.zeros(2)),
+    ("exp_avg", lambda pt: pt.exp_avg[:, :3]),
+    ("row_var", lambda pt: pt.row_var[:7]),
+    ("col_var", lambda pt: pt.col_var[..., :5]),
+    ("exp_avg_sq", lambda pt: torch.zeros(8, 6, dtype=torch.float64)),
+    ("shape", lambda pt: (8,)),
+])
+def test_every_kernel_checks_the_record_sizes_it_indexes_with(impl, field, make):
+    mod, group = _record(impl)
+    pt = group.params[0]
+    bad = group._replace(params=[pt._replace(**{field: make(pt)})])
+    before = pt.param.clone()
+    with pytest.raises(ValueError, match=NAME):
+        mod.step_([bad], skip_nonfinite=True)
+    with pytest.raises(ValueError, match=NAME):
+        mod.grad_stats(bad)
+    assert torch.equal(pt.param, before)
+
+
+def test_every_kernel_checks_the_int8_scales_and_bank_step_counts(impl):
+    mod, group = _record(impl, momentum_dtype="int8")
+    pt = group.params[0]
+    with pytest.raises(ValueError, match=NAME + ".*exp_avg_scale"):
+        mod.grad_stats(group._replace(params=[pt._replace(exp_avg_scale=pt.exp_avg_scale[:4])]))
+    mod, group = _record(impl, (3, 4, 5), tier="expert")
+    pt = group.params[0]
+    with pytest.raises(ValueError, match=NAME + ".*step"):
+        mod.grad_stats(group._replace(params=[pt._replace(step=pt.step[:2])]))
+
+
+@needs_cpp
+@pytest.mark.parametrize("field", ["sumsq", "rc_sumsq", "row", "col", "row_var_sum"])
+def test_cpp_checks_the_statistics_it_indexes_with(field):
+    mod, group = _record("cpp")
+    stats = mod.grad_stats(group)
+    bad = stats[0]._replace(**{field: getattr(stats[0], field)[..., :0]})
+    step = group.params[0].step.clone()
+    with pytest.raises(ValueError, match=NAME + f".*GradStats.{field}"):
+        mod.update_moments_(group, [bad])
+    assert torch.equal(group.params[0].step, step)  # nothing written
+
+
+@needs_cpp
+@pytest.mark.parametrize("field", ["u_sumsq", "rinv", "cinv", "active"])
+def test_cpp_checks_the_moments_it_indexes_with(field):
+    mod, group = _record("cpp")
+    moments = mod.update_moments_(group, mod.grad_stats(group))
+    value = getattr(moments[0], field)
+    bad = moments[0]._replace(**{field: torch.ones(1, dtype=torch.bool) if value is None else value[..., :0]})
+    before = group.params[0].param.clone()
+    with pytest.raises(ValueError, match=NAME + f".*Moments.{field}"):
+        mod.apply_updates_(group, [bad])
+    assert torch.equal(group.params[0].param, before)
+
+
+def test_a_step_count_that_is_a_python_number_is_explained(impl):
+    p, opt = _stepped(impl)
+    opt.state[p]["step"] = 3.0  # as old checkpoints and other tools save it
+    p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match=NAME + ": step of shape float"):
+        opt.step()
+
+
+def test_cpp_reads_the_records_fields_of_types_py():
+    if not CPP:
+        pytest.skip("the C++ CPU kernel does not build here")
+    fields = cpu._ext().fields()
+    assert {name: tuple(f) for name, f in fields.items()} == {
+        name: getattr(types, name)._fields for name in ("ParamTensors", "Group", "GradStats", "Moments")}
+
+    class Renamed:
+        def fields(self):
+            return {**fields, "Group": [*fields["Group"][:-1], "rounding_seed"]}
+
+    with pytest.raises(RuntimeError, match="reads Group as .*rounding_seed"):
+        cpu._check_fields(Renamed())
+
+
+# ------------------------------------------------------------------------------------------- zero-size dims
+ZERO_SPECS = [
+    ((0,), "backbone", {}), ((0, 5), "backbone", {}), ((3, 0), "backbone", {}), ((0, 0), "backbone", {}),
+    ((2, 0, 4), "backbone", {}), ((0, 5), "router", {}), ((3, 0), "router", {}), ((3, 0), "expert", {}),
+    ((2, 0, 4), "expert", {}), ((0, 3, 4), "expert", {}), ((2, 3, 0), "expert", {"use_momentum": True}),
+    ((0, 4), "expert", {"use_factored": False}), ((2, 0, 4), "expert", {"use_factored": False, "use_momentum": True}),
+]
+LIVE = ((5, 9), "backbone", {})
+
+
+@pytest.mark.parametrize("momentum_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_tensors_with_a_zero_size_dim_are_left_untouched(impl, three_pass, dtype, momentum_dtype):
+    """Issue 13 item 3: eager crashed on int8 momentum of (0, 5) ("cannot reshape tensor of 0 elements"), the C++
+    kernel on (3, 0) ("does not hold one scale per 256"). Every tier and momentum dtype: the empty tensors keep
+    zero state and step counts (nothing to update), the tensor beside them steps exactly as it does alone."""
+    if dtype == torch.float64 and momentum_dtype == "bf16":
+        pytest.skip("bf16 momentum of fp64 parameters is refused")
+    kw = dict(lr=0.01, weight_decay=0.1, momentum_dtype=momentum_dtype, reducer=IDENTITY if three_pass else None)
+    params, opt = _run(impl, [LIVE] + ZERO_SPECS, 3, dtype, **kw)
+    alone, opt_alone = _run(impl, [LIVE], 3, dtype, **kw)
+    assert torch.equal(params[0], alone[0])
+    assert all(torch.equal(v, opt_alone.state[alone[0]][k]) for k, v in opt.state[params[0]].items())
+    for (shape, _, _), p in zip(ZERO_SPECS, params[1:]):
+        assert p.shape == shape
+        for key, value in opt.state[p].items():
+            assert not value.float().any(), (shape, key)
+
+
+# ------------------------------------------------------------------------------------------- tensor lr
+@pytest.mark.parametrize("lr", [torch.tensor(0.01, dtype=torch.float64), torch.tensor([0.01], dtype=torch.float64)],
+                         ids=["0-d", "1-element"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tensor_lr_steps_bitwise_like_its_float(impl, three_pass, lr, dtype):
+    """Issue 13 item 4: torch.compile'd loops, torchao and torchtitan keep lr a 0-d tensor; every kernel uses it as a
+    tensor (eager: no host read)."""
+    kw = dict(lr=0.01, weight_decay=0.1, reducer=IDENTITY if three_pass else None)
+    a, opt_a = _run(impl, SPECS[:9], 3, dtype, **kw)
+    b, opt_b = _run(impl, SPECS[:9], 3, dtype, lr_tensor=lr, **kw)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+        assert all(torch.equal(v, opt_b.state[y][k]) for k, v in opt_a.state[x].items())
+
+
+def test_a_scheduler_writing_into_a_tensor_lr_takes_effect(impl):
+    p, opt = _stepped(impl)
+    q = torch.nn.Parameter(p.detach().clone())
+    ref = SkewAdam([q], impl=impl)
+    ref.state[q] = {k: v.clone() for k, v in opt.state[p].items()}
+    lr = torch.tensor(0.01, dtype=torch.float64)
+    opt.param_groups[0]["lr"] = lr
+    for value in (0.02, 0.005):
+        lr.fill_(value)  # as torchao's and torchtitan's schedulers write it
+        ref.param_groups[0]["lr"] = value
+        g = torch.randn_like(p)
+        p.grad, q.grad = g, g.clone()
+        opt.step()
+        ref.step()
+        assert torch.equal(p, q)
+
+
+def test_a_tensor_lr_of_more_than_one_element_is_refused(impl):
+    p, opt = _stepped(impl)
+    opt.param_groups[0]["lr"] = torch.tensor([0.01, 0.02])
+    p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+        opt.step()

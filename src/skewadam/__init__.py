@@ -9,19 +9,16 @@ Layers, lowest first. A module imports only from layers below its own (lazy impo
 every import against this list.
 
     1. tiers, models, data          tier labels; the reference MoE and its corpora (they import nothing of ours)
-    2. state                        state_spec, state_flags, check_state, measure_state
-    3. kernels, classify            the update kernels; automatic tiers
+    2. state, structure             state_spec, state_flags, check_state, measure_state; the MoE structure of a model
+    3. kernels, classify, validation  the update kernels; automatic tiers; param group checks
     4. distributed, groups, steppers  DTensor placements and the cross-shard reducer; param groups and their census;
                                     the groups stepped outside the fused kernels (orthogonal tier, Adafactor's options)
     5. optimizer                    SkewAdam
     6. arms, presets                the optimizer arms (one registry); models by name
     7. planner                      plan(): memory per arm
-    8. integrations, hf, harness    Transformers, torchtitan, Lightning; the benchmark (train, bench, report, measure)
+    8. integrations, harness        Transformers, torchtitan; the benchmark (train, bench, report, measure)
     9. cli, skewadam                the command line; this package's re-exports (skewadam/__init__.py)
    10. __main__                     ``python -m skewadam``
-
-One known exception, ``state -> kernels.quant``: `state_spec` reads the int8 momentum block size from its codec (a leaf
-module that imports only ``kernels.rounding``), until the constant moves into ``state``.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from .kernels.rounding import mix32
 from .state import StateTensor
 
-__all__ = ["state_placements", "new_state_dtensor", "check_layout", "rounding_stream", "DTensorReducer"]
+__all__ = ["state_placements", "new_state_dtensor", "check_layout", "check_grad", "rounding_stream", "DTensorReducer"]
 
 _DEEPSPEED_ATTRS = ("ds_shape", "ds_tensor", "ds_id", "ds_numel")
 
@@ -196,7 +196,6 @@ class DTensorReducer:
             if not isinstance(param, DTensor):
                 continue
             mesh = param.device_mesh
-            _check_grad(param)
             sharding = [
                 (i, d) for i, pl in enumerate(param.placements)
                 if (d := _sharded_dim(pl, max(param.ndim, 1), "parameter")) is not None and mesh.size(i) > 1
@@ -213,14 +212,14 @@ class DTensorReducer:
             for s, chunk in zip(stats, flat.split([s.numel() for s in stats])):
                 s.copy_(chunk.view_as(s))
 
-    def all_finite(self, local: bool) -> bool:
-        """Whether the gradients are finite on every rank (so all ranks skip a step together or none does)."""
-        flag = torch.tensor([1.0 if local else 0.0], device=self._device or "cpu")
+    def all_finite(self, local: Tensor) -> Tensor:
+        """Whether the gradients are finite on every rank (so all ranks skip a step together or none does), from this
+        rank's 0-d bool ``local``; a 0-d bool tensor (no host sync)."""
+        flag = local.to(device=self._device or local.device, dtype=torch.float32).reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         self.collectives += 1
         self.bytes += flag.element_size()
-        return bool(flag.item() > 0)
-
+        return flag[0] > 0
 
     def gathers(self, param: Tensor, bank: bool) -> bool:
         """Whether `gather` communicates for ``param``: a mesh dim of size > 1 shards one of its matrix dims."""
@@ -267,7 +266,9 @@ def _matrix_gathered(param: Tensor, bank: bool) -> Optional[tuple[Placement, ...
     return tuple(out) if gathered else None
 
 
-def _check_grad(param: DTensor) -> None:
+def check_grad(param: DTensor) -> None:
+    """Refuse a gradient not placed like its DTensor parameter (Partial, a plain tensor): its local shape and values
+    are not the shard's."""
     grad = param.grad
     if grad is None or (isinstance(grad, DTensor) and tuple(grad.placements) == tuple(param.placements)):
         return

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 from torch import nn
 
-from .classify import classify, hidden_matrices, split_trainable
+from .classify import classify, flattened_experts, hidden_matrices, split_trainable
 from .state import spec_nbytes, state_flags
 from .tiers import Tier
 
@@ -231,6 +231,9 @@ def _check_tier_options(tier_options: Optional[dict[str, dict[str, Any]]]) -> di
             raise ValueError(f"tier_options[{tier!r}] must be a dict of param group settings, e.g. {{'lr': 1e-4}}")
         if "params" in opts or "tier" in opts:
             raise ValueError(f"tier_options[{tier!r}] may not set 'params' or 'tier'; use rules=[...] to move tensors")
+        if "experts" in opts:
+            raise ValueError(f"tier_options[{tier!r}] may not set 'experts': param_groups sets it per flattened bank "
+                             "from the model's structure (skewadam.classify.flattened_experts)")
         out[key] = dict(opts)
     return out
 
@@ -252,8 +255,9 @@ def param_groups(
     The paper's defaults: ``weight_decay`` on backbone and expert tensors, none on the router. ``exempt_1d`` moves
     tensors with < 2 dims (norms, biases, scalars) of each tier into a group without weight decay, as common practice
     does. ``tier_options={"router": {"lr": 1e-4}}`` overrides any group setting per tier (applied last; an exempted
-    group keeps ``weight_decay=0``). Groups carry ``param_names``. With ``log`` the census goes to the ``skewadam``
-    logger (INFO), its state counted under ``defaults``: the SkewAdam settings the groups will inherit
+    group keeps ``weight_decay=0``). Groups carry ``param_names``. Flattened expert banks (`flattened_experts`) go
+    to an expert group of their own per count E with the key ``experts=E``: each tensor stacks E experts along dim 0.
+    With ``log`` the census goes to the ``skewadam`` logger (INFO), its state counted under ``defaults``: the SkewAdam settings the groups will inherit
     (`SkewAdam.from_model` passes its own).
 
     ``orthogonal`` (beyond the paper; `orthogonal_names`): True puts the hidden matrices into a backbone group with
@@ -266,6 +270,7 @@ def param_groups(
     """
     options = _check_tier_options(tier_options)
     labels = classify(model, rules)
+    flat = flattened_experts(model, rules)
     census = describe(model, tier_options=tier_options, labels=labels, defaults=defaults, orthogonal=orthogonal,
                       orthogonal_options=orthogonal_options)
     orth = set(orthogonal_names(model, labels, orthogonal))
@@ -281,11 +286,15 @@ def param_groups(
         split = [(names, False)]
         if exempt_1d:
             split = [([n for n in names if trainable[n].ndim >= 2], False), ([n for n in names if trainable[n].ndim < 2], True)]
-        for members, exempt in split:
+        split = [([n for n in m if flat.get(n) == k], exempt, k)
+                 for m, exempt in split for k in [None, *sorted({flat[n] for n in m if n in flat})]]
+        for members, exempt, experts in split:
             if not members:
                 continue
             group = {"params": [trainable[n] for n in members], "param_names": members, "tier": tier,
                      "weight_decay": default_wd}
+            if experts is not None:
+                group["experts"] = experts
             group.update(options.get(tier, {}))
             if exempt:
                 group["weight_decay"] = 0.0

@@ -1,26 +1,25 @@
 r"""`SkewAdam`: tiered optimizer state for Mixture-of-Experts training.
 
 Each param group belongs to a tier (``backbone``, ``expert``, ``router``; `skewadam.tiers`) that sets which state
-its parameters keep. The update math lives in `skewadam.kernels` as pure functions over tensor lists; this wrapper
-validates groups, allocates state lazily (`skewadam.state.state_spec`), and runs the three kernel passes with the
-cross-shard reduction seam between them.
+its parameters keep. The update math lives in `skewadam.kernels` as pure functions over one record per group
+(`skewadam.kernels.types.Group`); this wrapper validates groups, allocates state lazily
+(`skewadam.state.state_spec`), and runs the three kernel passes with the cross-shard reduction seam between them.
+Groups the fused kernels do not run (the orthogonal tier, Adafactor's options) are stepped by `skewadam.steppers`.
 """
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict
 from itertools import chain
-from typing import Any, Callable, Iterable, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from . import kernels, steppers
-from .state import (MOMENTUM_DTYPES, StateBytes, check_state, foreign_group_message, is_bank, measure_state,
-                    state_flags, state_spec)
-from .tiers import Tier
+from .kernels.types import Group, ParamTensors, all_finite, stat_dims, unit_dims
+from .state import StateBytes, check_state, is_bank, measure_state, state_flags, state_spec
+from .validation import EPS_DEFAULT, FOREIGN_KEYS, GROUP_KEYS, foreign_message, validate_group, validate_param
 
 try:  # DTensor (FSDP2, tensor/expert parallelism); absent on builds without torch.distributed
     from torch.distributed.tensor import DTensor
@@ -29,36 +28,9 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["SkewAdam"]
 
-_EPS_DEFAULT = {"floor": 1e-8, "add": 1e-30}
-_GROUP_KEYS = frozenset(
-    {"params", "lr", "betas", "eps", "weight_decay", "eps_mode", "tier", "use_momentum", "use_factored", "bank", "seed",
-     "momentum_dtype", *steppers.GROUP_DEFAULTS}
-)
-# Keys other torch APIs put into param groups: named parameters, LR schedulers' bookkeeping.
-_FOREIGN_KEYS = frozenset({"param_names", "initial_lr"})
-
 #: Reducer signature: ``reduce(items)`` sums each statistic in place across the shards of its parameter, where
 #: ``items`` is a list of ``(param, [(statistic, dims_it_sums_over), ...])``. `skewadam.distributed` provides one.
 Reducer = Callable[[list[tuple[Tensor, list[tuple[Tensor, tuple[int, ...]]]]]], None]
-
-
-class _Work(NamedTuple):
-    """One group's flat tensor lists for the kernels (local shards for DTensor parameters)."""
-
-    group: dict
-    params: list[Tensor]  # as the user holds them (DTensor or plain): for the reducer
-    local_params: list[Tensor]
-    grads: list[Tensor]
-    steps: list[Tensor]
-    exp_avgs: list[Optional[Tensor]]
-    exp_avg_sqs: list[Optional[Tensor]]
-    exp_avg_scales: list[Optional[Tensor]]
-    row_vars: list[Optional[Tensor]]
-    col_vars: list[Optional[Tensor]]
-    banks: list[bool]
-    shapes: list[torch.Size]
-    dtypes: list[torch.dtype]
-    param_ids: list[int]
 
 
 def _local(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -106,8 +78,10 @@ class SkewAdam(Optimizer):
     whose gradient is all zero (an expert that received no token) is left untouched, weights and state, exactly as
     the paper's separate expert modules with ``grad=None`` are.
 
-    Beyond the paper, ``update="orthogonal"``: Muon's :math:`p \leftarrow p(1-\mathrm{lr}\lambda) - \mathrm{lr}\,
-    0.2\sqrt{\max(A,B)}\,\mathrm{NS}_5(u)`, no second moment (`skewadam.kernels.orthogonal`, `skewadam.steppers`).
+    Beyond the paper, ``update="orthogonal"`` (for the hidden matrices, `skewadam.classify.hidden_matrices`;
+    ``param_groups(model, orthogonal=True)``): Muon's orthogonalised Nesterov momentum,
+    :math:`p \leftarrow p(1-\mathrm{lr}\lambda) - \mathrm{lr}\,0.2\sqrt{\max(A,B)}\,\mathrm{NS}_5(u)`, with
+    :math:`\mu` = ``betas[0]`` and no second moment (`skewadam.kernels.orthogonal`).
 
     .. Note:: Deviations from the paper's code.
         bf16 parameters are written with exact, unbiased stochastic rounding (a counter-based hash of ``seed``, the
@@ -128,6 +102,10 @@ class SkewAdam(Optimizer):
             (the paper's).
         tier: default tier of groups that name none. Default ``"backbone"``.
         use_momentum, use_factored, bank: per-group overrides of the tier's state (``None`` = tier default).
+        experts (group key only): the number of experts each tensor of an ``expert`` group stacks along dim 0, for
+            flattened banks ``[E*D, F]`` (`skewadam.classify.flattened_experts`; `param_groups` sets it). Validated
+            (dim 0 must divide by it) but not yet applied: such a tensor is still factored and clipped as one matrix,
+            with a warning; per-expert statistics come with the kernels' support.
         momentum_dtype: storage of the first moment: ``"fp32"`` (the statistics dtype), ``"bf16"`` (stochastically
             rounded) or ``"int8"`` (block-wise, 256 per fp32 scale; tensors with < 2 dims stay fp32); see
             `skewadam.kernels.quant`. Every kernel (eager and C++) handles it, with the same stored bytes.
@@ -137,8 +115,10 @@ class SkewAdam(Optimizer):
         impl: update kernel (`skewadam.kernels.select`): ``"auto"`` (the ``SKEWADAM_IMPL`` environment variable if
             set, else the C++ kernel for CPU tensors when it builds, eager torch ops otherwise), ``"eager"`` or
             ``"cpp"``. All give the same math; the C++ kernel is several times faster on CPU.
-        update, relative_step, beta2_decay: ``"adam"`` or ``"orthogonal"``; Adafactor's relative step (update x
-            ``max(1e-3, rms(p))``) and ``beta2_t = 1 - t^beta2_decay`` (`skewadam.steppers`). Off by default.
+        update: ``"adam"`` (the tiers' update) or ``"orthogonal"`` (above; matrices and banks of matrices only).
+        relative_step, beta2_decay: Adafactor's options (`skewadam.steppers`), off by default: the update scaled by
+            ``max(1e-3, rms(p))`` per unit, and ``beta2_t = 1 - t^beta2_decay`` (e.g. -0.8) without second-moment
+            bias correction.
 
     Example:
         >>> opt = SkewAdam([
@@ -165,7 +145,9 @@ class SkewAdam(Optimizer):
         seed: int = 0,
         skip_nonfinite: bool = True,
         impl: str = "auto",
-        update: str = "adam", relative_step: bool = False, beta2_decay: Optional[float] = None,
+        update: str = "adam",
+        relative_step: bool = False,
+        beta2_decay: Optional[float] = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode, tier=tier,
@@ -210,25 +192,29 @@ class SkewAdam(Optimizer):
         for p in params:
             p = p[1] if isinstance(p, tuple) else p  # named parameters: (name, tensor)
             if isinstance(p, Tensor):
-                _validate_param(p, group, len(self.param_groups))
+                validate_param(p, group, len(self.param_groups))
+                if torch.distributed.is_available():  # flattened (FSDP1, ZeRO-3) or Partial shards are refused
+                    from .distributed import check_layout
+
+                    check_layout(p, f"param group {len(self.param_groups)} (tier {group['tier']!r})")
         super().add_param_group(group)
 
     def _resolve_group(self, param_group: dict[str, Any], idx: int) -> dict[str, Any]:
         """A copy of ``param_group`` with this optimizer's defaults filled in, validated, and its state flags, tier
         and eps resolved (the constructor's path and `load_state_dict`'s)."""
-        unknown = set(param_group) - _GROUP_KEYS - _FOREIGN_KEYS
+        unknown = set(param_group) - GROUP_KEYS - FOREIGN_KEYS
         if unknown:
             raise ValueError(
-                f"param group {idx} has unknown key(s) {sorted(unknown)}; SkewAdam groups take {sorted(_GROUP_KEYS)}"
+                f"param group {idx} has unknown key(s) {sorted(unknown)}; SkewAdam groups take {sorted(GROUP_KEYS)}"
             )
         group = dict(param_group)
         for key, default in self.defaults.items():
             group.setdefault(key, default)
-        _validate_group(group, idx)
+        validate_group(group, idx)
         flags = state_flags(group)
         group.update(tier=flags.tier, use_momentum=flags.use_momentum, use_factored=flags.use_factored)
         if group["eps"] is None:
-            group["eps"] = _EPS_DEFAULT[group["eps_mode"]]
+            group["eps"] = EPS_DEFAULT[group["eps_mode"]]
         return group
 
     # ------------------------------------------------------------------ state dict
@@ -264,8 +250,8 @@ class SkewAdam(Optimizer):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
                                  "optimizer's group")
-            if set(saved) - _GROUP_KEYS - _FOREIGN_KEYS:
-                raise ValueError(foreign_group_message(saved, idx, _GROUP_KEYS, _FOREIGN_KEYS))
+            if set(saved) - GROUP_KEYS - FOREIGN_KEYS:
+                raise ValueError(foreign_message(saved, idx))
             groups.append(self._resolve_group(saved, idx))
         states = dict(state_dict["state"])
         for idx, (saved, group) in enumerate(zip(groups, self.param_groups)):
@@ -293,53 +279,92 @@ class SkewAdam(Optimizer):
         self.skipped_steps = int(skipped)
 
     # ------------------------------------------------------------------ step
-    def _init_group(self, group: dict, first_id: int) -> Optional[_Work]:
-        w = _Work(group, *([] for _ in range(13)))
+    def _state_of(self, p: Tensor, group: dict) -> dict:
+        """``p``'s state, allocated (zeros, step 0) by `skewadam.state.state_spec` if it has none yet."""
+        state = self.state[p]
+        if not state:
+            bank = is_bank(p.ndim, group["tier"], group["bank"])
+            spec = state_spec(
+                p.shape, p.dtype, use_momentum=group["use_momentum"], use_factored=group["use_factored"],
+                bank=bank, momentum_dtype=group["momentum_dtype"], update=group["update"],
+            )
+            for key, st in spec.items():
+                state[key] = _new_state(p, key, st, bank)
+        return state
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Allocate the state of every parameter now (zeros, step 0), as its first step would: for checkpointers that
+        load into existing state (torchtitan, ``torch.distributed.checkpoint``). Unlike their zero-gradient, zero-lr
+        step, this changes nothing: that step would count a step and decay ``eps`` into the second moments.
+
+        Example:
+            >>> opt.init_state(); dcp.load({"optim": opt.state_dict()}, checkpoint_id=path)
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._state_of(p, group)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient. Counted on the device as steps run (no host sync); reading it
+        adds the device count in (one host sync on GPU, only when asked)."""
+        pending = self.__dict__.pop("_skipped_pending", None)
+        if pending is not None:
+            self.__dict__["skipped_steps"] = self.__dict__.get("skipped_steps", 0) + int(pending)
+        return self.__dict__.get("skipped_steps", 0)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.__dict__.pop("_skipped_pending", None)
+        self.__dict__["skipped_steps"] = int(value)
+
+    def _count_skipped(self, skipped: Tensor) -> None:
+        pending = self.__dict__.get("_skipped_pending")
+        skipped = skipped.to(torch.int64)
+        self.__dict__["_skipped_pending"] = skipped if pending is None else pending + skipped
+
+    def _init_group(self, group: dict, index: int, first_id: int) -> Optional[tuple[list[Tensor], Group]]:
+        """Lazy state, then the kernel's record of group ``index`` (its parameters with gradients; local shards of
+        DTensors) and those parameters as the user holds them (for the reducer); None if no parameter has a gradient.
+        ``first_id`` is the optimizer-wide index of the group's first parameter (its rounding stream)."""
+        params, tensors = [], []
+        names = group.get("param_names")
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
-                idx = next(i for i, g in enumerate(self.param_groups) if g is group)  # by identity: == compares tensors
                 raise TypeError(
-                    f"SkewAdam does not support sparse gradients (param group {idx}, "
+                    f"SkewAdam does not support sparse gradients (param group {index}, "
                     f"tier {group['tier']!r}); use a dense embedding (sparse=False)"
                 )
+            if isinstance(p, DTensor):
+                from .distributed import check_grad
+
+                check_grad(p)
             bank = is_bank(p.ndim, group["tier"], group["bank"])
-            state = self.state[p]
-            if not state:
-                spec = state_spec(
-                    p.shape, p.dtype, use_momentum=group["use_momentum"], use_factored=group["use_factored"],
-                    bank=bank, momentum_dtype=group["momentum_dtype"],
-                )
-                for key, st in spec.items():
-                    state[key] = _new_state(p, key, st, bank)
-            w.params.append(p)
-            w.local_params.append(_local(p))
-            w.grads.append(_local(p.grad))
-            w.steps.append(_local(state["step"]))
-            for lst, key in ((w.exp_avgs, "exp_avg"), (w.exp_avg_sqs, "exp_avg_sq"), (w.exp_avg_scales, "exp_avg_scale"),
-                             (w.row_vars, "row_var"), (w.col_vars, "col_var")):
-                lst.append(_local(state.get(key)))
-            w.banks.append(bank)
-            w.shapes.append(p.shape)
-            w.dtypes.append((w.row_vars[-1] if w.row_vars[-1] is not None else w.exp_avg_sqs[-1]).dtype)
-            w.param_ids.append(_rounding_stream(p, first_id + i, group["momentum_dtype"]))
-        return w if w.params else None
+            state = self._state_of(p, group)
+            name = f"param_groups[{index}]['params'][{i}]" + (f" ({names[i]!r})" if names else "")
+            params.append(p)
+            tensors.append(ParamTensors(
+                _local(p), _local(p.grad), _local(state["step"]), _local(state.get("exp_avg")),
+                _local(state.get("exp_avg_scale")), _local(state.get("exp_avg_sq")), _local(state.get("row_var")),
+                _local(state.get("col_var")), p.shape, bank, _rounding_stream(p, first_id + i, group["momentum_dtype"]),
+                name,
+            ))
+        if not params:
+            return None
+        b1, b2 = group["betas"]
+        return params, Group(tensors, group["lr"], b1, b2, group["eps"], group["eps_mode"], group["weight_decay"],
+                             group["seed"])
 
-    def _step_outside(self, outside: list[tuple[dict, int]], work: list[_Work]) -> bool:
-        """Step `skewadam.steppers`' groups once every gradient (theirs, the kernels') is finite; False: skipped."""
-        params = [p for g, _ in outside for p in g["params"] if p.grad is not None]
-        grads = [_local(p.grad) for p in params] + [g for w in work for g in w.grads]
-        if self.skip_nonfinite and not steppers.grads_finite(grads, self._reducer):
-            self.skipped_steps += 1
-            return False
-        impl = kernels.select(self._impl, _local(params[0]).device) if params else None
-        return steppers.step_(outside, steppers.Context(self.state, _new_state, _rounding_stream, self._reducer, impl))
-
-    def _reduce(self, work: list[_Work], per_group: list[list[list[tuple[Tensor, tuple[int, ...]]]]]) -> None:
+    def _reduce(self, work: list[tuple[list[Tensor], Group]], results: list[list],
+                items: Callable[[ParamTensors, Any], list]) -> None:
+        """Hand the reducer ``(param, items(record, result))`` for every parameter (``results``: a list per group)."""
         if self._reducer is None:
             return
-        self._reducer([(p, items) for w, group_items in zip(work, per_group) for p, items in zip(w.params, group_items)])
+        self._reducer([(p, items(pt, r)) for (params, group), rs in zip(work, results)
+                       for p, pt, r in zip(params, group.params, rs)])
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -348,61 +373,57 @@ class SkewAdam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work, first_id, outside = [], 0, []
-        for group in self.param_groups:
-            if steppers.outside_kernels(group):  # orthogonal / Adafactor-option groups: `skewadam.steppers`
-                outside.append((group, first_id))
-            elif (w := self._init_group(group, first_id)) is not None:
-                work.append(w)
+        work, outside, first_id = [], [], 0
+        for index, group in enumerate(self.param_groups):
+            w = self._init_group(group, index, first_id)
             first_id += len(group["params"])
-        if self._reducer is None and any(isinstance(p, DTensor) for g in self.param_groups for p in g["params"]):
+            if w is not None and steppers.outside_kernels(group):  # the orthogonal tier, Adafactor's options
+                outside.append((group, *w))
+            elif w is not None:
+                work.append(w)
+        if self._reducer is None and any(isinstance(p, DTensor) for params, _ in work + [w[1:] for w in outside]
+                                         for p in params):
             from .distributed import DTensorReducer
 
             self._reducer = DTensorReducer()
-        if outside and not self._step_outside(outside, work):
-            return loss
+        check = self.skip_nonfinite
+        if outside:
+            if check and not bool(self._grads_finite(outside, work)):  # both kinds skip a step together
+                self.skipped_steps += 1
+                return loss
+            check = False
+            impl = kernels.select(self._impl, outside[0][2].params[0].param.device)
+            steppers.step_(outside, self._reducer, impl)
         if not work:
             return loss
-        impl = kernels.select(self._impl, work[0].local_params[0].device)
-        if self._reducer is None and hasattr(impl, "step_"):  # one process: the kernel runs the whole step at once
-            if not impl.step_(
-                [w.local_params for w in work], [w.grads for w in work], [w.steps for w in work],
-                [w.exp_avgs for w in work], [w.exp_avg_sqs for w in work], [w.row_vars for w in work],
-                [w.col_vars for w in work], banks=[w.banks for w in work], shapes=[w.shapes for w in work],
-                param_ids=[w.param_ids for w in work], betas=[w.group["betas"] for w in work],
-                eps=[w.group["eps"] for w in work], eps_mode=[w.group["eps_mode"] for w in work],
-                lr=[float(w.group["lr"]) for w in work], weight_decay=[w.group["weight_decay"] for w in work],
-                seed=[w.group["seed"] for w in work], skip_nonfinite=self.skip_nonfinite,
-                exp_avg_scales=[w.exp_avg_scales for w in work],
-            ):
-                self.skipped_steps += 1
+        groups = [group for _, group in work]
+        impl = kernels.select(self._impl, groups[0].params[0].param.device)
+        if self._reducer is None:  # one process: the kernel runs the whole step at once
+            self._count_skipped(impl.step_(groups, skip_nonfinite=check))
             return loss
-        stats = [impl.grad_stats(w.grads, w.row_vars, banks=w.banks, dtypes=w.dtypes) for w in work]
-        self._reduce(work, [[impl.stat_dims(s, g.ndim, b) for s, g, b in zip(st, w.grads, w.banks)]
-                            for w, st in zip(work, stats)])
-        if self.skip_nonfinite and not _all_finite([s.sumsq for st in stats for s in st], self._reducer):
-            self.skipped_steps += 1
-            return loss
-        moments = []
-        for w, st in zip(work, stats):
-            g = w.group
-            moments.append(impl.update_moments_(
-                w.grads, w.steps, w.exp_avgs, w.exp_avg_sqs, w.row_vars, w.col_vars, st,
-                banks=w.banks, shapes=w.shapes, beta1=g["betas"][0], beta2=g["betas"][1],
-                eps=g["eps"], eps_mode=g["eps_mode"], exp_avg_scales=w.exp_avg_scales, seed=g["seed"],
-                param_ids=w.param_ids,
-            ))
-        self._reduce(work, [[[(m.u_sumsq, impl.unit_dims(gr.ndim, b))] for m, gr, b in zip(mo, w.grads, w.banks)]
-                            for w, mo in zip(work, moments)])
-        for w, mo in zip(work, moments):
-            g = w.group
-            impl.apply_updates_(
-                w.local_params, w.grads, w.steps, w.exp_avgs, w.exp_avg_sqs, mo,
-                banks=w.banks, shapes=w.shapes, lr=float(g["lr"]), weight_decay=g["weight_decay"],
-                eps=g["eps"], eps_mode=g["eps_mode"], seed=g["seed"], param_ids=w.param_ids,
-                exp_avg_scales=w.exp_avg_scales,
-            )
+        stats = [impl.grad_stats(group) for group in groups]
+        self._reduce(work, stats, lambda pt, st: stat_dims(st, pt.grad.ndim, pt.bank))
+        skip = None
+        if check:
+            skip = _all_finite([s.sumsq for st in stats for s in st], self._reducer).logical_not()
+            self._count_skipped(skip)
+            if getattr(impl, "SKIP_ON_HOST", True):  # the kernel would read it on the host: read it once, here
+                if bool(skip):
+                    return loss
+                skip = None
+        moments = [impl.update_moments_(group, st, skip=skip) for group, st in zip(groups, stats)]
+        self._reduce(work, moments, lambda pt, mo: [(mo.u_sumsq, unit_dims(pt.grad.ndim, pt.bank))])
+        for group, mo in zip(groups, moments):
+            impl.apply_updates_(group, mo, skip=skip)
         return loss
+
+    def _grads_finite(self, outside: list[tuple[dict, list[Tensor], Group]],
+                      work: list[tuple[list[Tensor], Group]]) -> Tensor:
+        """Whether every gradient, of `skewadam.steppers`' groups and the kernels', is finite (on every rank)."""
+        grads = [pt.grad for group in [w[2] for w in outside] + [w[1] for w in work] for pt in group.params]
+        finite = torch.stack([g.isfinite().all() for g in grads]).all() if grads else torch.ones((), dtype=torch.bool)
+        agree = getattr(self._reducer, "all_finite", None)
+        return agree(finite) if agree is not None else finite
 
     def __repr__(self) -> str:
         lines = [self.__class__.__name__ + " ("]
@@ -416,70 +437,6 @@ class SkewAdam(Optimizer):
         return "\n".join(lines)
 
 
-def _validate_group(group: dict, idx: int) -> None:
-    where = f"param group {idx}"
-    lr = group["lr"]
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        lr = lr.item()  # its value is checked as a float's; the group keeps the tensor
-    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-        raise ValueError(f"Invalid learning rate in {where}: {group['lr']!r} (expected a finite float >= 0)")
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"Invalid betas in {where}: {betas!r} (expected a pair (beta1, beta2))")
-    for j, b in enumerate(betas):
-        if isinstance(b, Tensor) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {j} in {where}: {b!r} (expected a float in [0, 1))")
-    group["betas"] = (float(betas[0]), float(betas[1]))
-    if group["eps_mode"] not in _EPS_DEFAULT:
-        raise ValueError(f"Invalid eps_mode in {where}: {group['eps_mode']!r} (expected 'floor' or 'add')")
-    eps = group["eps"]
-    if eps is not None and (not isinstance(eps, (int, float)) or not eps > 0 or not math.isfinite(eps)):
-        raise ValueError(f"Invalid epsilon value in {where}: {eps!r} (expected a float > 0)")
-    wd = group["weight_decay"]
-    if not isinstance(wd, (int, float)) or not math.isfinite(wd) or wd < 0:
-        raise ValueError(f"Invalid weight_decay value in {where}: {wd!r} (expected a float >= 0)")
-    if group["momentum_dtype"] not in MOMENTUM_DTYPES:
-        raise ValueError(
-            f"Invalid momentum_dtype in {where}: {group['momentum_dtype']!r} (expected one of {MOMENTUM_DTYPES})"
-        )
-    for flag in ("use_momentum", "use_factored", "bank"):
-        if group[flag] is not None and not isinstance(group[flag], bool):
-            raise ValueError(f"Invalid {flag} in {where}: {group[flag]!r} (expected True, False or None)")
-    if not isinstance(group["seed"], int) or isinstance(group["seed"], bool):
-        raise ValueError(f"Invalid seed in {where}: {group['seed']!r} (expected an int)")
-    steppers.validate_group(group, where)
-    try:
-        Tier.parse(group["tier"])
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-
-
-def _validate_param(p: Tensor, group: dict, idx: int) -> None:
-    where = f"param group {idx} (tier {group['tier']!r})"
-    if p.is_complex():
-        raise TypeError(f"{where}: complex parameters are not supported; optimize torch.view_as_real(p) instead")
-    if p.dtype == torch.float16:
-        raise TypeError(
-            f"{where}: fp16 parameters are not supported; keep fp32 parameters with torch.autocast, or use bf16"
-        )
-    if not p.is_floating_point():
-        raise TypeError(f"{where}: parameters must be floating point, got {p.dtype}")
-    if group["momentum_dtype"] == "bf16" and p.dtype == torch.float64:
-        raise TypeError(
-            f"{where}: momentum_dtype='bf16' rounds fp32 momentum to bf16; fp64 parameters keep their momentum in "
-            f"fp64 (momentum_dtype='fp32', the statistics dtype) or int8 (momentum_dtype='int8')"
-        )
-    if group["bank"] and p.ndim < 1:
-        raise ValueError(f"{where}: bank=True needs parameters with a leading expert dim, got a 0-d tensor")
-    steppers.check_param(p, group, where)
-    if torch.distributed.is_available():  # flattened (FSDP1, DeepSpeed ZeRO-3) or Partial shards are refused
-        from .distributed import check_layout
-
-        check_layout(p, where)
-
-
 def _new_state(p: Tensor, key: str, st, bank: bool) -> Tensor:
     if isinstance(p, DTensor):
         from .distributed import new_state_dtensor
@@ -490,11 +447,9 @@ def _new_state(p: Tensor, key: str, st, bank: bool) -> Tensor:
     return torch.zeros(st.shape, dtype=st.dtype, device=device)
 
 
-def _all_finite(tensors: list[Tensor], reducer: Optional[Reducer] = None) -> bool:
-    """Whether all sums are finite; with a reducer that can tell, on every rank (so all ranks skip together)."""
-    by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
-    for t in tensors:
-        by_device[t.device].append(t.sum())
-    finite = all(bool(torch.stack(ts).sum().isfinite()) for ts in by_device.values())
+def _all_finite(sums: list[Tensor], reducer: Optional[Reducer] = None) -> Tensor:
+    """Whether all sums are finite, a 0-d bool tensor (no host sync); with a reducer that can tell, on every rank (so
+    all ranks skip together)."""
+    finite = all_finite(sums)
     agree = getattr(reducer, "all_finite", None)
     return agree(finite) if agree is not None else finite

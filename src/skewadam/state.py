@@ -27,7 +27,6 @@ the latter.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from collections import defaultdict
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
@@ -36,7 +35,6 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .kernels.quant import num_blocks
 from .tiers import TIER_STATE, Tier
 
 try:  # DTensor (FSDP2): a shard's local tensor is what this process holds
@@ -44,9 +42,18 @@ try:  # DTensor (FSDP2): a shard's local tensor is what this process holds
 except ImportError:  # pragma: no cover
     DTensor = ()  # type: ignore[assignment,misc]
 
+#: int8 momentum (`skewadam.kernels.quant`): elements per block along the last dim, each block with one fp32 scale.
+BLOCK = 256
+
+
+def num_blocks(last_dim: int) -> int:
+    """int8 scales per row of ``last_dim`` elements: ``ceil(last_dim / BLOCK)``, at least one."""
+    return max(1, math.ceil(last_dim / BLOCK))
+
 __all__ = [
-    "StateTensor", "StateFlags", "state_flags", "state_spec", "check_state", "spec_nbytes", "is_bank", "is_factored",
-    "state_dtype_for", "foreign_group_message", "COUNTER_KEYS", "MOMENTUM_DTYPES", "UPDATES", "StateBytes", "measure_state", "UNTIERED",
+    "BLOCK", "num_blocks", "StateTensor", "StateFlags", "state_flags", "state_spec", "check_state", "spec_nbytes",
+    "is_bank", "is_factored", "state_dtype_for", "COUNTER_KEYS", "MOMENTUM_DTYPES", "UPDATES", "StateBytes",
+    "measure_state", "UNTIERED",
 ]
 
 #: State entries that are bookkeeping (step counts), reported apart from the statistics themselves.
@@ -191,22 +198,6 @@ def check_state(state: Mapping[str, Any], spec: Mapping[str, StateTensor], where
                 f"{where}: state {key!r} is {list(value.shape)} {value.dtype}, expected {list(want.shape)} "
                 f"{want.dtype} for this parameter; the state belongs to a parameter of another shape or dtype"
             )
-
-
-def foreign_group_message(saved: Mapping[str, Any], idx: int, keys_taken: frozenset, foreign: frozenset) -> str:
-    """Why param group ``idx`` of a loaded state dict, with keys SkewAdam does not take (not in ``keys_taken``,
-    ``foreign`` aside), is refused: whose state dict it looks like, and what to do instead."""
-    keys = set(saved) - {"params", "tier"} - foreign
-    if "decoupled_weight_decay" in keys:  # torch's Adam and AdamW share one group layout
-        what = "torch.optim.AdamW" if saved["decoupled_weight_decay"] else "torch.optim.Adam"
-    else:
-        what = next((f"torch.optim.{name}" for name in torch.optim.__all__
-                     if isinstance(cls := getattr(torch.optim, name), type) and issubclass(cls, torch.optim.Optimizer)
-                     and keys <= set(inspect.signature(cls).parameters)), "another optimizer")
-    return (f"param group {idx} of the state dict is not SkewAdam's: it has key(s) {sorted(keys - keys_taken)} "
-            f"SkewAdam does not take{'' if 'tier' in saved else ' and no tier'}; it looks like the state dict of "
-            f"{what}. SkewAdam loads what SkewAdam.state_dict() saved: to switch optimizers, load the model weights "
-            f"and start the optimizer fresh")
 
 
 def spec_nbytes(spec: dict[str, StateTensor]) -> tuple[int, int]:

@@ -1,9 +1,10 @@
-"""SkewAdam on sharded parameters: equal to one process under FSDP2, DDP, ZeRO and expert parallelism; DCP resumes
-bitwise; what crosses ranks is a few batched statistics; flattened and Partial layouts are refused.
+"""SkewAdam on sharded parameters: equal to one process under FSDP2, DDP, ZeRO and expert parallelism, on every
+kernel; DCP resumes bitwise; what crosses ranks is a few batched statistics; flattened and Partial layouts are refused.
 
-The multi-process checks run once per session in ``worker.py`` under ``torchrun --standalone --nproc_per_node=2``
-(CPU, gloo, explicit CPU device mesh) and are asserted here one rule per test. The placement rules and refusals that
-need no process group are tested in-process.
+The multi-process checks run in ``worker.py`` under ``torchrun --standalone --nproc_per_node=2`` (CPU, gloo, explicit
+CPU device mesh), once per kernel available here (eager, what runs on GPUs, and the C++ kernel; the `results`
+fixture), and are asserted here one rule per test. The placement rules and refusals that need no process group are
+tested in-process.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from skewadam import SkewAdam
+from skewadam import SkewAdam, kernels
 from skewadam.distributed import check_layout, state_placements
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -41,10 +42,11 @@ def torchrun(*args: str) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("distributed")
-    torchrun(str(WORKER), str(out))
+@pytest.fixture(scope="module", params=kernels.impls())
+def results(request, tmp_path_factory) -> dict:
+    """Every check's figures on both ranks, with every SkewAdam on one kernel (one torchrun launch per kernel)."""
+    out = tmp_path_factory.mktemp(f"distributed-{request.param}")
+    torchrun(str(WORKER), str(out), request.param)
     return json.loads((out / "results.json").read_text())
 
 
@@ -62,6 +64,9 @@ EQUIVALENT = [
     "fsdp2_empty_shards",  # one expert: router and banks empty on rank 1
     "fsdp2_torchtitan_shard1",  # experts Shard(1) (fewer experts than ranks), attention Shard(1)
     "fsdp2_int8_momentum",  # fsdp2_uneven with int8 backbone momentum (blocks along the unsharded last dim)
+    "toy_issue13",  # issue 13's toy: the head's [1, 7] weight (momentum + factored) and [1] bias empty on rank 1
+    "toy_every_tier_empty",  # one expert: empty backbone (momentum), bank, router and 1-D shards; a (0, 300) shard
+    "toy_every_tier_empty_int8",  # the same with int8 momentum
     "ddp",
     "zero_redundancy",
     "ep_shard0_fsdp_strided",  # experts (_StridedShard(0), Shard(0)) on (efsdp, ep)
@@ -86,11 +91,33 @@ def test_without_cross_rank_reductions_the_equivalence_check_fails(results, chec
 
 
 @pytest.mark.distributed
-def test_empty_local_shards_are_exercised(results):
-    rank0, rank1 = _get(results, "fsdp2_empty_shards")
+@pytest.mark.parametrize("check, empty", [
+    ("fsdp2_empty_shards", {"blocks.1.moe.router.weight", "blocks.1.moe.experts.w1", "blocks.1.moe.experts.w2",
+                            "blocks.1.moe.experts.w3"}),
+    ("toy_issue13", {"head.weight", "head.bias", "wide"}),
+    ("toy_every_tier_empty", {"head.weight", "head.bias", "wide", "router.weight", "experts.w1", "experts.w2"}),
+])
+def test_empty_local_shards_are_exercised(results, check, empty):
+    rank0, rank1 = _get(results, check)
     assert rank0["empty_local_shards"] == []
-    assert set(rank1["empty_local_shards"]) == {
-        "blocks.1.moe.router.weight", "blocks.1.moe.experts.w1", "blocks.1.moe.experts.w2", "blocks.1.moe.experts.w3"}
+    assert set(rank1["empty_local_shards"]) == empty
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("check", [c for c in EQUIVALENT if c.startswith("toy")] + ["toy_every_tier_empty_bf16"])
+def test_empty_shards_write_finite_weights_and_skip_no_step(results, check):
+    """Issue 13: the C++ kernel left an empty shard's column sums uninitialised, wrote NaN into the head's weight and
+    then skipped every step as non-finite."""
+    for fig in _get(results, check):
+        assert fig["finite"] and fig["skipped_steps"] == 0, fig
+
+
+@pytest.mark.distributed
+def test_bf16_momentum_with_empty_shards_is_as_close_to_one_process_as_another_rounding_seed(results):
+    """bf16 momentum rounds each shard with its own bits (rank 1's rows draw other bits than one process), so the
+    sharded run can be as far from one process as a run with another seed, and no further."""
+    for fig in _get(results, "toy_every_tier_empty_bf16"):
+        assert 0 < fig["max_diff"] <= fig["seed_diff"], fig
 
 
 @pytest.mark.distributed

@@ -1,15 +1,21 @@
 """SkewAdam under FSDP2, DDP, ZeroRedundancyOptimizer and expert-parallel layouts, checked against one process.
 
-Run by ``test_distributed.py`` as ``torchrun --standalone --nproc_per_node=2 worker.py OUT_DIR`` (CPU, gloo). Every
-check trains the reference MoE (`skewadam.models`, float64, tiny) with SkewAdam groups per tier for a few steps and
-returns figures (max abs difference of parameters and optimizer state from one process on the global batch, reducer
-collectives and bytes per step, ...). Rank 0 writes ``OUT_DIR/results.json``: ``{check: {figure: value} | {"error":
-traceback}}``; the pytest side asserts on it. Exceptions are recorded per check, so one failure does not hide others.
+Run by ``test_distributed.py`` as ``torchrun --standalone --nproc_per_node=2 worker.py OUT_DIR IMPL [CHECK ...]`` (CPU,
+gloo), once per kernel: IMPL (``eager`` or ``cpp``) is the kernel every SkewAdam here runs (``SKEWADAM_IMPL``), the
+one-process references included. Every check trains the reference MoE (`skewadam.models`, float64, tiny) or the toy
+of issue 13 with SkewAdam groups per tier for a few steps and returns figures (max abs difference of parameters and
+optimizer state from one process on the global batch, reducer collectives and bytes per step, ...). Rank 0 writes
+``OUT_DIR/results.json``: ``{check: {figure: value} | {"error": traceback}}``; the pytest side asserts on it.
+Exceptions are recorded per check, so one failure does not hide others.
 
 Layouts, on 2 ranks:
 - FSDP2 (`fully_shard`): dim-0 shards with uneven sizes (vocab 67, 3 experts, 9 positions) and EMPTY shards (a single
   expert: router [1, D] and banks [1, F, D] hold nothing on rank 1); torchtitan's placement (experts ``Shard(1)`` when
   the shard degree exceeds the number of experts) mixed with column-sharded attention (``Shard(1)`` on [D, D]).
+- The toy of issue 13 (`Toy`): a head ``Linear(7, 1)`` whose ``[1, 7]`` weight (backbone: momentum + factored) and
+  ``[1]`` bias (1-D) are empty on rank 1, a ``[1, 300]`` row (int8 momentum blocks along its unsharded last dim), and
+  with one expert an empty router and empty banks too: an empty shard in every tier, with fp32, int8 and bf16
+  momentum.
 - DDP; `ZeroRedundancyOptimizer` wrapping SkewAdam (whole parameters: no reducer).
 - Expert parallelism as torchtitan lays it out (`_layout_run`): experts ``(_StridedShard(0, sf=2), Shard(0))`` on an
   (efsdp=1, ep=2) mesh, i.e. EP with FSDP on the other mesh dim (what ``fully_shard`` over ``Shard(0)`` EP DTensors
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import traceback
 from datetime import timedelta
@@ -84,6 +91,7 @@ def groups(named, momentum_dtype: str = "fp32") -> list[dict]:
     """SkewAdam groups per tier by name; the expert tier also exercises ``eps_mode="add"``."""
     tiers = {"backbone": [], "expert": [], "router": []}
     for name, p in named:
+        name = "." + name
         tiers["expert" if ".experts." in name else "router" if ".router." in name else "backbone"].append(p)
     return [dict(params=tiers["backbone"], tier="backbone", weight_decay=0.1, momentum_dtype=momentum_dtype),
             dict(params=tiers["expert"], tier="expert", weight_decay=0.1, eps_mode="add"),
@@ -187,6 +195,83 @@ def check_fsdp2(n_experts: int, placement_fn=None, disable_reducer: bool = False
         out["placements"] = _placements(model, opt)
         out["empty_local_shards"] = sorted(n for n, p in model.named_parameters() if p.to_local().numel() == 0)
     return out
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self, n_experts: int):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(n_experts, 20, 14) * 0.3)
+        self.w2 = torch.nn.Parameter(torch.randn(n_experts, 14, 20) * 0.3)
+
+    def forward(self, h_ND, gate_NE):
+        return sum(gate_NE[:, e:e + 1] * (F.silu(h_ND @ self.w1[e]) @ self.w2[e]) for e in range(self.w1.shape[0]))
+
+
+class Toy(torch.nn.Module):
+    """The MoE of issue 13: ``Linear(12, 20)``, router ``[E, 20]`` (sigmoid gates: it trains with one expert too),
+    banks ``[E, 20, 14]``/``[E, 14, 20]``, ``Linear(20, 7)``, head ``Linear(7, 1)``, and a ``[1, 300]`` row with a
+    loss of its own. Shape legend: N tokens, D=20 hidden, E experts."""
+
+    def __init__(self, n_experts: int):
+        super().__init__()
+        self.inp = torch.nn.Linear(12, 20)
+        self.router = torch.nn.Linear(20, n_experts, bias=False)
+        self.experts = _Experts(n_experts)
+        self.mid = torch.nn.Linear(20, 7)
+        self.head = torch.nn.Linear(7, 1)
+        self.wide = torch.nn.Parameter(torch.randn(1, 300) * 0.3)
+
+    def forward(self, x_N12, y_N):
+        h_ND = torch.tanh(self.inp(x_N12))
+        z_ND = self.experts(h_ND, torch.sigmoid(self.router(h_ND)))
+        out_N = self.head(torch.tanh(self.mid(h_ND + z_ND))).squeeze(-1)
+        return F.mse_loss(out_N, y_N) + (self.wide - 0.5).square().mean()
+
+
+TOY_STEPS, TOY_BATCH = 20, 8
+
+
+def toy_batches():
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(TOY_BATCH, 12, generator=g, dtype=torch.float64),
+             torch.randn(TOY_BATCH, generator=g, dtype=torch.float64)) for _ in range(TOY_STEPS)]
+
+
+def check_toy(n_experts: int, momentum_dtype: str = "fp32", dtype=torch.float64) -> dict:
+    """The toy under FSDP2 (each submodule and the root ``fully_shard``ed) against one process on the global batch.
+    ``seed_diff``: how far two one-process runs with different rounding seeds end apart (bf16 momentum rounds rank 1's
+    rows with other bits than one process does, so that is how close the sharded run can be)."""
+    def model_opt(shard: bool, seed: int = 0):
+        torch.manual_seed(0)
+        model = Toy(n_experts).to(dtype)
+        if shard:
+            for child in model.children():
+                fully_shard(child, mesh=MESH)
+            fully_shard(model, mesh=MESH)
+        return model, SkewAdam(groups(model.named_parameters(), momentum_dtype), lr=LR, seed=seed)
+
+    def one_process(seed: int):
+        ref_model, ref_opt = model_opt(shard=False, seed=seed)
+        for x, y in data:
+            ref_model(x, y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        return snapshot(ref_model.named_parameters(), ref_opt)
+
+    data = [(x.to(dtype), y.to(dtype)) for x, y in toy_batches()]
+    rows = slice(dist.get_rank() * TOY_BATCH // W, (dist.get_rank() + 1) * TOY_BATCH // W)
+    model, opt = model_opt(shard=True)
+    for x, y in data:
+        model(x[rows], y[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+    got = snapshot(model.named_parameters(), opt)
+    ref = one_process(0)
+    return {"max_diff": max_diff(ref, got), "seed_diff": max_diff(ref, one_process(1)),
+            "finite": all(bool(t.isfinite().all()) for t in got[0].values()) and all(
+                bool(v.float().isfinite().all()) for st in got[1].values() for v in st.values()),
+            "skipped_steps": opt.skipped_steps,
+            "empty_local_shards": sorted(n for n, p in model.named_parameters() if p.to_local().numel() == 0)}
 
 
 def expected_bytes_shard0(model) -> int:
@@ -434,8 +519,9 @@ def check_refusals() -> dict:
     return out
 
 
-def main(out_dir: Path) -> None:
+def main(out_dir: Path, impl: str) -> None:
     global MESH, LAYOUTS
+    os.environ["SKEWADAM_IMPL"] = impl  # every SkewAdam below, the one-process references too
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     MESH = init_device_mesh("cpu", (W,))
     LAYOUTS = ep_layouts()
@@ -445,6 +531,10 @@ def main(out_dir: Path) -> None:
         "fsdp2_torchtitan_shard1": lambda: check_fsdp2(1, torchtitan_placement),
         "fsdp2_negative_control": lambda: check_fsdp2(3, disable_reducer=True),
         "fsdp2_int8_momentum": lambda: check_fsdp2(3, momentum_dtype="int8"),
+        "toy_issue13": lambda: check_toy(3),
+        "toy_every_tier_empty": lambda: check_toy(1),
+        "toy_every_tier_empty_int8": lambda: check_toy(1, momentum_dtype="int8"),
+        "toy_every_tier_empty_bf16": lambda: check_toy(1, momentum_dtype="bf16", dtype=torch.float32),
         "ddp": check_ddp,
         "zero_redundancy": check_zero,
         **{name: (lambda pe=pe: check_layout_run(*pe)) for name, pe in LAYOUTS.items()},
@@ -456,7 +546,7 @@ def main(out_dir: Path) -> None:
         "refusals": check_refusals,
         "rounding_streams": check_rounding_streams,
     }
-    only = set(sys.argv[2:])
+    only = set(sys.argv[3:])
     results = {}
     for name, fn in checks.items():
         if only and name not in only:
@@ -474,4 +564,4 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2])

@@ -1,4 +1,5 @@
-"""Update kernels: pure functions over tensor lists, one module per implementation, same three-pass signature.
+"""Update kernels: pure functions over the records of `skewadam.kernels.types` (one `Group` per param group), one
+module per implementation, the same passes in each (the protocol is in `types`).
 
 - `eager`: torch ops, on any device (the reference path).
 - `cpu`: a C++ kernel for CPU tensors, compiled on first use and cached. It also offers ``step_``, the whole step of

@@ -4,16 +4,22 @@ The kernel (``csrc/skewadam_cpu.cpp``) runs the three passes of `skewadam.kernel
 ATen's thread pool, with the same math in the same dtype, so the distributed seam (reductions between passes) works
 unchanged. For one process, `step_` runs the whole step in one call and fuses passes 2 and 3: a bank slice or tensor
 that fits in a core's L2 cache is read from memory once for both; the result is bitwise equal to the three passes.
-Partial sums are added in a fixed block order, so results do not depend on the number of threads. bf16 parameters
-are rounded with exactly the bits of `skewadam.kernels.rounding`. A compact first moment (bf16 or int8,
-`skewadam.kernels.quant`) is decoded and encoded in the kernel with quant.py's operations in its order, so the stored
-momentum bytes and scales are eager's.
+Partial sums are added in a fixed block order, so results do not depend on the number of threads.
+
+What is bitwise eager's, on any x86-64 (both compute it with the same IEEE operations, each rounded on its own: the
+kernel is built with ``-ffp-contract=off``, eager avoids the fused ``torch.lerp``, and the int8 code takes a correctly
+rounded square root on both): the step counts, the first moment in every storage (fp32/fp64 values, bf16 values,
+int8 codes and scales) and the full second moment ``exp_avg_sq``; bf16 parameters and momentum are rounded with
+exactly the bits of `skewadam.kernels.rounding`. The factored statistics and the weights depend on sums, which the
+two add in different orders: they agree to rounding (within a few ULPs; the fp64 reference to 1e-12).
 
 The extension is compiled on first use with `torch.utils.cpp_extension.load` (``-O3 -march=native -fopenmp``, about
 a minute; the time is printed once) and cached under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``)
-in a folder named by a hash of the source, the flags, the torch version and the CPU, so later processes load it in
-milliseconds. `available()` says whether it could be built; `skewadam.SkewAdam` falls back to the eager path with a
-one-line warning when it cannot (no compiler, no ninja).
+in a folder named by a hash of the source, the flags (the constants it takes from quant.py, rounding.py and types.py
+are ``-D`` flags), the torch version and the CPU, so later processes load it in milliseconds. `available()` says
+whether it could be built; `skewadam.SkewAdam` falls back to the eager path with a one-line warning when it cannot
+(no compiler, no ninja). The kernel reads `skewadam.kernels.types`' records field by field; loading checks that the
+extension's list of fields is types.py's.
 """
 
 from __future__ import annotations
@@ -30,17 +36,36 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .eager import GradStats, Moments, stat_dims, unit_dims
+from . import quant, rounding
+from .types import ROW_MEAN_FLOOR, GradStats, Group, Moments, check, stat_dims, unit_dims
 
 __all__ = [
     "GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "step_", "unit_dims", "stat_dims",
-    "load", "available", "stochastic_round_bf16",
+    "load", "available", "stochastic_round_bf16", "SKIP_ON_HOST",
 ]
 
+SKIP_ON_HOST = True  # ``skip`` is a CPU tensor, read by the kernel (free on the CPU)
+
 _SOURCE = Path(__file__).with_name("csrc") / "skewadam_cpu.cpp"
+
+
+def _defines() -> list[str]:
+    """The constants the kernel shares with the Python modules that define them, as -D flags (hashed into the build)."""
+    return [
+        f"-DSKEWADAM_QBLOCK={quant.BLOCK}",
+        f"-DSKEWADAM_QMAX={float(quant.QMAX).hex()}",
+        f"-DSKEWADAM_MOMENTUM_STREAM={quant.MOMENTUM_STREAM:#x}u",
+        f"-DSKEWADAM_MUL1={rounding._MUL1:#x}u",
+        f"-DSKEWADAM_MUL2={rounding._MUL2:#x}u",
+        f"-DSKEWADAM_GOLDEN={rounding._GOLDEN:#x}u",
+        f"-DSKEWADAM_ROW_MEAN_FLOOR={float(ROW_MEAN_FLOOR).hex()}",
+    ]
+
+
 # -fopenmp: at::parallel_for is OpenMP in torch's CPU wheels, and the link resolves to the libgomp.so.1 torch has
-# already loaded (same soname), so there is one thread pool. -fno-math-errno lets sqrt vectorise.
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+# already loaded (same soname), so there is one thread pool. -fno-math-errno lets sqrt vectorise. -ffp-contract=off:
+# no fused multiply-add where eager's torch ops round twice (the element-wise state is bitwise eager's).
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", *_defines()]
 _LDFLAGS = ["-fopenmp"]
 _lib = None
 _error: Optional[str] = None
@@ -55,6 +80,17 @@ def _cpu_id() -> str:
         return "".join(lines)
     except OSError:
         return platform.processor() + platform.machine()
+
+
+def _check_fields(lib) -> None:
+    """The extension reads the records positionally: its field lists must be types.py's."""
+    from . import types
+
+    for name, fields in lib.fields().items():
+        ours = getattr(types, name)._fields
+        if tuple(fields) != ours:
+            raise RuntimeError(f"the C++ kernel reads {name} as {tuple(fields)}, but skewadam.kernels.types defines "
+                               f"{ours}: update csrc/skewadam_cpu.cpp's records with types.py")
 
 
 def _load():
@@ -77,6 +113,7 @@ def _load():
     if not cached:
         print(f"skewadam: compiled the C++ CPU kernel in {time.perf_counter() - start:.1f} s (cached in {build_dir})",
               file=sys.stderr)
+    _check_fields(lib)
     return lib
 
 
@@ -118,117 +155,50 @@ def available(warn: bool = False) -> bool:
         return False
 
 
-def grad_stats(
-    grads: Sequence[Tensor],
-    row_vars: Sequence[Optional[Tensor]],
-    *,
-    banks: Sequence[bool],
-    dtypes: Sequence[torch.dtype],
-) -> list[GradStats]:
+def _seeded(group: Group) -> Group:
+    """The group with its seed reduced to the 32 bits the rounding keys use (the kernel takes an int64)."""
+    return group if 0 <= group.seed <= 0xFFFFFFFF else group._replace(seed=group.seed & 0xFFFFFFFF)
+
+
+def _call(fn: str, groups: Sequence[Group], *args):
+    """Run extension function ``fn``; a record the extension cannot even convert (pybind's TypeError: a step that is
+    a Python number, a missing gradient) is explained by `skewadam.kernels.types.check`."""
+    try:
+        return getattr(_ext(), fn)(*args)
+    except TypeError:
+        for group in groups:
+            for pt in group.params:
+                check(pt)
+        raise
+
+
+def grad_stats(group: Group) -> list[GradStats]:
     """Pass 1 (`skewadam.kernels.eager.grad_stats`): sums of g^2, nothing written."""
-    return [GradStats(*s) for s in _ext().grad_stats(grads, row_vars, banks, dtypes)]
+    return [GradStats(*s) for s in _call("grad_stats", [group], _seeded(group))]
 
 
-def update_moments_(
-    grads: Sequence[Tensor],
-    steps: Sequence[Tensor],
-    exp_avgs: Sequence[Optional[Tensor]],
-    exp_avg_sqs: Sequence[Optional[Tensor]],
-    row_vars: Sequence[Optional[Tensor]],
-    col_vars: Sequence[Optional[Tensor]],
-    stats: Sequence[GradStats],
-    *,
-    banks: Sequence[bool],
-    shapes: Sequence[torch.Size],
-    beta1: float,
-    beta2: float,
-    eps: float,
-    eps_mode: str,
-    exp_avg_scales: Optional[Sequence[Optional[Tensor]]] = None,
-    seed: int = 0,
-    param_ids: Optional[Sequence[int]] = None,
-) -> list[Moments]:
-    """Pass 2 (`skewadam.kernels.eager.update_moments_`): step counts, moments, per-unit sum of u^2.
-
-    A compact first moment (bf16, or int8 with ``exp_avg_scales``) is decoded, updated and stored back with the
-    bytes `skewadam.kernels.quant` writes; ``seed`` and ``param_ids`` key a bf16 one's stochastic rounding.
-    """
-    n = len(grads)
-    out = _ext().update_moments(
-        grads, steps, exp_avgs, exp_avg_sqs, row_vars, col_vars, stats, banks, shapes, beta1, beta2, eps,
-        eps_mode == "add", list(exp_avg_scales) if exp_avg_scales is not None else [None] * n, seed & 0xFFFFFFFF,
-        list(param_ids) if param_ids is not None else list(range(n)),
-    )
-    return [Moments(u, corr_t if corr_t is not None else corr_f, rinv, cinv, active)
-            for u, corr_t, corr_f, rinv, cinv, active in out]
+def update_moments_(group: Group, stats: Sequence[GradStats], *, skip: Optional[Tensor] = None) -> list[Moments]:
+    """Pass 2 (`skewadam.kernels.eager.update_moments_`): step counts, moments, per-unit sum of u^2. A compact first
+    moment is decoded, updated and stored back with the bytes `skewadam.kernels.quant` writes. ``skip`` True: nothing
+    written, zeros returned."""
+    return [Moments(*m) for m in _call("update_moments", [group], _seeded(group), list(stats), skip)]
 
 
-def apply_updates_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    steps: Sequence[Tensor],
-    exp_avgs: Sequence[Optional[Tensor]],
-    exp_avg_sqs: Sequence[Optional[Tensor]],
-    moments: Sequence[Moments],
-    *,
-    banks: Sequence[bool],
-    shapes: Sequence[torch.Size],
-    lr: float,
-    weight_decay: float,
-    eps: float,
-    eps_mode: str,
-    seed: int,
-    param_ids: Sequence[int],
-    exp_avg_scales: Optional[Sequence[Optional[Tensor]]] = None,
-) -> None:
+def apply_updates_(group: Group, moments: Sequence[Moments], *, skip: Optional[Tensor] = None) -> None:
     """Pass 3 (`skewadam.kernels.eager.apply_updates_`): clip, decay, write; bf16 rounded stochastically."""
-    corr = [mo.corr for mo in moments]
-    _ext().apply_updates(
-        params, grads, steps, exp_avgs, exp_avg_sqs, [mo.u_sumsq for mo in moments],
-        [c if isinstance(c, Tensor) else None for c in corr], [0.0 if isinstance(c, Tensor) else c for c in corr],
-        [mo.rinv for mo in moments], [mo.cinv for mo in moments], [mo.active for mo in moments],
-        banks, shapes, lr, weight_decay, eps, eps_mode == "add", seed & 0xFFFFFFFF, param_ids,
-        list(exp_avg_scales) if exp_avg_scales is not None else [None] * len(params),
-    )
+    _call("apply_updates", [group], _seeded(group), list(moments), skip)
 
 
-def step_(
-    params: Sequence[Sequence[Tensor]],
-    grads: Sequence[Sequence[Tensor]],
-    steps: Sequence[Sequence[Tensor]],
-    exp_avgs: Sequence[Sequence[Optional[Tensor]]],
-    exp_avg_sqs: Sequence[Sequence[Optional[Tensor]]],
-    row_vars: Sequence[Sequence[Optional[Tensor]]],
-    col_vars: Sequence[Sequence[Optional[Tensor]]],
-    *,
-    banks: Sequence[Sequence[bool]],
-    shapes: Sequence[Sequence[torch.Size]],
-    param_ids: Sequence[Sequence[int]],
-    betas: Sequence[tuple[float, float]],
-    eps: Sequence[float],
-    eps_mode: Sequence[str],
-    lr: Sequence[float],
-    weight_decay: Sequence[float],
-    seed: Sequence[int],
-    skip_nonfinite: bool,
-    exp_avg_scales: Optional[Sequence[Sequence[Optional[Tensor]]]] = None,
-) -> bool:
-    """The whole step of one process (no reduction seam), in one call: passes 1-3 of every param group.
+def step_(groups: Sequence[Group], *, skip_nonfinite: bool) -> Tensor:
+    """The whole step of one process (no reduction seam), in one call: passes 1-3 of every group.
 
-    Lists are per param group (the tensor lists of the three pass functions, and each group's hyperparameters).
-    ``exp_avg_scales`` holds the int8 momentum's scales (None where the first moment is not int8, or omitted).
-    Bitwise equal to `grad_stats`, `update_moments_` and `apply_updates_` run in turn, but the statistics never
-    become tensors, and passes 2 and 3 run back to back on each unit that fits in a core's L2 cache.
+    Bitwise equal to `grad_stats`, `update_moments_` and `apply_updates_` run in turn, but the statistics never become
+    tensors, and passes 2 and 3 run back to back on each unit that fits in a core's L2 cache.
 
     Returns:
-        False, having written nothing, if ``skip_nonfinite`` and some gradient holds inf or NaN; True otherwise.
+        A 0-d bool tensor: True, having written nothing, if ``skip_nonfinite`` and some gradient holds inf or NaN.
     """
-    hypers = [_ext().Hyper(b[0], b[1], e, m == "add", l, w, s & 0xFFFFFFFF)
-              for b, e, m, l, w, s in zip(betas, eps, eps_mode, lr, weight_decay, seed)]
-    if exp_avg_scales is None:
-        exp_avg_scales = [[None] * len(ps) for ps in params]
-    return _ext().step(params, grads, steps, exp_avgs, exp_avg_scales, exp_avg_sqs, row_vars, col_vars, banks, shapes,
-                       param_ids, hypers, skip_nonfinite)
+    return _call("step", groups, [_seeded(g) for g in groups], skip_nonfinite)
 
 
 def stochastic_round_bf16(x: Tensor, key: int) -> Tensor:

@@ -1,4 +1,4 @@
-"""SkewAdam's update as pure functions over tensor lists, written with eager torch ops (the portable path).
+"""SkewAdam's update as pure functions over `skewadam.kernels.types` records, written with eager torch ops (any device).
 
 Shape legend: ``E`` bank (dim 0 of a stacked expert tensor, one slice per expert), ``...`` batch dims,
 ``R`` rows (dim -2), ``C`` columns (dim -1). A *unit* is what gets its own RMS clip and step count: a bank slice, or the
@@ -17,126 +17,179 @@ Means use the *global* shapes passed in, so a shard divides its partial sums by 
 The row-statistic mean is carried as a sum updated by linearity, ``sum_i row_i' = b2*sum_i row_i + (1-b2)*sum_i
 rowmean_i``, so a row-sharded tensor needs no extra collective (exact up to summation order).
 
-Temporaries: each pass allocates a few fp32 tensors the size of what it processes. A bank larger than
-`CHUNK_NUMEL` elements is processed a group of whole slices at a time (its units are slices, so nothing crosses a
-chunk and the results are bitwise those of the whole tensor), which bounds the transient memory of a huge expert
-bank by a few times `CHUNK_NUMEL` instead of a few times the bank.
+EMAs are ``s * beta + x * (1 - beta)``, each operation rounded on its own (`ema`), not ``torch.lerp``, whose CPU kernel
+fuses a multiply-add or not depending on the CPU's vector unit: the element-wise state (momentum in every storage, the
+full second moment, step counts) is then bitwise the C++ kernel's on any CPU. Sums (the factored statistics, the
+clip) are added in another order, so weights agree to rounding.
+
+Memory: a tensor is processed along dim 0, a chunk of whole dim-0 slices (rows of a matrix, bank slices) of at most
+`CHUNK_NUMEL` elements at a time (at least one slice), so the fp32 temporaries of a pass (about ten in a bf16 step)
+are chunk-sized, not tensor-sized. Results do not depend on the chunking: its sums are taken per *block* of
+`BLOCK_NUMEL` elements of whole slices (fixed by the shape alone; a chunk holds whole blocks), each block by its own
+reduction, and the block partials are added once at the end. Small tensors are one block, one chunk.
+
+Host syncs: none but the documented one, reading the finite check in `step_` (and ``skip`` where it is a tensor). A
+bank's step counts and bias corrections stay on its device and its rounding keys are computed there; a non-bank
+tensor's step count is a host scalar, as in torch's optimizers.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from .quant import load_momentum, store_momentum_
 from .rounding import rounding_key, stochastic_round_bf16
+from .types import (ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, all_finite, check, check_lr,
+                    stat_dims, unit_dims, unit_numel)
 
-__all__ = ["GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "unit_dims", "stat_dims",
-           "chunk_slices"]
+__all__ = ["GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "step_", "unit_dims",
+           "stat_dims", "chunk_slices", "ema", "CHUNK_NUMEL", "BLOCK_NUMEL", "SKIP_ON_HOST", "step_transient_bytes"]
 
-_ROW_MEAN_FLOOR = 1e-15  # the paper's guard on mean(row) in eps_mode="floor"
-CHUNK_NUMEL = 1 << 24  # 64 MiB of fp32: banks above this are processed in groups of slices
+CHUNK_NUMEL = 1 << 24  # 64 MiB of fp32: tensors above this are processed a chunk of whole dim-0 slices at a time
+BLOCK_NUMEL = 1 << 20  # sums are taken per block of whole dim-0 slices of about this many elements
+SKIP_ON_HOST = True  # a tensor ``skip`` is read on the host (one sync on GPU); the optimizer reads it once per step
 
-
-class GradStats(NamedTuple):
-    """Pass-1 sums of g^2. Each field pairs with the dims it sums over (`stat_dims`) for the distributed seam."""
-
-    sumsq: Tensor  # per unit, keepdim: [E, 1, ...] or [1, ...]
-    rc_sumsq: Optional[Tensor]  # factored: per batch matrix [..., 1, 1]
-    row: Optional[Tensor]  # factored: sum_j g^2, [..., R, 1]
-    col: Optional[Tensor]  # factored: sum_i g^2, [..., 1, C]
-    row_var_sum: Optional[Tensor]  # factored: sum_i row_var before this step, [..., 1, 1]
-
-
-class Moments(NamedTuple):
-    """Pass-2 results that pass 3 needs (all small: no parameter-sized tensor)."""
-
-    u_sumsq: Tensor  # per unit, keepdim
-    corr: Tensor | float  # bias correction per unit
-    rinv: Optional[Tensor]  # factored: [..., R, 1]
-    cinv: Optional[Tensor]  # factored: [..., 1, C]
-    active: Optional[Tensor]  # bank: which slices had a non-zero gradient, [E, 1, ...]
-
-
-def unit_dims(ndim: int, bank: bool) -> tuple[int, ...]:
-    """The dims one unit (clip, step count) spans: all of them, or all but the bank dim."""
-    return tuple(range(1 if bank else 0, ndim))
-
-
-def stat_dims(stats: GradStats, ndim: int, bank: bool) -> list[tuple[Tensor, tuple[int, ...]]]:
-    """Pair each present statistic with the parameter dims it sums over (what a shard must all-reduce)."""
-    dims = [unit_dims(ndim, bank), (ndim - 2, ndim - 1), (ndim - 1,), (ndim - 2,), (ndim - 2,)]
-    return [(t, d) for t, d in zip(stats, dims) if t is not None]
+Scalar = Union[float, Tensor]
 
 
 def _compute(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def chunk_slices(shape: Sequence[int], bank: bool) -> int:
-    """Slices of dim 0 the kernels process at a time: whole slices up to `CHUNK_NUMEL` elements for a large bank
-    (at least one), all of dim 0 otherwise."""
-    n0 = shape[0] if shape else 1
-    numel = math.prod(shape)
-    if not bank or numel <= CHUNK_NUMEL or n0 <= 1:
-        return n0
-    return max(1, CHUNK_NUMEL // max(1, numel // n0))
+def ema(s: Tensor, x: Tensor, beta: float) -> Tensor:
+    """``s * beta + x * (1 - beta)``, every operation rounded on its own (no fused multiply-add, which torch.lerp's CPU
+    kernel uses or not depending on the CPU's vector unit), the coefficients rounded from float64."""
+    return torch.mul(x, 1.0 - beta).add_(torch.mul(s, beta))
 
 
-def _chunks(t: Tensor, bank: bool) -> list[slice]:
-    """Slice ranges along dim 0 that split a large bank into groups of whole slices (one range otherwise)."""
-    n0 = t.shape[0] if t.ndim else 1
-    per = chunk_slices(t.shape, bank)
-    if per >= n0:
+def _ema_(s: Tensor, x: Tensor, beta: float, active: Optional[Tensor] = None) -> None:
+    """``s = ema(s, x, beta)`` in place; with ``active`` (a bank's live slices) only where it holds."""
+    if active is None:
+        s.mul_(beta).add_(torch.mul(x, 1.0 - beta))
+    else:
+        s.copy_(torch.where(active, ema(s, x, beta), s))
+
+
+def _slices(shape: Sequence[int]) -> tuple[int, int]:
+    """``(dim-0 slices, elements per slice)``; a 0-d tensor is one slice of one element."""
+    return (shape[0], math.prod(shape[1:])) if len(shape) else (1, 1)
+
+
+def _block_slices(shape: Sequence[int]) -> int:
+    """Dim-0 slices per summation block: whole slices up to `BLOCK_NUMEL` elements (at least one)."""
+    return max(1, BLOCK_NUMEL // max(1, _slices(shape)[1]))
+
+
+def chunk_slices(shape: Sequence[int], bank: bool = False) -> int:
+    """Slices of dim 0 the eager kernels process at a time: whole summation blocks up to `CHUNK_NUMEL` elements (at
+    least one block), all of dim 0 for smaller tensors. The same rule for banks and other tensors (``bank`` is
+    accepted for callers that pass it).
+
+    Example:
+        >>> chunk_slices((50304, 768))  # 21,845 rows (16.8M elements) per chunk: 3 chunks
+        21845
+    """
+    n0, per_slice = _slices(shape)
+    block = _block_slices(shape)
+    per = max(1, CHUNK_NUMEL // (block * max(1, per_slice))) * block
+    return max(1, min(n0, per))
+
+
+def _chunks(shape: Sequence[int]) -> list[slice]:
+    n0 = _slices(shape)[0]
+    per = chunk_slices(shape)
+    if not len(shape) or per >= n0:
         return [slice(None)]
     return [slice(a, min(a + per, n0)) for a in range(0, n0, per)]
 
 
-def _at(t, sl: slice):
-    """``t[sl]`` for tensors (None and floats pass through)."""
-    return t[sl] if isinstance(t, Tensor) and sl != slice(None) else t
+def _blocks(rows: int, per: int) -> list[slice]:
+    """Summation blocks of a chunk of ``rows`` dim-0 slices (chunks hold whole blocks but the last)."""
+    if rows <= per:
+        return [slice(None)]
+    return [slice(a, min(a + per, rows)) for a in range(0, rows, per)]
 
 
-def _cat(parts: list):
-    """Join per-chunk results along dim 0 (None and floats pass through)."""
-    if len(parts) == 1 or not isinstance(parts[0], Tensor):
-        return parts[0]
-    return torch.cat(parts)
+def _at(t, sl: slice, n0: int):
+    """Rows ``sl`` of ``t`` when its dim 0 runs along the parameter's dim 0 (size ``n0``); other tensors (a 2-D
+    matrix's ``[1, C]`` column statistics, floats, None) are the same for every chunk."""
+    if sl == slice(None) or not isinstance(t, Tensor) or t.ndim == 0 or t.shape[0] != n0:
+        return t
+    return t[sl]
 
 
-def grad_stats(
-    grads: Sequence[Tensor],
-    row_vars: Sequence[Optional[Tensor]],
-    *,
-    banks: Sequence[bool],
-    dtypes: Sequence[torch.dtype],
-) -> list[GradStats]:
-    """Pass 1: sums of g^2 (nothing is written)."""
-    out = []
-    for g, row_var, bank, dtype in zip(grads, row_vars, banks, dtypes):
-        parts = [_stats_one(_at(g, sl), _at(row_var, sl), bank, dtype) for sl in _chunks(g, bank)]
-        out.append(GradStats(*(_cat(list(f)) for f in zip(*parts))))
-    return out
+def _cat(parts: list) -> Optional[Tensor]:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _stats_one(g: Tensor, row_var: Optional[Tensor], bank: bool, dtype: torch.dtype) -> GradStats:
-    sq = _compute(g, dtype).square()
-    dims = unit_dims(g.ndim, bank)
+def _unit_sums(x: Tensor, bank: bool, per_block: int) -> list[Tensor]:
+    """Per summation block of ``x`` (a chunk): its sum over each unit's dims (a bank: one per slice), keepdim."""
+    if x.ndim == 0:
+        return [x]
+    dims = unit_dims(x.ndim, bank)
+    return [x[b].sum(dims, keepdim=True) for b in _blocks(x.shape[0], per_block)]
+
+
+def _total(parts: list[Tensor], bank: bool) -> Tensor:
+    """The per-unit sums from `_unit_sums`' block parts: a bank's per-slice sums joined, other tensors' added."""
+    if len(parts) == 1 or bank:
+        return _cat(parts)
+    return torch.cat(parts).sum(0, keepdim=True)
+
+
+def _dtype(pt: ParamTensors) -> torch.dtype:
+    return (pt.row_var if pt.row_var is not None else pt.exp_avg_sq).dtype
+
+
+def _key(seed: int, pt: ParamTensors):
+    """The rounding key of this step: a bank's from its step counts on its device, a tensor's from its host count."""
+    step = pt.step.sum(dtype=torch.int64) if pt.bank else int(pt.step.item())
+    return rounding_key(seed, pt.stream, step)
+
+
+# ------------------------------------------------------------------------------------------------------------ pass 1
+def grad_stats(group: Group) -> list[GradStats]:
+    """Pass 1: sums of g^2 (nothing is written). Raises ValueError naming a parameter whose gradient or state does
+    not fit it (`skewadam.kernels.types.check`), or for a tensor lr of more than one element, before any pass writes."""
+    check_lr(group.lr)
+    for pt in group.params:
+        check(pt)
+    return [_grad_stats(pt) for pt in group.params]
+
+
+def _grad_stats(pt: ParamTensors) -> GradStats:
+    g, row_var, bank = pt.grad, pt.row_var, pt.bank
+    dtype = _dtype(pt)
+    per_block = _block_slices(g.shape)
+    n0 = _slices(g.shape)[0]
+    sums, rows, cols = [], [], []
+    for sl in _chunks(g.shape):
+        sq = _compute(_at(g, sl, n0), dtype).square()
+        if row_var is None:
+            sums += _unit_sums(sq, bank, per_block)
+            continue
+        for b in _blocks(sq.shape[0], per_block):
+            rows.append(sq[b].sum(-1, keepdim=True))
+            cols.append(sq[b].sum(-2, keepdim=True))
     if row_var is None:
-        return GradStats(sq.sum(dims, keepdim=True) if dims else sq, None, None, None, None)
-    row = sq.sum(-1, keepdim=True)
-    col = sq.sum(-2, keepdim=True)
+        return GradStats(_total(sums, bank), None, None, None, None)
+    row = _cat(rows)
+    col = _cat(cols)
+    if g.ndim == 2 and len(cols) > 1:  # dim 0 is the matrix's rows: the blocks hold partial column sums
+        col = col.sum(0, keepdim=True)
     rc = row.sum(-2, keepdim=True)
-    return GradStats(rc.sum(dims, keepdim=True), rc, row, col, row_var.sum(-2, keepdim=True))
+    return GradStats(rc.sum(unit_dims(g.ndim, bank), keepdim=True), rc, row, col, row_var.sum(-2, keepdim=True))
 
 
-def _bias_correction(step: Tensor, bank: bool, beta1: Optional[float], beta2: float, dtype) -> Tensor | float:
+# ------------------------------------------------------------------------------------------------------------ pass 2
+def _bias_correction(step: Tensor, bank: bool, beta1: Optional[float], beta2: float, dtype) -> Scalar:
     """sqrt(1 - beta2^t) / (1 - beta1^t), in float64 (1 - beta in float32 is off by ~1e-5 relative)."""
     if not bank:
-        t = step.item()
+        t = step.item()  # a host scalar
         c = math.sqrt(1.0 - beta2**t)
         return c / (1.0 - beta1**t) if beta1 is not None else c
     t = step.double().clamp(min=1.0)  # idle slices (t = 0) are masked out; clamp keeps them finite
@@ -146,158 +199,143 @@ def _bias_correction(step: Tensor, bank: bool, beta1: Optional[float], beta2: fl
     return c.to(dtype)
 
 
-def update_moments_(
-    grads: Sequence[Tensor],
-    steps: Sequence[Tensor],
-    exp_avgs: Sequence[Optional[Tensor]],
-    exp_avg_sqs: Sequence[Optional[Tensor]],
-    row_vars: Sequence[Optional[Tensor]],
-    col_vars: Sequence[Optional[Tensor]],
-    stats: Sequence[GradStats],
-    *,
-    banks: Sequence[bool],
-    shapes: Sequence[torch.Size],
-    beta1: float,
-    beta2: float,
-    eps: float,
-    eps_mode: str,
-    exp_avg_scales: Optional[Sequence[Optional[Tensor]]] = None,
-    seed: int = 0,
-    param_ids: Optional[Sequence[int]] = None,
-) -> list[Moments]:
+def _zero_moments(pt: ParamTensors, st: GradStats) -> Moments:
+    """What pass 2 returns for a skipped step or a parameter with no elements: nothing to clip or write."""
+    z = torch.zeros_like(st.sumsq)
+    return Moments(z, z.clone() if pt.bank else 0.0, None if st.row is None else torch.zeros_like(st.row),
+                   None if st.col is None else torch.zeros_like(st.col),
+                   torch.zeros_like(st.sumsq, dtype=torch.bool) if pt.bank else None)
+
+
+def update_moments_(group: Group, stats: Sequence[GradStats], *, skip: Optional[Tensor] = None) -> list[Moments]:
     """Pass 2: update step counts, second moments and momentum in place; return what the clip needs.
 
     floor: ``denom = sqrt(max(row/max(mean(row),1e-15), eps)) * sqrt(max(col, eps))`` or ``sqrt(max(v, eps))``.
     add:   ``g^2 + eps`` is accumulated instead and ``denom = sqrt(row/mean(row)) * sqrt(col)`` or ``sqrt(v)``.
 
-    A compact first moment (int8 with ``exp_avg_scales``, or bf16: `skewadam.kernels.quant`) is decoded, updated in
-    the compute dtype and stored back here; ``u`` is then formed from the stored value, as pass 3 will read it.
-    ``seed`` and ``param_ids`` key the stochastic rounding of a bf16 first moment.
+    A compact first moment (int8 with its scales, or bf16: `skewadam.kernels.quant`) is decoded, updated in the
+    compute dtype and stored back here; ``u`` is then formed from the stored value, as pass 3 will read it.
+    ``skip`` (read on the host): when True, nothing is written and the moments are zeros.
     """
-    hyper = dict(beta1=beta1, beta2=beta2, eps=eps, eps_mode=eps_mode)
-    out = []
-    for i, (g, step, st, bank, shape) in enumerate(zip(grads, steps, stats, banks, shapes)):
-        m, v, row_var, col_var = exp_avgs[i], exp_avg_sqs[i], row_vars[i], col_vars[i]
-        scale = exp_avg_scales[i] if exp_avg_scales is not None else None
-        dtype = (row_var if row_var is not None else v).dtype
-        active = None
-        if bank:
-            active = st.sumsq > 0  # an expert that saw no token has an all-zero slice: leave it untouched
-            step.add_(active.view(-1))
-        else:
-            step.add_(1)
-        corr = _bias_correction(step, bank, beta1 if m is not None else None, beta2, dtype)
-        if bank:
-            corr = corr.view(-1, *([1] * (g.ndim - 1)))
-        key = 0  # only a bf16 first moment draws rounding bits: read the step (a host sync on GPU) only then
-        if m is not None and m.dtype == torch.bfloat16 and dtype != torch.bfloat16:
-            key = rounding_key(seed, param_ids[i] if param_ids is not None else i, int(step.sum().item()))
-        unit = math.prod(g.shape[1:]) if bank else 0
-        parts = [
-            _moments_one(_at(g, sl), _at(m, sl), _at(scale, sl), _at(v, sl), _at(row_var, sl), _at(col_var, sl),
-                         GradStats(*(_at(t, sl) for t in st)), _at(active, sl), _at(corr, sl), bank, shape, dtype,
-                         key=key, offset=(sl.start or 0) * unit, **hyper)
-            for sl in _chunks(g, bank)
-        ]
-        out.append(Moments(*(_cat(list(f)) for f in zip(*parts))))
-    return out
+    if skip is not None and bool(skip):
+        return [_zero_moments(pt, st) for pt, st in zip(group.params, stats)]
+    return [_update_moments(pt, st, group) for pt, st in zip(group.params, stats)]
 
 
-def _moments_one(g, m, scale, v, row_var, col_var, st, active, corr, bank, shape, dtype, *,
-                 beta1, beta2, eps, eps_mode, key, offset) -> Moments:
-    add = eps if eps_mode == "add" else 0.0
-    floor = eps if eps_mode == "floor" else 0.0
-    g = _compute(g, dtype)
-
-    def ema_(state: Tensor, target: Tensor) -> None:
-        if active is None:
-            state.lerp_(target, 1.0 - beta2)
-        else:
-            state.copy_(torch.where(active, state.lerp(target, 1.0 - beta2), state))
-
+def _update_moments(pt: ParamTensors, st: GradStats, group: Group) -> Moments:
+    g, step, m, bank = pt.grad, pt.step, pt.exp_avg, pt.bank
+    dtype = _dtype(pt)
+    n_unit = unit_numel(pt.shape, bank)
+    active = None
+    if bank:
+        active = st.sumsq > 0 if n_unit else torch.zeros_like(st.sumsq, dtype=torch.bool)
+        step.add_(active.view(-1))  # an expert that saw no token has an all-zero slice: leave it untouched
+    elif n_unit == 0:
+        return _zero_moments(pt, st)
+    else:
+        step.add_(1)
+    corr = _bias_correction(step, bank, group.beta1 if m is not None else None, group.beta2, dtype)
+    if bank:
+        corr = corr.view(-1, *([1] * (g.ndim - 1)))
+    add = group.eps if group.eps_mode == "add" else 0.0
+    floor = group.eps if group.eps_mode == "floor" else 0.0
     rinv = cinv = None
-    if row_var is not None:
-        R, C = shape[-2], shape[-1]
-        ema_(row_var, st.row / C + add)
-        ema_(col_var, st.col / R + add)
-        rsum = st.row_var_sum * beta2 + (st.rc_sumsq / C + R * add) * (1.0 - beta2)
+    if pt.row_var is not None:  # the factored EMAs and denominators: row- and column-sized, done whole
+        R, C = pt.shape[-2], pt.shape[-1]
+        _ema_(pt.row_var, st.row / C + add, group.beta2, active)
+        _ema_(pt.col_var, st.col / R + add, group.beta2, active)
+        rsum = st.row_var_sum * group.beta2 + (st.rc_sumsq / C + R * add) * (1.0 - group.beta2)
         if active is not None:
             rsum = torch.where(active, rsum, st.row_var_sum)
         rmean = rsum / R
-        if eps_mode == "floor":
-            rinv = (row_var / rmean.clamp(min=_ROW_MEAN_FLOOR)).clamp_(min=floor).rsqrt_()
-            cinv = col_var.clamp(min=floor).rsqrt()
+        if group.eps_mode == "floor":
+            rinv = (pt.row_var / rmean.clamp(min=ROW_MEAN_FLOOR)).clamp_(min=floor).rsqrt_()
+            cinv = pt.col_var.clamp(min=floor).rsqrt()
         else:
-            rinv = (row_var / rmean.clamp(min=torch.finfo(dtype).tiny)).rsqrt_()
-            cinv = col_var.rsqrt()
-    else:
-        ema_(v, g.square() + add if add else g.square())
+            rinv = (pt.row_var / rmean.clamp(min=torch.finfo(dtype).tiny)).rsqrt_()
+            cinv = pt.col_var.rsqrt()
+    key = 0  # only a bf16 first moment draws rounding bits
+    if m is not None and m.dtype == torch.bfloat16 and dtype != torch.bfloat16:
+        key = _key(group.seed, pt)
+    n0, per_slice = _slices(g.shape)
+    per_block = _block_slices(g.shape)
+    sums = []
+    for sl in _chunks(g.shape):
+        u = _moments_chunk(*(_at(t, sl, n0) for t in (g, m, pt.exp_avg_scale, pt.exp_avg_sq, rinv, cinv, active,
+                                                       corr)),
+                           dtype=dtype, beta1=group.beta1, beta2=group.beta2, add=add, floor=floor, key=key,
+                           offset=(sl.start or 0) * per_slice)
+        sums += _unit_sums(u.square(), bank, per_block)
+    return Moments(_total(sums, bank), corr, rinv, cinv, active)
+
+
+def _moments_chunk(g, m, scale, v, rinv, cinv, active, corr, *, dtype, beta1, beta2, add, floor, key,
+                   offset) -> Tensor:
+    """Momentum and full second moment of one chunk, in place; returns the chunk's u."""
+    g = _compute(g, dtype)
+    if v is not None:
+        _ema_(v, g.square() + add if add else g.square(), beta2, active)
     src = g
     if m is not None and m.dtype == dtype:
-        if active is None:
-            m.lerp_(g, 1.0 - beta1)
-        else:
-            m.copy_(torch.where(active, m.lerp(g, 1.0 - beta1), m))
+        _ema_(m, g, beta1, active)
         src = m
     elif m is not None:
         m32 = load_momentum(m, scale, dtype)
-        new = m32.lerp(g, 1.0 - beta1)
-        if active is not None:
-            new = torch.where(active, new, m32)
-        store_momentum_(m, scale, new, key, offset)
+        new = ema(m32, g, beta1)
+        store_momentum_(m, scale, new if active is None else torch.where(active, new, m32), key, offset)
         src = load_momentum(m, scale, dtype)
-    if row_var is not None:
-        u = src * (rinv * corr) * cinv
-    else:
-        u = src * corr / (v.clamp(min=floor) if floor else v).sqrt()
-    dims = unit_dims(g.ndim, bank)
-    return Moments(u.square().sum(dims, keepdim=True) if dims else u.square(), corr, rinv, cinv, active)
+    if rinv is not None:
+        return src * (rinv * corr) * cinv
+    return src * corr / (v.clamp(min=floor) if floor else v).sqrt()
 
 
-def apply_updates_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    steps: Sequence[Tensor],
-    exp_avgs: Sequence[Optional[Tensor]],
-    exp_avg_sqs: Sequence[Optional[Tensor]],
-    moments: Sequence[Moments],
-    *,
-    banks: Sequence[bool],
-    shapes: Sequence[torch.Size],
-    lr: float,
-    weight_decay: float,
-    eps: float,
-    eps_mode: str,
-    seed: int,
-    param_ids: Sequence[int],
-    exp_avg_scales: Optional[Sequence[Optional[Tensor]]] = None,
-) -> None:
-    """Pass 3: ``p = p*(1 - lr*wd) - lr * u / max(1, rms(u))``, in the state dtype; bf16 written back unbiased."""
-    floor = eps if eps_mode == "floor" else 0.0
-    decay = 1.0 - lr * weight_decay
-    for i, (p, g, step, mo, bank, shape) in enumerate(zip(params, grads, steps, moments, banks, shapes)):
-        m, v = exp_avgs[i], exp_avg_sqs[i]
-        scale = exp_avg_scales[i] if exp_avg_scales is not None else None
-        n = math.prod(shape[1:] if bank else shape)
-        clip = (mo.u_sumsq / n).sqrt_().clamp_(min=1.0).reciprocal_()
-        key = rounding_key(seed, param_ids[i], int(step.sum().item())) if p.dtype == torch.bfloat16 else 0
-        unit = math.prod(p.shape[1:]) if bank else 0
-        for sl in _chunks(p, bank):
-            _apply_one(_at(p, sl), _at(g, sl), _at(m, sl), _at(scale, sl), _at(v, sl), Moments(*(_at(t, sl) for t in mo)),
-                       _at(clip, sl), lr=lr, decay=decay, floor=floor, key=key, offset=(sl.start or 0) * unit)
+# ------------------------------------------------------------------------------------------------------------ pass 3
+def apply_updates_(group: Group, moments: Sequence[Moments], *, skip: Optional[Tensor] = None) -> None:
+    """Pass 3: ``p = p*(1 - lr*wd) - lr * u / max(1, rms(u))``, in the state dtype; bf16 written back unbiased.
+
+    ``group.lr`` may be a 0-d (or 1-element) tensor on any device: it is used as a tensor (no host read). ``skip``
+    (read on the host): when True, nothing is written.
+    """
+    if skip is not None and bool(skip):
+        return
+    lr = group.lr
+    if isinstance(lr, Tensor):
+        lr = lr.detach().reshape(()).to(torch.float64)  # 1 - lr*wd in float64, as for a Python float
+    decay = 1.0 - lr * group.weight_decay if group.weight_decay else None
+    floor = group.eps if group.eps_mode == "floor" else 0.0
+    for pt, mo in zip(group.params, moments):
+        _apply_updates(pt, mo, lr=lr, decay=decay, floor=floor, seed=group.seed)
 
 
-def _apply_one(p, g, m, scale, v, mo: Moments, clip, *, lr, decay, floor, key, offset) -> None:
+def _apply_updates(pt: ParamTensors, mo: Moments, *, lr: Scalar, decay: Optional[Scalar], floor: float,
+                   seed: int) -> None:
+    p, bank = pt.param, pt.bank
+    n_unit = unit_numel(pt.shape, bank)
+    if n_unit == 0:
+        return  # no elements: nothing to write
     dtype = mo.u_sumsq.dtype
+    if isinstance(lr, Tensor):  # the values a Python float is cast to (a 0-d tensor would promote a 0-d parameter)
+        lr = lr.to(dtype)
+        decay = decay.to(dtype) if decay is not None else None
+    cc = mo.corr * (mo.u_sumsq / n_unit).sqrt_().clamp_(min=1.0).reciprocal_()  # corr / max(1, rms(u))
+    key = _key(seed, pt) if p.dtype == torch.bfloat16 else 0
+    n0, per_slice = _slices(p.shape)
+    for sl in _chunks(p.shape):
+        _apply_chunk(*(_at(t, sl, n0) for t in (p, pt.grad, pt.exp_avg, pt.exp_avg_scale, pt.exp_avg_sq, mo.rinv,
+                                                 mo.cinv, mo.active, cc)),
+                     dtype=dtype, lr=lr, decay=decay, floor=floor, key=key, offset=(sl.start or 0) * per_slice)
+
+
+def _apply_chunk(p, g, m, scale, v, rinv, cinv, active, cc, *, dtype, lr, decay, floor, key, offset) -> None:
     src = load_momentum(m, scale, dtype) if m is not None else _compute(g, dtype)
-    if mo.rinv is not None:
-        u = src * (mo.rinv * (mo.corr * clip)) * mo.cinv
+    if rinv is not None:
+        u = src * (rinv * cc) * cinv
     else:
-        u = src * (mo.corr * clip) / (v.clamp(min=floor) if floor else v).sqrt()
+        u = src * cc / (v.clamp(min=floor) if floor else v).sqrt()
     p32 = _compute(p, dtype)
-    new = torch.add(p32 * decay if decay != 1.0 else p32, u, alpha=-lr)
-    if mo.active is not None:
-        new = torch.where(mo.active, new, p32)
+    new = torch.sub(p32 * decay if decay is not None else p32, u.mul_(lr))
+    if active is not None:
+        new = torch.where(active, new, p32)
     if p.dtype == torch.bfloat16:
         new = stochastic_round_bf16(new, key, offset)
     p.copy_(new)
@@ -310,3 +348,25 @@ def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dt
     largest = max((chunk_slices(s, bank) * math.prod(s[1:]) if len(s) else 1 for s, bank in tensors), default=0)
     compute = torch.float32 if param_dtype == torch.bfloat16 else param_dtype
     return (9 if param_dtype == torch.bfloat16 else 4) * largest * compute.itemsize
+
+
+# ------------------------------------------------------------------------------------------------------ one process
+def step_(groups: Sequence[Group], *, skip_nonfinite: bool) -> Tensor:
+    """Passes 1-3 of every group, for one process (nothing to reduce between the passes).
+
+    Returns:
+        A 0-d bool tensor on the parameters' device: True if the step was skipped (``skip_nonfinite`` and some
+        gradient holds inf or NaN; nothing was written). Reading the finite check is this step's one host sync.
+    """
+    stats = [grad_stats(group) for group in groups]
+    device = groups[0].params[0].param.device
+    if skip_nonfinite:
+        skipped = ~all_finite([s.sumsq for st in stats for s in st]).to(device)
+        if bool(skipped):  # the one host sync of an eager step
+            return skipped
+    else:
+        skipped = torch.zeros((), dtype=torch.bool, device=device)
+    moments = [update_moments_(group, st) for group, st in zip(groups, stats)]
+    for group, mo in zip(groups, moments):
+        apply_updates_(group, mo)
+    return skipped

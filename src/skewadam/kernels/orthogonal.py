@@ -14,7 +14,8 @@ KellerJordan/Muon do. :math:`0.2\sqrt{\max(A,B)}` is torch's ``adjust_lr_fn="mat
 update's RMS is then about 0.2, an AdamW update's, so ``lr`` and ``weight_decay`` mean what they mean in the other
 tiers. A bank slice whose gradient is all zero (an expert that received no token) is left untouched.
 
-`step_` runs it over a group's tensors, batching the matrices of one shape into one Newton-Schulz per chunk; the
+`step_` runs it over one group's record (`skewadam.kernels.types.Group`; ``beta1`` is :math:`\mu`, ``beta2``,
+``eps`` and ``eps_mode`` are unused), batching the matrices of one shape into one Newton-Schulz per chunk; the
 distributed seam is injected (``gather`` a sharded matrix's ``u``, ``local_part`` of ``O``; the identity on one
 device), so nothing here calls torch.distributed.
 
@@ -37,12 +38,13 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..state import num_blocks
 from .quant import load_momentum, store_momentum_
-from .rounding import stochastic_round_bf16
+from .rounding import rounding_key, stochastic_round_bf16
+from .types import Group, ParamTensors
 
 __all__ = ["NS_COEFFICIENTS", "NS_STEPS", "NS_EPS", "CHUNK_NUMEL", "ns_dtype", "newton_schulz", "newton_schulz_",
-           "rms_scale", "step_",
-           "nesterov_", "apply_", "step_transient_bytes"]
+           "rms_scale", "check", "step_", "nesterov_", "apply_", "step_transient_bytes"]
 
 #: Muon's quintic Newton-Schulz coefficients (KellerJordan/Muon; torch.optim.Muon's defaults), steps and eps.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -122,43 +124,62 @@ def _pieces(shapes: Sequence[Sequence[int]], banks: Sequence[bool], whole: Seque
     return chunks + [chunk] if chunk else chunks
 
 
+def check(pt: ParamTensors) -> None:
+    """Raise ValueError, naming the parameter, if its gradient or a state tensor does not fit it, or it is not a
+    matrix (a bank of matrices) as this update needs: the sizes `step_` indexes with."""
+    name, p = pt.name or "parameter", tuple(pt.param.shape)
+    if len(p) - pt.bank != 2:
+        raise ValueError(f"{name}: the orthogonal update takes matrices [A, B] or banks [E, A, B], got shape {p} "
+                         f"(bank={pt.bank})")
+    if not isinstance(pt.grad, Tensor) or tuple(pt.grad.shape) != p or pt.grad.dtype != pt.param.dtype:
+        raise ValueError(f"{name}: gradient {tuple(getattr(pt.grad, 'shape', ()))} {getattr(pt.grad, 'dtype', None)} "
+                         f"for a parameter {p} {pt.param.dtype}; give p.grad the parameter's shape and dtype")
+    want = {"step": p[:1] if pt.bank else (), "exp_avg": p if pt.exp_avg is not None else None,
+            "exp_avg_scale": p[:-1] + (num_blocks(p[-1]),) if pt.exp_avg_scale is not None else None}
+    for key, shape in want.items():
+        t = getattr(pt, key)
+        if t is not None and tuple(t.shape) != shape and not (key == "step" and t.numel() == 1 and not pt.bank):
+            raise ValueError(f"{name}: state {key!r} of shape {tuple(t.shape)}, a parameter of shape {p} needs "
+                             f"{shape}; load the state saved for this model, or reset it with `del optimizer.state[p]`")
+
+
 def step_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    exp_avgs: Sequence[Optional[Tensor]],
-    exp_avg_scales: Sequence[Optional[Tensor]],
+    group: Group,
     actives: Sequence[Optional[Tensor]],
     *,
-    banks: Sequence[bool],
-    shapes: Sequence[Sequence[int]],
-    beta: float,
-    lr: float,
-    weight_decay: float,
-    keys: Sequence[int],
     gather: Optional[Callable[[Tensor, int], Tensor]] = None,
     local_part: Optional[Callable[[Tensor, int], Tensor]] = None,
     gathered: Optional[Sequence[bool]] = None,
 ) -> None:
-    """One step of the orthogonal update of local tensors (shards of DTensor parameters), in place.
+    """One step of the orthogonal update of ``group``'s tensors (local shards of DTensor parameters), in place; step
+    counts are the caller's (counted before, so that ``actives`` and the rounding keys see this step's).
 
     The matrices of one shape are orthogonalised together, in chunks of at most `CHUNK_NUMEL` elements of whole
     matrices, so the step's temporaries stay a few chunks whatever the number of experts. Per piece: the momentum
     (`nesterov_`), ``gather(u, i)`` (tensors with ``gathered[i]``: the full matrices of a shard, whole tensors at a
     time), `newton_schulz` in `ns_dtype`, ``local_part(o, i)`` (the shard back), then `apply_`. ``actives`` ``[E, 1,
-    1]`` mark a bank's slices that had a gradient (others keep their weights); ``shapes`` are global; ``keys`` seed
-    the stochastic rounding of bf16 weights and momentum (`skewadam.kernels.rounding.rounding_key`).
+    1]`` mark a bank's slices that had a gradient (others keep their weights). The momentum coefficient is
+    ``group.beta1``; bf16 weights and momentum round with `skewadam.kernels.rounding.rounding_key` of the group's
+    seed, the parameter's stream and its step count.
     """
-    gathered = gathered or [False] * len(params)
+    pts = group.params
+    for pt in pts:
+        check(pt)
+    gathered = gathered or [False] * len(pts)
+    lr = float(group.lr)
+    keys = [rounding_key(group.seed, pt.stream, int(pt.step.sum().item()))
+            if torch.bfloat16 in (pt.param.dtype, getattr(pt.exp_avg, "dtype", None)) else 0 for pt in pts]
     kinds: dict[tuple, list[int]] = defaultdict(list)
-    for i, (p, shape) in enumerate(zip(params, shapes)):
-        kinds[(tuple(shape[-2:]), ns_dtype(p.dtype))].append(i)
+    for i, pt in enumerate(pts):
+        kinds[(tuple(pt.shape[-2:]), ns_dtype(pt.param.dtype))].append(i)
     for (_, dtype), idx in kinds.items():
-        for chunk in _pieces([p.shape for p in params], banks, gathered, idx):
+        for chunk in _pieces([pt.param.shape for pt in pts], [pt.bank for pt in pts], gathered, idx):
             mats, cut = [], []
             for i, rows in chunk:
-                offset = (rows.start or 0) * math.prod(params[i].shape[1:])
-                u = nesterov_(grads[i][rows], _at(exp_avgs[i], rows), _at(exp_avg_scales[i], rows),
-                              _at(actives[i], rows), beta=beta, key=keys[i], offset=offset)
+                pt = pts[i]
+                offset = (rows.start or 0) * math.prod(pt.param.shape[1:])
+                u = nesterov_(pt.grad[rows], _at(pt.exp_avg, rows), _at(pt.exp_avg_scale, rows),
+                              _at(actives[i], rows), beta=group.beta1, key=keys[i], offset=offset)
                 if gathered[i]:
                     u = gather(u, i)  # type: ignore[misc]
                 cut.append(u.shape)
@@ -169,12 +190,13 @@ def step_(
             o_NAB = newton_schulz_(x_NAB)
             del x_NAB
             for (i, rows), o, shape in zip(chunk, o_NAB.split(counts), cut):
+                pt = pts[i]
                 o = o.reshape(shape)
                 if gathered[i]:
                     o = local_part(o, i)  # type: ignore[misc]
-                offset = (rows.start or 0) * math.prod(params[i].shape[1:])
-                apply_(params[i][rows], o, _at(actives[i], rows), shape=shapes[i], lr=lr, weight_decay=weight_decay,
-                       key=keys[i], offset=offset)
+                offset = (rows.start or 0) * math.prod(pt.param.shape[1:])
+                apply_(pt.param[rows], o, _at(actives[i], rows), shape=pt.shape, lr=lr,
+                       weight_decay=group.weight_decay, key=keys[i], offset=offset)
 
 
 def _at(t: Optional[Tensor], rows: slice) -> Optional[Tensor]:

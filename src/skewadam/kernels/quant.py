@@ -1,17 +1,20 @@
 """Compact storage of the first moment: block-wise int8 with a per-block scale, or bf16.
 
 int8 layout: blocks of ``BLOCK`` consecutive elements along the LAST dim (a row of ``C`` elements holds
-``ceil(C / BLOCK)`` blocks), so blocks never straddle the leading dims that FSDP/expert parallelism shard, and a
-bank slice never shares a block with its neighbour. Shapes: ``q [..., C]`` int8, ``scale [..., NB]`` fp32.
+``ceil(C / BLOCK)`` blocks, at least one), so blocks never straddle the leading dims that FSDP/expert parallelism
+shard, and a bank slice never shares a block with its neighbour. Shapes: ``q [..., C]`` int8, ``scale [..., NB]`` fp32.
 
 Values are companded with a signed square root before the linear int8 grid, which spends the 8 bits where momentum
-mostly lives (small magnitudes): ``q = round(127 * sign(x) * sqrt(|x| / absmax))`` and
-``x = sign(q) * (q / 127)^2 * absmax``, with ``absmax`` the block's largest magnitude (so the block's extreme is exact).
+mostly lives (small magnitudes): ``q = round(QMAX * sign(x) * sqrt(|x| / absmax))`` and
+``x = sign(q) * (q / QMAX)^2 * absmax``, with ``absmax`` the block's largest magnitude (so the block's extreme is exact).
+
+Every operation is one IEEE-rounded float operation, so the C++ kernel stores the same bytes: the code is chosen in fp32
+(``|x| / absmax`` rounded to fp32) with a correctly rounded fp32 square root, taken as the fp64 root rounded to fp32
+(torch's CPU ``sqrt`` goes through MKL's vector math, which is not correctly rounded: here ~20% of fp32 roots are one
+ULP off, and which ones depends on the CPU; a faithful fp64 root rounded to fp32 is the correctly rounded fp32 root).
 """
 
 from __future__ import annotations
-
-import math
 
 from typing import Optional
 
@@ -19,39 +22,38 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .rounding import mix32, stochastic_round_bf16
+from ..state import BLOCK, num_blocks
+from .rounding import Key, mix32, stochastic_round_bf16
 
-__all__ = ["BLOCK", "num_blocks", "quantize_", "dequantize", "load_momentum", "store_momentum_"]
+__all__ = ["BLOCK", "QMAX", "MOMENTUM_STREAM", "num_blocks", "quantize_", "dequantize", "load_momentum",
+           "store_momentum_"]
 
-BLOCK = 256
-_QMAX = 127.0
-
-
-def num_blocks(last_dim: int) -> int:
-    return max(1, math.ceil(last_dim / BLOCK))
+QMAX = 127.0  # the int8 grid's largest code
+MOMENTUM_STREAM = 0x5BD1E995  # separates the momentum's rounding bits from the weight's (same param and step)
 
 
 def _blocked(x: Tensor) -> Tensor:
     """View ``[..., C]`` as ``[..., NB, BLOCK]``, zero-padding the last block (a copy only when C % BLOCK != 0)."""
     c = x.shape[-1]
-    pad = num_blocks(c) * BLOCK - c
-    if pad:
-        x = F.pad(x, (0, pad))
-    return x.reshape(*x.shape[:-1], -1, BLOCK)
+    nb = num_blocks(c)
+    if nb * BLOCK != c:
+        x = F.pad(x, (0, nb * BLOCK - c))
+    return x.reshape(*x.shape[:-1], nb, BLOCK)
 
 
 def quantize_(q: Tensor, scale: Tensor, x: Tensor) -> None:
-    """Store fp32 ``x`` into ``q`` (int8, same shape) and ``scale`` (``[..., NB]``), in place."""
+    """Store ``x`` (the statistics dtype) into ``q`` (int8, same shape) and ``scale`` (``[..., NB]``), in place."""
     xb = _blocked(x)
     absmax = xb.abs().amax(dim=-1, keepdim=True)
     scale.copy_(absmax.squeeze(-1))
-    code = (xb.abs() / absmax.clamp(min=torch.finfo(x.dtype).tiny)).sqrt_().mul_(_QMAX).round_().copysign_(xb)
+    ratio = (xb.abs() / absmax.clamp(min=torch.finfo(x.dtype).tiny)).to(torch.float32)
+    code = ratio.double().sqrt_().float().mul_(QMAX).round_().copysign_(xb)
     q.copy_(code.flatten(-2)[..., : x.shape[-1]])
 
 
 def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """The fp32 (or ``dtype``) values that ``q`` and ``scale`` encode."""
-    code = _blocked(q.to(dtype)).div_(_QMAX)
+    code = _blocked(q.to(dtype)).div_(QMAX)
     x = code.abs().mul_(code).mul_(scale.unsqueeze(-1).to(dtype))
     return x.flatten(-2)[..., : q.shape[-1]]
 
@@ -63,15 +65,12 @@ def load_momentum(m: Tensor, scale: Optional[Tensor], dtype: torch.dtype) -> Ten
     return m if m.dtype == dtype else m.to(dtype)
 
 
-def store_momentum_(m: Tensor, scale: Optional[Tensor], x: Tensor, key: int, offset: int = 0) -> None:
+def store_momentum_(m: Tensor, scale: Optional[Tensor], x: Tensor, key: Key, offset: int = 0) -> None:
     """Write ``x`` into the first moment's storage: int8 block-wise, or bf16 with unbiased stochastic rounding
     (round-to-nearest would stall the EMA: ``(1 - beta1) * (g - m)`` is often below half a bf16 ULP of ``m``)."""
     if m.dtype == torch.int8:
         quantize_(m, scale, x)
     elif m.dtype == torch.bfloat16 and x.dtype != torch.bfloat16:
-        m.copy_(stochastic_round_bf16(x, mix32(key + _MOMENTUM_STREAM), offset))
+        m.copy_(stochastic_round_bf16(x, mix32(key + MOMENTUM_STREAM), offset))
     else:
         m.copy_(x)
-
-
-_MOMENTUM_STREAM = 0x5BD1E995  # separates the momentum's rounding bits from the weight's (same param and step)

@@ -7,13 +7,17 @@ rounding exactly unbiased: ``E[round(x)] = x`` (carries into the exponent are ha
 The random bits are a pure function of ``(key, element index)``: one 32-bit hash of ``(key, index // 2)`` serves two
 neighbouring elements (low half for even, high half for odd indices). ``key`` mixes the seed, the parameter's index
 in the optimizer and its step count, so a resumed run draws the same bits as an uninterrupted one, with no generator
-state to save, and every implementation (torch ops here, the C++ kernel) produces identical bits.
+state to save, and every implementation (torch ops here, the C++ kernel) produces identical bits. A key may be a
+Python int or a 0-d int64 tensor (computed on the device from a bank's step counts: no host sync).
 Arithmetic is modulo 2^32 on int64 tensors with multipliers below 2^31, so no product overflows.
 """
 
 from __future__ import annotations
 
+from typing import Union
+
 import torch
+from torch import Tensor
 
 __all__ = ["mix32", "rounding_key", "stochastic_round_bf16"]
 
@@ -22,9 +26,13 @@ _MUL1 = 0x7FEB352D  # multipliers of the "lowbias32" family, both < 2^31
 _MUL2 = 0x2C1B3C6D
 _GOLDEN = 0x61C88647  # 2^32 - floor(2^32 / phi)
 
+Key = Union[int, Tensor]
 
-def mix32(x: int) -> int:
-    """A 32-bit integer finaliser (Python ints), the scalar twin of `_mix32_`."""
+
+def mix32(x: Key) -> Key:
+    """A 32-bit integer finaliser of a Python int, or of an int64 tensor (a new tensor; `_mix32_` works in place)."""
+    if isinstance(x, Tensor):
+        return _mix32_(x.to(torch.int64).bitwise_and(_M32))
     x &= _M32
     x ^= x >> 16
     x = (x * _MUL1) & _M32
@@ -34,8 +42,9 @@ def mix32(x: int) -> int:
     return x
 
 
-def rounding_key(seed: int, param_index: int, step: int) -> int:
-    """The per-(parameter, step) key; ``step`` is the parameter's step count after this update."""
+def rounding_key(seed: int, param_index: int, step: Key) -> Key:
+    """The per-(parameter, step) key; ``step`` is the parameter's step count after this update (summed over a bank's
+    slices), a Python int or an integer tensor (then the key is a 0-d int64 tensor on its device)."""
     return mix32(mix32(mix32(seed) ^ param_index) + step)
 
 
@@ -46,7 +55,7 @@ def _mix32_(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(x >> 16)
 
 
-def stochastic_round_bf16(x: torch.Tensor, key: int, offset: int = 0) -> torch.Tensor:
+def stochastic_round_bf16(x: torch.Tensor, key: Key, offset: int = 0) -> torch.Tensor:
     """Round the fp32 tensor ``x`` to bf16, unbiased; element ``i`` (row-major) draws the bits of index
     ``offset + i``, so a tensor rounded in pieces draws exactly the bits it would draw whole.
 

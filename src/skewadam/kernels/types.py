@@ -12,20 +12,32 @@ Every kernel module (`eager`, `cpu`, `triton`) implements the same functions ove
 
 Between the passes the optimizer hands the statistics to a reducer (the distributed seam, `skewadam.distributed`), so a
 kernel never calls torch.distributed. ``skip`` is an optional 0-d bool tensor on the parameters' device: when True the
-pass writes nothing (a kernel that can read it on the device does so without a host sync).
+pass writes nothing and returns zeros (a kernel that can read it on the device does so without a host sync; a module
+that reads it on the host says so with ``SKIP_ON_HOST = True``, and the optimizer then reads it once per step itself).
+
+A kernel checks what it indexes with: `check` raises a ValueError naming the parameter when a gradient or a state
+tensor does not fit its parameter (a compiled kernel checks the same sizes itself before touching memory).
 
 Shape legend (here and in the kernels): ``E`` bank slices (dim 0 of a stacked expert tensor), ``...`` batch dims, ``R``
 rows (dim -2), ``C`` columns (dim -1). A *unit* gets its own RMS clip and step count: a bank slice, or the whole tensor.
+A unit with no elements (in the global shape) is left untouched, its step count included.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["ParamTensors", "Group", "GradStats", "Moments", "unit_dims", "stat_dims"]
+from ..state import num_blocks
+
+__all__ = ["ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "unit_dims", "unit_numel", "stat_dims",
+           "check", "check_lr", "all_finite"]
+
+#: The paper's guard on ``mean_i(row_var)`` in ``eps_mode="floor"``.
+ROW_MEAN_FLOOR = 1e-15
 
 
 class ParamTensors(NamedTuple):
@@ -46,6 +58,7 @@ class ParamTensors(NamedTuple):
     shape: tuple[int, ...]  # the global shape (means divide partial sums of a shard by global sizes)
     bank: bool  # dim 0 holds separate experts (units)
     stream: int  # index of the stochastic-rounding stream (`skewadam.kernels.rounding.rounding_key`)
+    name: str = ""  # how errors name the parameter, e.g. "param_groups[0]['params'][3] ('tok_emb.weight')"
 
 
 class Group(NamedTuple):
@@ -86,8 +99,86 @@ def unit_dims(ndim: int, bank: bool) -> tuple[int, ...]:
     return tuple(range(1 if bank else 0, ndim))
 
 
+def unit_numel(shape: Sequence[int], bank: bool) -> int:
+    """Elements of one unit of a parameter of (global) ``shape``: what its means divide by."""
+    return math.prod(shape[1:] if bank else shape)
+
+
 def stat_dims(stats: GradStats, ndim: int, bank: bool) -> list[tuple[Tensor, tuple[int, ...]]]:
     """Pair each present statistic with the parameter dims it sums over (what a shard must all-reduce)."""
     dims = [unit_dims(ndim, bank), (ndim - 2, ndim - 1), (ndim - 1,), (ndim - 2,), (ndim - 2,)]
     return [(t, d) for t, d in zip(stats, dims) if t is not None]
 
+
+_STATE_FIX = ("the optimizer state does not belong to this parameter (a state dict saved for another model, or p.data "
+              "replaced by a tensor of another shape): load the state saved for this model, or reset this "
+              "parameter's state with `del optimizer.state[p]`")
+
+
+def _shape(t) -> object:
+    return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+
+
+def check(pt: ParamTensors) -> None:
+    """Raise ValueError, naming the parameter, if its gradient or a state tensor does not have the shape the parameter
+    needs, or a tensor is missing where its state flags need one (the sizes every kernel indexes with).
+
+    Example:
+        >>> check(ParamTensors(p, torch.zeros(3), ...))  # p of shape (8, 6): ValueError "gradient of shape (3,) ..."
+    """
+    name = pt.name or "parameter"
+    p = tuple(pt.param.shape)
+    if not isinstance(pt.grad, Tensor) or tuple(pt.grad.shape) != p:
+        raise ValueError(f"{name}: gradient of shape {_shape(pt.grad)} for a parameter of shape {p}; give p.grad the "
+                         f"parameter's shape (p.grad.data was replaced by a tensor of another shape?)")
+    if pt.grad.dtype != pt.param.dtype:
+        raise ValueError(f"{name}: gradient dtype {pt.grad.dtype} differs from the parameter's {pt.param.dtype}; "
+                         f"give p.grad the parameter's dtype")
+    if len(pt.shape) != len(p) or any(n > m for n, m in zip(p, pt.shape)):
+        raise ValueError(f"{name}: local shape {p} does not fit the global shape {tuple(pt.shape)}")
+    if pt.bank and not p:
+        raise ValueError(f"{name}: a bank needs a leading expert dim, got a 0-d parameter")
+    want: dict[str, Optional[tuple[int, ...]]] = {"step": p[:1] if pt.bank else None, "exp_avg": None,
+                                                  "exp_avg_scale": None, "exp_avg_sq": None, "row_var": None,
+                                                  "col_var": None}
+    if pt.exp_avg is not None:
+        want["exp_avg"] = p
+        if pt.exp_avg.dtype == torch.int8:
+            if not p:
+                raise ValueError(f"{name}: int8 momentum of a 0-d parameter; {_STATE_FIX}")
+            want["exp_avg_scale"] = p[:-1] + (num_blocks(p[-1]),)
+    if pt.row_var is not None or pt.col_var is not None:
+        if len(p) < 2 + pt.bank:
+            raise ValueError(f"{name}: factored state for a parameter of shape {p} (bank={pt.bank}), which has no "
+                             f"matrix per unit; {_STATE_FIX}")
+        want["row_var"], want["col_var"] = p[:-1] + (1,), p[:-2] + (1, p[-1])
+    else:
+        want["exp_avg_sq"] = p
+    for key, shape in want.items():
+        t = getattr(pt, key)
+        if key == "step":
+            if not isinstance(t, Tensor) or (tuple(t.shape) != shape if shape is not None else t.numel() != 1):
+                raise ValueError(f"{name}: step of shape {_shape(t)}, expected a tensor of shape "
+                                 f"{shape if shape is not None else '()'}; {_STATE_FIX}")
+        elif (t is None) != (shape is None) or (t is not None and tuple(t.shape) != shape):
+            got = "none" if t is None else f"shape {tuple(t.shape)}"
+            need = "none" if shape is None else f"shape {shape}"
+            raise ValueError(f"{name}: state {key!r} has {got}, a parameter of shape {p} needs {need}; {_STATE_FIX}")
+
+
+def check_lr(lr: Union[float, Tensor]) -> None:
+    """A tensor lr holds one value (torch's optimizers' rule and message); reading its shape is no host sync."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+
+
+def all_finite(sums: Sequence[Tensor]) -> Tensor:
+    """Whether every sum is finite, as a 0-d bool tensor on the first one's device (no host sync)."""
+    if not sums:
+        return torch.ones((), dtype=torch.bool)
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for t in sums:
+        by_device.setdefault(t.device, []).append(t.reshape(-1))
+    flags = [torch.cat(ts).isfinite().all() for ts in by_device.values()]
+    first = flags[0].device
+    return torch.stack([f.to(first) for f in flags]).all() if len(flags) > 1 else flags[0]

@@ -1,7 +1,11 @@
 // SkewAdam's update on CPU: the passes of skewadam/kernels/eager.py as C++ loops over blocks, on ATen's threads.
 //
-// The math is eager.py's, operation for operation, in the state dtype T (fp32 for bf16 parameters, the parameter's
-// dtype otherwise); see that file for the formulas. What differs is how memory is walked:
+// The math is eager.py's, operation for operation, in the statistics dtype T (fp32 for bf16 parameters, the
+// parameter's dtype otherwise); see that file for the formulas. cpu.py builds this file with -ffp-contract=off, so
+// every operation is rounded on its own, as torch's element-wise ops round: the element-wise state (step counts, the
+// first moment in every storage, the full second moment) is bitwise eager's on any x86-64. Sums are added in another
+// order than torch adds them, so the factored statistics and the weights agree with eager to rounding.
+// What differs from eager is how memory is walked:
 //
 //   * Every parameter is cut into fixed *blocks* that do not depend on the thread count: for a factored tensor
 //     [..., R, C], a run of rows of one matrix (>= kMinBlockRows rows, ~kBlock elements); otherwise a run of ~kBlock
@@ -17,19 +21,35 @@
 //     memory traffic in fp32 (g twice, p read and written) against fused AdamW's 28. Larger units are spread over
 //     the threads in rounds.
 //
+// One definition per pass: a pass walks a block as *spans* (NS runs of n elements, `stride` apart), and pass 2 is
+// p2_span, pass 3 p3_span, each a template over the first moment's codec (NoMom, PlainMom, BF16Mom, Int8Mom: how u's
+// source is read, and in pass 2 the momentum EMA stored) and the direction (FactoredDir: u = src * rinv_i * c *
+// cinv_j; FullDir: u = src * c / sqrt(max(v_j, floor)), pass 2 first updating v_j). The fused step and the three
+// passes call the same functions on the same blocks.
+//
+// Records: the Python API takes skewadam/kernels/types.py's Group, ParamTensors, GradStats and Moments (NamedTuples,
+// received as std::tuples); `fields()` lists the fields in the order read here, and cpu.py checks them against
+// types.py when it loads the extension. Every size the kernel indexes with is checked against the parameter first
+// (TORCH_CHECK_VALUE: a Python ValueError naming the parameter and the fix), so a mismatched gradient, state or
+// statistic is an error, never an out-of-bounds access.
+//
+// Constants come from the Python modules that define them, as -D flags that cpu.py builds (and hashes into the build's
+// name): quant.BLOCK, quant.QMAX and quant.MOMENTUM_STREAM, rounding.py's hash multipliers, types.ROW_MEAN_FLOOR.
+//
 // Transient memory: no buffer of the size of a parameter (except a contiguous copy of a non-contiguous one). The
 // three-pass path returns the small statistics as tensors (rows, columns, one value per unit); `step` keeps per
 // thread the statistics of one unit, per unit and per block a few numbers, and for split units at most 1/16 of the
 // largest unit's elements.
 //
 // Stochastic rounding: bit-identical to skewadam/kernels/rounding.py (same hash, key and element index).
-// Compact first moment (bf16, or int8 with an fp32 scale per 256 values along the last dim): decoded, updated and
-// encoded with quant.py's operations in its order ("compact momentum" below), so the stored bytes are eager's.
+// Compact first moment (bf16, or int8 with an fp32 scale per kQBlock values along the last dim): decoded, updated and
+// encoded with quant.py's operations in its order, so the stored bytes are eager's.
 // Indexing is int64 throughout; a single row must hold fewer than 2^31 elements.
 //
 // Shape legend: E units (bank slices), M matrices [R, C] of a factored tensor (all leading dims), R rows, C columns.
 
 #include <torch/extension.h>
+#include <pybind11/stl.h>
 
 #include <ATen/Parallel.h>
 
@@ -39,23 +59,34 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
+
+#if !defined(SKEWADAM_QBLOCK) || !defined(SKEWADAM_QMAX) || !defined(SKEWADAM_MOMENTUM_STREAM) || \
+    !defined(SKEWADAM_MUL1) || !defined(SKEWADAM_MUL2) || !defined(SKEWADAM_GOLDEN) || !defined(SKEWADAM_ROW_MEAN_FLOOR)
+#error "build this file with skewadam/kernels/cpu.py: it passes the constants of quant.py, rounding.py and types.py"
+#endif
+
+namespace py = pybind11;
 
 namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-constexpr int64_t kBlock = int64_t(1) << 15;     // target elements per work item
-constexpr int64_t kMinBlockRows = 64;             // bounds pass 1's column partials at numel / 64 per tensor
-constexpr int64_t kFuseBytes = int64_t(5) << 18;  // 1.25 MiB: a unit whose pass-3 source fits a core's L2 is fused
-constexpr int64_t kSerialBelow = int64_t(1) << 18;  // elements: less work than this runs on one thread
-constexpr double kRowMeanFloor = 1e-15;           // the paper's guard on mean(row), eager.py's _ROW_MEAN_FLOOR
-constexpr int64_t kQBlock = 256;                  // int8 momentum: elements per scale along the last dim (quant.py)
-constexpr uint32_t kMomentumStream = 0x5BD1E995u;  // quant.py's _MOMENTUM_STREAM: bf16 momentum's rounding bits
+constexpr int64_t kBlock = int64_t(1) << 15;        // target elements per work item
+constexpr int64_t kMinBlockRows = 64;                // bounds pass 1's column partials at numel / 64 per tensor
+constexpr int64_t kFuseBytes = int64_t(5) << 18;     // 1.25 MiB: a unit whose pass-3 source fits a core's L2 is fused
+constexpr int64_t kSerialBelow = int64_t(1) << 18;   // elements: less work than this runs on one thread
+constexpr int64_t kQBlock = SKEWADAM_QBLOCK;         // quant.BLOCK: int8 momentum values per scale (last dim)
+constexpr double kQMax = SKEWADAM_QMAX;              // quant.QMAX: the int8 grid's largest code
+constexpr uint32_t kMomentumStream = SKEWADAM_MOMENTUM_STREAM;  // quant.MOMENTUM_STREAM: bf16 momentum's bits
+constexpr double kRowMeanFloor = SKEWADAM_ROW_MEAN_FLOOR;       // types.ROW_MEAN_FLOOR
+static_assert(kQBlock > 0 && kQBlock <= 4096 && kQMax > 0 && kQMax <= 127, "quant.BLOCK / QMAX out of range");
 enum MomFmt : int { kMomPlain = 0, kMomBF16 = 1, kMomInt8 = 2 };  // first moment in the math dtype, bf16 or int8
 
 // ------------------------------------------------------------------------------------------------ elements
@@ -79,27 +110,42 @@ struct Elem<c10::BFloat16> {
   using T = float;
   static float load(uint16_t b) { return __builtin_bit_cast(float, uint32_t(b) << 16); }
 };
+using BF16 = Elem<c10::BFloat16>;
 
 template <class F>
 void by_dtype(at::ScalarType st, const F& f) {
   switch (st) {
     case at::kFloat: f(Elem<float>{}); break;
     case at::kDouble: f(Elem<double>{}); break;
-    case at::kBFloat16: f(Elem<c10::BFloat16>{}); break;
+    case at::kBFloat16: f(BF16{}); break;
     default: TORCH_CHECK(false, "skewadam C++ CPU kernel: unsupported parameter dtype ", st, " (fp32, fp64, bf16)");
   }
 }
 
 at::ScalarType math_dtype(at::ScalarType st) { return st == at::kBFloat16 ? at::kFloat : st; }
 
-// torch.lerp's formula (ATen/native/Lerp.h), so the EMAs round as eager's do.
+// a * b + c, fused where the CPU has FMA: for the sums of squares and the weight's update, which depend on sums and
+// so agree with eager only to rounding anyway (the element-wise state, bitwise eager's, is never computed with it).
 template <class T>
-inline T lerp(T a, T b, T w, bool hi) {
-  return hi ? b - (b - a) * (T(1) - w) : a + w * (b - a);
+inline T madd(T a, T b, T c) {
+#ifdef __FMA__
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
 }
 
+// The EMA s * beta + x * (1 - beta), both coefficients rounded from double: eager.ema, operation for operation. (No
+// choice of form inside the loops, as torch.lerp makes: a branch there stops GCC vectorising them.)
+template <class T>
+struct Ema {
+  T b, w;
+  explicit Ema(double beta) : b(T(beta)), w(T(1.0 - beta)) {}
+  T operator()(T s, T x) const { return s * b + x * w; }
+};
+
 // ------------------------------------------------------------------------------------------------ rounding
-constexpr uint32_t kMul1 = 0x7FEB352Du, kMul2 = 0x2C1B3C6Du, kGolden = 0x61C88647u;
+constexpr uint32_t kMul1 = SKEWADAM_MUL1, kMul2 = SKEWADAM_MUL2, kGolden = SKEWADAM_GOLDEN;  // rounding.py's
 
 inline uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
@@ -211,114 +257,6 @@ inline void run_groups(int64_t e0, int64_t e1, const F& f) {
   if (e0 + kStreams * n < e1) f(Int<1>{}, e0 + kStreams * n, e1 - e0 - kStreams * n, int64_t(0));
 }
 
-// Pass 1, NS rows of n elements `stride` apart: each row's sum of g^2 into out[s * out_stride], column sums into col.
-template <class E, int NS>
-inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t n, typename E::T* __restrict col,
-                    typename E::T* __restrict out, int64_t out_stride) {
-  using T = typename E::T;
-  T acc[NS][kLanes] = {};
-  for_lanes(n, [&](int64_t jk, int k) {
-    T c = col[jk];
-    for (int s = 0; s < NS; ++s) {
-      const T x = E::load(g[s * stride + jk]);
-      acc[s][k] += x * x;
-      c += x * x;
-    }
-    col[jk] = c;
-  });
-  for (int s = 0; s < NS; ++s) out[s * out_stride] = lanes_sum(acc[s]);
-}
-
-// Pass 1, NS runs of n elements `stride` apart: sum of g^2 into acc.
-template <class E, int NS>
-inline void p1_run(const typename E::raw* __restrict g, int64_t stride, int64_t n, typename E::T* __restrict acc) {
-  using T = typename E::T;
-  for_lanes(n, [&](int64_t jk, int k) {
-    for (int s = 0; s < NS; ++s) {
-      const T x = E::load(g[s * stride + jk]);
-      acc[k] += x * x;
-    }
-  });
-}
-
-// Pass 2, factored, NS rows: momentum EMA in place; u = src * scale_s * cinv_j, sum of u^2 into acc.
-template <class E, int NS, bool kMom>
-inline void p2_rows(const typename E::raw* __restrict g, typename E::T* __restrict m, int64_t stride, int64_t n,
-                    const typename E::T* __restrict cinv, const typename E::T* scale, typename E::T w1, bool hi1,
-                    typename E::T* __restrict acc) {
-  using T = typename E::T;
-  T sc[NS];
-  for (int s = 0; s < NS; ++s) sc[s] = scale[s];
-  auto body = [&](int64_t jk, int k) {
-    for (int s = 0; s < NS; ++s) {
-      T src = E::load(g[s * stride + jk]);
-      if constexpr (kMom) {
-        src = lerp(m[s * stride + jk], src, w1, hi1);
-        m[s * stride + jk] = src;
-      }
-      const T u = src * sc[s] * cinv[jk];
-      acc[k] += u * u;
-    }
-  };
-  for_lanes(n, body);
-}
-
-// Pass 2, full, NS runs: second-moment (and momentum) EMAs in place; u = src * corr / sqrt(max(v, floor)).
-template <class E, int NS, bool kMom>
-inline void p2_run(const typename E::raw* __restrict g, typename E::T* __restrict m, typename E::T* __restrict v,
-                   int64_t stride, int64_t n, typename E::T corr, typename E::T w1, bool hi1, typename E::T w2,
-                   bool hi2, typename E::T add, typename E::T floor, typename E::T* __restrict acc) {
-  using T = typename E::T;
-  auto body = [&](int64_t jk, int k) {
-    for (int s = 0; s < NS; ++s) {
-      const T x = E::load(g[s * stride + jk]);
-      const T vv = lerp(v[s * stride + jk], x * x + add, w2, hi2);
-      v[s * stride + jk] = vv;
-      T src = x;
-      if constexpr (kMom) {
-        src = lerp(m[s * stride + jk], x, w1, hi1);
-        m[s * stride + jk] = src;
-      }
-      const T u = src * corr / std::sqrt(std::max(vv, floor));
-      acc[k] += u * u;
-    }
-  };
-  for_lanes(n, body);
-}
-
-// Pass 3, factored, NS rows: p = p*decay + nlr * (src * scale_s * cinv_j).
-template <class E, int NS, bool kMom>
-inline void p3_rows(typename E::raw* __restrict p, const typename E::raw* __restrict g,
-                    const typename E::T* __restrict m, int64_t stride, int64_t n, const typename E::T* __restrict cinv,
-                    const typename E::T* scale, typename E::T decay, typename E::T nlr, const Rounder* rnd) {
-  using T = typename E::T;
-  T sc[NS];
-  Rounder r[NS];
-  for (int s = 0; s < NS; ++s) {
-    sc[s] = scale[s];
-    r[s] = rnd[s];
-  }
-  write_runs<E, NS>(p, stride, n, r, [&](int s, uint32_t j) {
-    const T src = kMom ? m[s * stride + j] : E::load(g[s * stride + j]);
-    return E::load(p[s * stride + j]) * decay + nlr * (src * sc[s] * cinv[j]);
-  });
-}
-
-// Pass 3, full, NS runs: p = p*decay + nlr * (src * cc / sqrt(max(v, floor))).
-template <class E, int NS, bool kMom>
-inline void p3_run(typename E::raw* __restrict p, const typename E::raw* __restrict g,
-                   const typename E::T* __restrict m, const typename E::T* __restrict v, int64_t stride, int64_t n,
-                   typename E::T cc, typename E::T floor, typename E::T decay, typename E::T nlr,
-                   const Rounder* rnd) {
-  using T = typename E::T;
-  Rounder r[NS];
-  for (int s = 0; s < NS; ++s) r[s] = rnd[s];
-  write_runs<E, NS>(p, stride, n, r, [&](int s, uint32_t j) {
-    const T src = kMom ? m[s * stride + j] : E::load(g[s * stride + j]);
-    return E::load(p[s * stride + j]) * decay + nlr * (src * cc / std::sqrt(std::max(v[s * stride + j], floor)));
-  });
-}
-
 // ------------------------------------------------------------------------------------------------ work items
 // Run f(i) for i < n on ATen's threads, each thread taking the next item when it is free. Work of fewer than
 // kSerialBelow elements runs on the calling thread: waking a pool thread costs more than it saves there (up to a
@@ -350,6 +288,7 @@ struct Contig {
     keep.push_back(t.contiguous());
     return keep.back().data_ptr();
   }
+  const void* read(const OptTensor& t) { return t ? read(*t) : nullptr; }
   void* write(const Tensor& t) {
     TORCH_CHECK(t.device().is_cpu(), "skewadam C++ CPU kernel: got a tensor on ", t.device(),
                 "; use impl='eager' for parameters off the CPU");
@@ -367,7 +306,63 @@ struct Contig {
   }
 };
 
-// One parameter's local layout (from its gradient) and its global sizes (for means).
+// ------------------------------------------------------------------------------------------------ records
+// types.py's records, field for field (cpu.py checks `fields()` against them when it loads the extension).
+using ParamRec = std::tuple<Tensor, Tensor, Tensor, OptTensor, OptTensor, OptTensor, OptTensor, OptTensor,
+                            std::vector<int64_t>, bool, int64_t, py::object>;
+using GroupRec = std::tuple<std::vector<ParamRec>, py::object, double, double, double, std::string, double, int64_t>;
+using StatsRec = std::tuple<Tensor, OptTensor, OptTensor, OptTensor, OptTensor>;
+using Corr = std::variant<Tensor, double>;
+using MomentsRec = std::tuple<Tensor, Corr, OptTensor, OptTensor, OptTensor>;
+
+py::dict fields() {
+  py::dict d;
+  d["ParamTensors"] = std::vector<std::string>{"param", "grad", "step", "exp_avg", "exp_avg_scale", "exp_avg_sq",
+                                               "row_var", "col_var", "shape", "bank", "stream", "name"};
+  d["Group"] = std::vector<std::string>{"params", "lr", "beta1", "beta2", "eps", "eps_mode", "weight_decay", "seed"};
+  d["GradStats"] = std::vector<std::string>{"sumsq", "rc_sumsq", "row", "col", "row_var_sum"};
+  d["Moments"] = std::vector<std::string>{"u_sumsq", "corr", "rinv", "cinv", "active"};
+  return d;
+}
+
+struct Hyper {
+  double beta1 = 0, beta2 = 0, eps = 0;
+  bool add_mode = false;
+  double lr = 0, weight_decay = 0;
+  int64_t seed = 0;
+};
+
+Hyper hyper_of(const GroupRec& group) {
+  Hyper h;
+  const py::object& lr = std::get<1>(group);
+  if (THPVariable_Check(lr.ptr())) {  // a 0-d or 1-element tensor, as torch's optimizers accept
+    const Tensor t = THPVariable_Unpack(lr.ptr());
+    TORCH_CHECK_VALUE(t.numel() == 1, "Tensor lr must be 1-element");
+    h.lr = t.item<double>();
+  } else {
+    h.lr = lr.cast<double>();
+  }
+  h.beta1 = std::get<2>(group);
+  h.beta2 = std::get<3>(group);
+  h.eps = std::get<4>(group);
+  const std::string& mode = std::get<5>(group);
+  TORCH_CHECK_VALUE(mode == "add" || mode == "floor", "skewadam C++ CPU kernel: eps_mode ", mode,
+                    " (expected 'add' or 'floor')");
+  h.add_mode = mode == "add";
+  h.weight_decay = std::get<6>(group);
+  h.seed = std::get<7>(group);
+  return h;
+}
+
+bool skip_of(const OptTensor& skip) {
+  if (!skip) return false;
+  TORCH_CHECK_VALUE(skip->numel() == 1, "skewadam C++ CPU kernel: skip must be a 0-d bool tensor, got shape ",
+                    skip->sizes());
+  return skip->item<bool>();
+}
+
+// ------------------------------------------------------------------------------------------------ geometry
+// One parameter's local layout and its global sizes (for means).
 struct Geo {
   int64_t numel = 0, units = 1, unit_numel = 0;
   bool bank = false, factored = false;
@@ -391,29 +386,23 @@ struct Geo {
 };
 
 // `align`: a full tensor's blocks hold whole runs of `align` elements (int8 momentum: rows, so no int8 block straddles
-// two work items).
-Geo make_geo(const Tensor& g, bool bank, bool factored, at::IntArrayRef global_shape, int64_t align = 1) {
+// two work items). The caller has checked the sizes (make_param).
+Geo make_geo(const Tensor& p, bool bank, bool factored, const std::vector<int64_t>& global_shape, int64_t align) {
   Geo geo;
-  const int64_t nd = g.dim();
-  TORCH_CHECK(int64_t(global_shape.size()) == nd, "skewadam: global shape ", global_shape,
-              " does not match the local tensor's rank ", nd);
-  TORCH_CHECK(!bank || nd >= 1, "skewadam: a bank needs a leading expert dim");
-  geo.numel = g.numel();
+  const int64_t nd = p.dim();
+  geo.numel = p.numel();
   geo.bank = bank;
   geo.factored = factored;
-  geo.units = bank ? g.size(0) : 1;
+  geo.units = bank ? p.size(0) : 1;
   geo.unit_numel = geo.units ? geo.numel / geo.units : 0;
   double ng = 1;
   for (int64_t d = bank ? 1 : 0; d < nd; ++d) ng *= double(global_shape[d]);
   geo.ng = ng;
   if (factored) {
-    TORCH_CHECK(nd >= 2 + (bank ? 1 : 0), "skewadam: a factored tensor needs two dims per unit");
-    geo.R = g.size(-2);
-    geo.C = g.size(-1);
-    TORCH_CHECK(geo.C < (int64_t(1) << 31), "skewadam C++ CPU kernel: rows of 2^31 or more elements are not "
-                "supported (shape ", g.sizes(), "); use impl='eager'");
+    geo.R = p.size(-2);
+    geo.C = p.size(-1);
     geo.M = 1;
-    for (int64_t d = 0; d < nd - 2; ++d) geo.M *= g.size(d);
+    for (int64_t d = 0; d < nd - 2; ++d) geo.M *= p.size(d);
     geo.mats_per_unit = geo.units ? geo.M / geo.units : 0;
     geo.rows_per_block =
         std::max<int64_t>(1, std::min(geo.R, std::max(kMinBlockRows, kBlock / std::max<int64_t>(geo.C, 1))));
@@ -429,26 +418,19 @@ Geo make_geo(const Tensor& g, bool bank, bool factored, at::IntArrayRef global_s
   return geo;
 }
 
-std::vector<int64_t> unit_keepdim_shape(const Tensor& g, bool bank) {
-  std::vector<int64_t> s(g.dim(), 1);
-  if (bank) s[0] = g.size(0);
+std::vector<int64_t> unit_keepdim_shape(at::IntArrayRef p, bool bank) {
+  std::vector<int64_t> s(p.size(), 1);
+  if (bank) s[0] = p[0];
   return s;
 }
 
-std::vector<int64_t> stat_shape(const Tensor& g, int64_t r, int64_t c) {
-  std::vector<int64_t> s(g.sizes().begin(), g.sizes().end());
-  s[s.size() - 2] = r;
+// p's shape with its last two dims replaced by (r, c) (r < 0: keep R).
+std::vector<int64_t> stat_shape(at::IntArrayRef p, int64_t r, int64_t c) {
+  std::vector<int64_t> s(p.begin(), p.end());
+  if (r >= 0) s[s.size() - 2] = r;
   s[s.size() - 1] = c;
   return s;
 }
-
-// ------------------------------------------------------------------------------------------------ parameters
-struct Hyper {
-  double beta1 = 0, beta2 = 0, eps = 0;
-  bool add_mode = false;
-  double lr = 0, weight_decay = 0;
-  int64_t seed = 0;
-};
 
 // Factored statistics of matrices [m0, m0 + count) of one parameter, in the math dtype T: per matrix rc (sum of its
 // row sums) and rvs (sum of row_var before the step); per row the sum of g^2 and rinv; per column the sum of g^2 and
@@ -478,13 +460,16 @@ struct Stats {
   }
 };
 
+// ------------------------------------------------------------------------------------------------ parameters
 // One parameter through the passes; arrays are raw pointers in the math dtype T.
 struct Param {
+  py::handle name;  // the record's `name`, for errors
   Geo geo;
-  at::ScalarType dtype = at::kFloat;  // of the gradient (and the parameter)
+  at::ScalarType dtype = at::kFloat;  // of the gradient and the parameter
   const void* g = nullptr;
   void *p = nullptr, *m = nullptr, *v = nullptr, *row_var = nullptr, *col_var = nullptr;
   float* step = nullptr;
+  int64_t stream = 0;            // rounding stream (param index of rounding_key)
   void* sumsq = nullptr;         // per unit, sum of g^2 (T)
   Stats st;                      // all matrices' statistics (three-pass path)
   std::vector<char> active;      // per unit
@@ -493,11 +478,17 @@ struct Param {
   std::vector<double> partial;   // per block: sum of g^2 or of u^2
   std::vector<double> sumsq_buf;  // storage of sumsq on the single-process path (room for a double or float)
   uint32_t key = 0;              // stochastic rounding key (bf16 parameters)
-  // first moment's storage (see "compact momentum"): format, int8 scales [rows, mNB], last dim, bf16 rounding key
-  int mfmt = 0;
+  // first moment's storage: format, int8 scales [rows, mNB], last dim, bf16 rounding key
+  bool has_m = false;  // a first moment (q.m is null when the parameter has no elements)
+  int mfmt = kMomPlain;
   float* mscale = nullptr;
   int64_t mC = 1, mNB = 1;
   uint32_t mkey = 0;
+
+  std::string label() const {
+    std::string s = name ? std::string(py::str(name)) : std::string();
+    return s.empty() ? "parameter" : s;
+  }
 };
 
 template <class T>
@@ -514,6 +505,148 @@ void with_elem(const Param& q, const F& f) {
   by_dtype(q.dtype, f);
 }
 
+#define SKEWADAM_CHECK(q, cond, ...) \
+  TORCH_CHECK_VALUE(cond, "skewadam C++ CPU kernel: ", (q).label(), ": ", __VA_ARGS__)
+
+constexpr const char* kStateFix =
+    "; the optimizer state does not belong to this parameter (a state dict saved for another model, or p.data "
+    "replaced by a tensor of another shape): load the state saved for this model, or reset this parameter's state "
+    "with `del optimizer.state[p]`";
+
+// `t` (when `need`: present) has `sizes` and `dtype`, else is absent.
+void check_state(const Param& q, const char* key, const OptTensor& t, bool need, at::IntArrayRef sizes,
+                 at::ScalarType dtype) {
+  SKEWADAM_CHECK(q, t.has_value() == need, "state '", key, "' is ", t ? "present" : "missing", " where a parameter",
+                 " of its kind ", need ? "needs one" : "has none", kStateFix);
+  if (!t) return;
+  SKEWADAM_CHECK(q, t->sizes() == sizes, "state '", key, "' has shape ", t->sizes(), ", a parameter of shape ",
+                 sizes, " needs ", sizes, kStateFix);
+  SKEWADAM_CHECK(q, t->scalar_type() == dtype, "state '", key, "' is ", t->scalar_type(), ", expected ", dtype);
+}
+
+// Which tensors a call reads and writes: pass 1 the gradient and row_var; pass 2 writes the state; pass 3 writes the
+// parameter and reads the first and full second moments; the fused step writes all.
+enum Pass { kStatsPass, kMomentsPass, kApplyPass, kFusedPass };
+
+// Point q at a record's tensors, after checking every size and dtype the passes index with.
+Param make_param(const ParamRec& r, Contig& ct, Pass pass) {
+  Param q;
+  q.name = std::get<11>(r);
+  const Tensor &p = std::get<0>(r), &g = std::get<1>(r), &step = std::get<2>(r);
+  const OptTensor &m = std::get<3>(r), &scale = std::get<4>(r), &v = std::get<5>(r), &rv = std::get<6>(r),
+                  &cv = std::get<7>(r);
+  const std::vector<int64_t>& shape = std::get<8>(r);
+  const bool bank = std::get<9>(r);
+  q.stream = std::get<10>(r);
+  q.dtype = p.scalar_type();
+  SKEWADAM_CHECK(q, q.dtype == at::kFloat || q.dtype == at::kDouble || q.dtype == at::kBFloat16,
+                 "unsupported parameter dtype ", q.dtype, " (fp32, fp64, bf16)");
+  SKEWADAM_CHECK(q, g.sizes() == p.sizes(), "gradient of shape ", g.sizes(), " for a parameter of shape ", p.sizes(),
+                 "; give p.grad the parameter's shape (p.grad.data was replaced by a tensor of another shape?)");
+  SKEWADAM_CHECK(q, g.scalar_type() == q.dtype, "gradient dtype ", g.scalar_type(), " differs from the parameter's ",
+                 q.dtype, "; give p.grad the parameter's dtype");
+  const int64_t nd = p.dim();
+  bool fits = int64_t(shape.size()) == nd;
+  for (int64_t d = 0; fits && d < nd; ++d) fits = p.size(d) <= shape[d];
+  SKEWADAM_CHECK(q, fits, "local shape ", p.sizes(), " does not fit the global shape ", at::IntArrayRef(shape));
+  SKEWADAM_CHECK(q, !bank || nd >= 1, "a bank needs a leading expert dim, got a 0-d parameter");
+  const at::ScalarType T = math_dtype(q.dtype);
+  SKEWADAM_CHECK(q, step.scalar_type() == at::kFloat, "step counts must be float32, got ", step.scalar_type(),
+                 kStateFix);
+  SKEWADAM_CHECK(q, bank ? step.dim() == 1 && step.size(0) == p.size(0) : step.numel() == 1, "step of shape ",
+                 step.sizes(), ", expected ", bank ? "[" + std::to_string(p.size(0)) + "]" : std::string("()"),
+                 kStateFix);
+  const bool factored = rv.has_value() || cv.has_value();
+  if (factored) {
+    SKEWADAM_CHECK(q, nd >= 2 + (bank ? 1 : 0), "factored state for a parameter of shape ", p.sizes(), " (bank ",
+                   bank, "), which has no matrix per unit", kStateFix);
+    SKEWADAM_CHECK(q, p.size(-1) < (int64_t(1) << 31), "rows of 2^31 or more elements are not supported (shape ",
+                   p.sizes(), "); use impl='eager'");
+    check_state(q, "row_var", rv, true, stat_shape(p.sizes(), -1, 1), T);
+    check_state(q, "col_var", cv, true, stat_shape(p.sizes(), 1, p.size(-1)), T);
+  }
+  check_state(q, "exp_avg_sq", v, !factored, p.sizes(), T);
+  q.has_m = m.has_value();
+  if (m) {
+    const at::ScalarType st = m->scalar_type();
+    SKEWADAM_CHECK(q, m->sizes() == p.sizes(), "state 'exp_avg' has shape ", m->sizes(), ", a parameter of shape ",
+                   p.sizes(), " needs ", p.sizes(), kStateFix);
+    SKEWADAM_CHECK(q, st == T || (st == at::kBFloat16 && T == at::kFloat) || st == at::kChar,
+                   "momentum of a ", q.dtype, " parameter must be ", T, ", bf16 (for fp32 statistics) or int8, got ",
+                   st);
+    if (st == at::kChar) {
+      SKEWADAM_CHECK(q, nd >= 1, "int8 momentum of a 0-d parameter", kStateFix);
+      q.mC = p.size(-1);
+      q.mNB = std::max<int64_t>(1, (q.mC + kQBlock - 1) / kQBlock);
+      check_state(q, "exp_avg_scale", scale, true, stat_shape(p.sizes(), -1, q.mNB), at::kFloat);
+      q.mfmt = kMomInt8;
+    } else {
+      check_state(q, "exp_avg_scale", scale, false, {}, at::kFloat);
+      q.mfmt = st == T ? kMomPlain : kMomBF16;
+    }
+  } else {
+    check_state(q, "exp_avg_scale", scale, false, {}, at::kFloat);
+  }
+  // pointers: what this pass reads and writes
+  const bool state_w = pass == kMomentsPass || pass == kFusedPass, param_w = pass == kApplyPass || pass == kFusedPass;
+  q.g = ct.read(g);
+  if (param_w) q.p = ct.write(p);
+  if (pass != kStatsPass) {
+    q.step = static_cast<float*>(state_w ? ct.write(step) : const_cast<void*>(ct.read(step)));
+    q.m = state_w ? ct.write(m) : const_cast<void*>(ct.read(m));
+    q.mscale = static_cast<float*>(state_w ? ct.write(scale) : const_cast<void*>(ct.read(scale)));
+    q.v = state_w ? ct.write(v) : const_cast<void*>(ct.read(v));
+  }
+  if (pass == kStatsPass) q.row_var = const_cast<void*>(ct.read(rv));
+  if (state_w) {
+    q.row_var = ct.write(rv);
+    q.col_var = ct.write(cv);
+  }
+  q.geo = make_geo(p, bank, factored, shape, q.mfmt == kMomInt8 && !factored ? q.mC : 1);
+  return q;
+}
+
+// A statistic or moment tensor of the pass before has `sizes` and `dtype` (what this pass indexes it with).
+void check_input(const Param& q, const char* what, const OptTensor& t, bool need, at::IntArrayRef sizes,
+                 at::ScalarType dtype) {
+  SKEWADAM_CHECK(q, t.has_value() == need, what, " is ", t ? "present" : "missing", " (expected ",
+                 need ? "a tensor" : "None", " for this parameter's state)");
+  if (!t) return;
+  SKEWADAM_CHECK(q, t->sizes() == sizes && t->scalar_type() == dtype, what, " of shape ", t->sizes(), " and dtype ",
+                 t->scalar_type(), ", expected shape ", sizes, " and dtype ", dtype);
+}
+
+// ------------------------------------------------------------------------------------------------ pass 1
+// Pass 1, NS rows of n elements `stride` apart: each row's sum of g^2 into out[s * out_stride], column sums into col.
+template <class E, int NS>
+inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t n, typename E::T* __restrict col,
+                    typename E::T* __restrict out, int64_t out_stride) {
+  using T = typename E::T;
+  T acc[NS][kLanes] = {};
+  for_lanes(n, [&](int64_t jk, int k) {
+    T c = col[jk];
+    for (int s = 0; s < NS; ++s) {
+      const T x = E::load(g[s * stride + jk]);
+      acc[s][k] = madd(x, x, acc[s][k]);
+      c = madd(x, x, c);
+    }
+    col[jk] = c;
+  });
+  for (int s = 0; s < NS; ++s) out[s * out_stride] = lanes_sum(acc[s]);
+}
+
+// Pass 1, NS runs of n elements `stride` apart: sum of g^2 into acc.
+template <class E, int NS>
+inline void p1_run(const typename E::raw* __restrict g, int64_t stride, int64_t n, typename E::T* __restrict acc) {
+  using T = typename E::T;
+  for_lanes(n, [&](int64_t jk, int k) {
+    for (int s = 0; s < NS; ++s) {
+      const T x = E::load(g[s * stride + jk]);
+      acc[k] = madd(x, x, acc[k]);
+    }
+  });
+}
+
 // The contiguous elements [e0, e1) of block b.
 void block_elems(const Geo& G, int64_t b, int64_t& e0, int64_t& e1) {
   if (!G.factored) return G.range(b, e0, e1);
@@ -523,7 +656,6 @@ void block_elems(const Geo& G, int64_t b, int64_t& e0, int64_t& e1) {
   e1 = (m * G.R + i1) * G.C;
 }
 
-// ------------------------------------------------------------------------------------------------ pass 1
 // Sum of g^2 over block b.
 template <class E>
 double sumsq_block(const Param& q, int64_t b) {
@@ -556,7 +688,8 @@ void p1_block(const Param& q, const Stats& s, int64_t b) {
   });
 }
 
-// Matrices [m_begin, m_end): column sums from their block partials (in block order), rc and rvs.
+// Matrices [m_begin, m_end): column sums from their block partials (in block order; zero for a matrix with no local
+// rows, a shard's empty share), rc and rvs.
 template <class T>
 void p1_finish(const Param& q, const Stats& s, int64_t m_begin, int64_t m_end) {
   const Geo& G = q.geo;
@@ -564,6 +697,7 @@ void p1_finish(const Param& q, const Stats& s, int64_t m_begin, int64_t m_end) {
   const T* rv = at_<T>(q.row_var);
   for (int64_t m = m_begin; m < m_end; ++m) {
     T* col = s.at<T>(s.col, m, C);
+    if (G.blocks_per_mat == 0) std::fill_n(col, C, T(0));
     if (G.blocks_per_mat > 1) {
       const T* cp = s.at<T>(s.colp, m, G.blocks_per_mat * C);
       std::copy_n(cp, C, col);
@@ -581,20 +715,30 @@ void p1_finish(const Param& q, const Stats& s, int64_t m_begin, int64_t m_end) {
   }
 }
 
-// ------------------------------------------------------------------------------------------------ passes 2 and 3
-// Per unit: active (bank: a non-zero gradient slice), step count, bias correction; the bf16 rounding key.
+// ------------------------------------------------------------------------------------------------ step counts
+// The rounding keys of this step (bf16 parameters, bf16 momentum), from the step counts after it.
+void set_keys(Param& q, const Hyper& h) {
+  if (q.dtype != at::kBFloat16 && q.mfmt != kMomBF16) return;
+  double t = 0;  // the step count after this update, summed over bank slices: rounding_key's `step`
+  for (int64_t u = 0; u < (q.geo.bank ? q.geo.units : 1); ++u) t += double(q.step[u]);
+  q.key = rounding_key(h.seed, q.stream, int64_t(t));
+  q.mkey = mix32(q.key + kMomentumStream);  // bf16 momentum: quant.store_momentum_'s key
+}
+
+// Per unit: active (a unit with elements; a bank slice also needs a non-zero gradient), step count, bias correction;
+// the bf16 rounding keys.
 template <class T>
-void count_steps(Param& q, const Hyper& h, int64_t param_id) {
+void count_steps(Param& q, const Hyper& h) {
   const Geo& G = q.geo;
-  q.active.assign(G.units, 1);
+  q.active.assign(G.units, G.ng > 0);
   float* step = q.step;
   if (G.bank) {
     const T* s = at_<T>(q.sumsq);
     for (int64_t u = 0; u < G.units; ++u) {
-      q.active[u] = s[u] > T(0);  // an expert that saw no token has an all-zero slice: leave it untouched
+      q.active[u] = q.active[u] && s[u] > T(0);  // an expert that saw no token has an all-zero slice: leave it
       step[u] += float(q.active[u]);
     }
-  } else {
+  } else if (q.active[0]) {
     step[0] += 1.0f;
   }
   q.corr.assign(G.units, 0.0);
@@ -602,15 +746,10 @@ void count_steps(Param& q, const Hyper& h, int64_t param_id) {
     // sqrt(1 - beta2^t) / (1 - beta1^t) in double (1 - beta in float32 is off by ~1e-5 relative)
     const double t = G.bank ? std::max(double(step[u]), 1.0) : double(step[0]);
     double c = std::sqrt(1.0 - std::pow(h.beta2, t));
-    if (q.m) c /= 1.0 - std::pow(h.beta1, t);
+    if (q.has_m) c /= 1.0 - std::pow(h.beta1, t);
     q.corr[u] = c;
   }
-  if (q.dtype == at::kBFloat16 || q.mfmt == kMomBF16) {
-    double t = 0;  // the step count after this update, summed over bank slices: rounding_key's `step`
-    for (int64_t u = 0; u < (G.bank ? G.units : 1); ++u) t += double(step[u]);
-    q.key = rounding_key(h.seed, param_id, int64_t(t));
-    q.mkey = mix32(q.key + kMomentumStream);  // bf16 momentum: quant.store_momentum_'s key
-  }
+  set_keys(q, h);
 }
 
 // Matrices [m_begin, m_end): the factored EMAs (active units only) and the row/column inverse denominators.
@@ -619,8 +758,8 @@ void update_factored(const Param& q, const Stats& s, const Hyper& h, int64_t m_b
   const Geo& G = q.geo;
   const int64_t R = G.R, C = G.C;
   const T add = h.add_mode ? T(h.eps) : T(0), floor = h.add_mode ? T(0) : T(h.eps);
-  const T w2 = T(1.0 - h.beta2), b2 = T(h.beta2), omb2 = T(1.0 - h.beta2);
-  const bool hi = std::abs(double(w2)) >= 0.5;
+  const Ema<T> ema(h.beta2);
+  const T b2 = T(h.beta2), omb2 = T(1.0 - h.beta2);
   const T Cg = T(G.Cg), Rg = T(G.Rg), Radd = T(G.Rg * (h.add_mode ? h.eps : 0.0));
   for (int64_t m = m_begin; m < m_end; ++m) {
     const bool on = q.active[G.unit_of_mat(m)];
@@ -629,8 +768,8 @@ void update_factored(const Param& q, const Stats& s, const Hyper& h, int64_t m_b
     const T *row = s.at<T>(s.row, m, R), *col = s.at<T>(s.col, m, C);
     T *rinv = s.at<T>(s.rinv, m, R), *cinv = s.at<T>(s.cinv, m, C);
     if (on) {
-      for (int64_t i = 0; i < R; ++i) rv[i] = lerp(rv[i], row[i] / Cg + add, w2, hi);
-      for (int64_t j = 0; j < C; ++j) cv[j] = lerp(cv[j], col[j] / Rg + add, w2, hi);
+      for (int64_t i = 0; i < R; ++i) rv[i] = ema(rv[i], row[i] / Cg + add);
+      for (int64_t j = 0; j < C; ++j) cv[j] = ema(cv[j], col[j] / Rg + add);
     }
     const T rvs = *s.at<T>(s.rvs, m, 1), rc = *s.at<T>(s.rc, m, 1);
     const T rmean = (on ? rvs * b2 + (rc / Cg + Radd) * omb2 : rvs) / Rg;
@@ -646,260 +785,327 @@ void update_factored(const Param& q, const Stats& s, const Hyper& h, int64_t m_b
   }
 }
 
-// ------------------------------------------------------------------------------------------------ compact momentum
-// The first moment stored as quant.py stores it, with the same operations in the same order (so the same bytes):
-//   bf16: m = SR(x), rounding.py's bits with key mix32(key + kMomentumStream) and the element's index in the tensor.
-//   int8: per block of kQBlock elements along the last dim (the last one padded), scale = absmax (stored fp32),
-//         q = copysign(round(sqrt(|x| / max(absmax, tiny)) * 127), x) (round half to even), and decoded
-//         x = (|c| * c) * scale with c = q / 127.
-// Pass 2 decodes m, takes lerp(m, g, 1 - beta1), stores it, and forms u from the stored value decoded (what pass 3
-// reads), as eager does. Walked in chunks of at most kQBlock elements that never straddle an int8 block.
+// ------------------------------------------------------------------------------------------------ first moment
+// The codecs of the first moment's storage. A pass walks a block as spans (NS runs of n elements `stride` apart, the
+// first at element e); `update_span<NS>(e, stride, n)` (pass 2) and `read_span<NS>(e, stride)` (pass 3) give a span
+// object and its storage pointer `ptr()`, which the pass takes as a __restrict parameter (so the compiler knows the
+// momentum's stores alias nothing else it reads) and hands back to `next` / `src` with element i = s * stride + j:
+//   next(ptr, i, s, j, x): element i moved towards the gradient x by the EMA, stored, returned as stored (as pass 3
+//                          will read it);  src(ptr, i, s, j): u's source in pass 3.
+// A chunked codec's spans are one run inside one int8 block.
 
-// First-moment storage of q from exp_avg (and exp_avg_scale for int8), validated; `write` for passes that update it.
-void set_momentum(Param& q, Contig& ct, const OptTensor& m, const OptTensor& scale, bool write) {
-  q.m = nullptr;
-  q.mfmt = kMomPlain;
-  if (!m) return;
-  const at::ScalarType T = math_dtype(q.dtype), st = m->scalar_type();
-  q.m = write ? ct.write(*m) : const_cast<void*>(ct.read(*m));
-  if (st == T) return;
-  if (st == at::kBFloat16) {
-    TORCH_CHECK(T == at::kFloat, "skewadam C++ CPU kernel: bf16 momentum needs fp32 or bf16 parameters, got ",
-                q.dtype);
-    q.mfmt = kMomBF16;
-    return;
-  }
-  TORCH_CHECK(st == at::kChar, "skewadam C++ CPU kernel: momentum of a ", q.dtype, " parameter must be ", T,
-              ", bf16 or int8, got ", st);
-  TORCH_CHECK(m->dim() >= 1 && scale && scale->scalar_type() == at::kFloat,
-              "skewadam C++ CPU kernel: int8 momentum needs its float32 exp_avg_scale");
-  q.mC = m->size(-1);
-  q.mNB = std::max<int64_t>(1, (q.mC + kQBlock - 1) / kQBlock);
-  TORCH_CHECK(scale->numel() == (q.mC ? m->numel() / q.mC : 0) * q.mNB, "skewadam C++ CPU kernel: exp_avg_scale of ",
-              "shape ", scale->sizes(), " does not hold one scale per ", kQBlock, " momentum values of shape ",
-              m->sizes());
-  q.mscale = static_cast<float*>(write ? ct.write(*scale) : const_cast<void*>(ct.read(*scale)));
-  q.mfmt = kMomInt8;
-}
+template <class E>
+struct NoMom {  // no first moment: u's source is the gradient
+  using T = typename E::T;
+  using raw = typename E::raw;
+  static constexpr bool kChunked = false;
+  const raw* g;
+  struct Span {
+    const raw* p;
+    const raw* ptr() const { return p; }
+    T next(const raw*, int64_t, int, int64_t, T x) const { return x; }
+    T src(const raw* __restrict g, int64_t i, int, int64_t) const { return E::load(g[i]); }
+  };
+  template <int NS>
+  Span update_span(int64_t e, int64_t, int64_t) const { return {g + e}; }
+  template <int NS>
+  Span read_span(int64_t e, int64_t) const { return {g + e}; }
+};
 
-// The alignment of a full tensor's blocks (make_geo): whole rows for int8 momentum.
-int64_t mom_align(const Param& q, bool factored) { return q.mfmt == kMomInt8 && !factored ? q.mC : 1; }
+template <class E>
+struct PlainMom {  // the statistics dtype
+  using T = typename E::T;
+  static constexpr bool kChunked = false;
+  T* m;
+  Ema<T> ema;
+  struct Span {
+    T* p;
+    Ema<T> ema;
+    T* ptr() const { return p; }
+    T next(T* __restrict m, int64_t i, int, int64_t, T x) const { return m[i] = ema(m[i], x); }
+    T src(T* __restrict m, int64_t i, int, int64_t) const { return m[i]; }
+  };
+  template <int NS>
+  Span update_span(int64_t e, int64_t, int64_t) const { return {m + e, ema}; }
+  template <int NS>
+  Span read_span(int64_t e, int64_t) const { return {m + e, ema}; }
+};
 
-// f(e, n, k): elements [e0, e1) as chunks [e, e + n) of at most kQBlock, each inside int8 block k (int8: e0 starts a
-// row, e1 ends one).
-template <class F>
-inline void mom_chunks(const Param& q, int64_t e0, int64_t e1, const F& f) {
-  for (int64_t e = e0; e < e1;) {
-    int64_t n = std::min(kQBlock, e1 - e), k = 0;
-    if (q.mfmt == kMomInt8) {
-      const int64_t row = e / q.mC, col = e - row * q.mC;
-      TORCH_INTERNAL_ASSERT(col % kQBlock == 0, "skewadam: an int8 momentum chunk straddles a block");
-      n = std::min(n, q.mC - col);
-      k = row * q.mNB + col / kQBlock;
+struct BF16Mom {  // bf16 with unbiased stochastic rounding (fp32 statistics): rounding.py's bits, quant's key
+  using T = float;
+  static constexpr bool kChunked = false;
+  uint16_t* m;
+  uint32_t key;
+  Ema<float> ema;
+  template <int NS>
+  struct Span {
+    uint16_t* p;
+    Ema<float> ema;
+    Rounder r[NS];
+    uint16_t* ptr() const { return p; }
+    float next(uint16_t* __restrict m, int64_t i, int s, int64_t j, float x) const {
+      m[i] = round_bf16(ema(BF16::load(m[i]), x), uint32_t(j), r[s]);
+      return BF16::load(m[i]);
     }
-    f(e, n, k);
-    e += n;
+    float src(uint16_t* __restrict m, int64_t i, int, int64_t) const { return BF16::load(m[i]); }
+  };
+  template <int NS>
+  Span<NS> update_span(int64_t e, int64_t stride, int64_t) const {
+    Span<NS> sp{m + e, ema, {}};
+    for (int s = 0; s < NS; ++s) sp.r[s] = rounder(e + s * stride, key);
+    return sp;
   }
-}
+  template <int NS>
+  Span<NS> read_span(int64_t e, int64_t stride) const { return update_span<NS>(e, stride, 0); }
+};
 
-// x = (|c| * c) * scale, c = q / 127 (quant.dequantize).
+// x = (|c| * c) * scale, c = q / QMAX (quant.dequantize).
 template <class T>
 inline T decode_int8(int8_t v, T scale) {
-  const T c = T(v) / T(127);
+  const T c = T(v) / T(kQMax);
   return std::abs(c) * c * scale;
 }
 
-// out[j] = the stored first moment of elements [e, e + n), decoded to T (chunk of int8 block k).
+// q = copysign(round(sqrt(fp32(|x| / a)) * QMAX), x), the root correctly rounded (quant.quantize_).
 template <class T>
-inline void mom_load(const Param& q, int64_t e, int64_t n, int64_t k, T* __restrict out) {
-  if (q.mfmt == kMomBF16) {
-    const uint16_t* m = at_<uint16_t>(q.m) + e;
-    for (int64_t j = 0; j < n; ++j) out[j] = T(Elem<c10::BFloat16>::load(m[j]));
-    return;
-  }
-  const int8_t* m = at_<int8_t>(q.m) + e;
-  const T s = T(q.mscale[k]);
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) out[j] = decode_int8(m[j], s);
+inline int8_t encode_int8(T x, T a) {
+  const float r = float(std::abs(x) / a);
+  return int8_t(std::copysign(std::nearbyint(std::sqrt(r) * float(kQMax)), float(x)));
 }
 
-// m = lerp(m, g, w1) on elements [e, e + n), stored compactly; out = the stored value decoded (what pass 3 reads).
 template <class E>
-inline void mom_update(const Param& q, int64_t e, int64_t n, int64_t k, typename E::T w1, bool hi1,
-                       typename E::T* __restrict out) {
+struct Int8Mom {  // int8 codes, one fp32 scale (the block's absmax) per kQBlock values along the last dim
   using T = typename E::T;
-  const auto* g = at_<typename E::raw>(q.g) + e;
-  T x[kQBlock];
-  mom_load<T>(q, e, n, k, x);
-  for (int64_t j = 0; j < n; ++j) x[j] = lerp(x[j], E::load(g[j]), w1, hi1);
-  if (q.mfmt == kMomBF16) {
-    if constexpr (std::is_same_v<T, float>) {
-      uint16_t* m = at_<uint16_t>(q.m) + e;
-      const Rounder r = rounder(e, q.mkey);
-      write_runs<Elem<c10::BFloat16>, 1>(m, 0, n, &r, [&](int, uint32_t j) { return x[j]; });
-      for (int64_t j = 0; j < n; ++j) out[j] = Elem<c10::BFloat16>::load(m[j]);
+  static constexpr bool kChunked = true;
+  int8_t* m;
+  float* scale;
+  int64_t C, NB;
+  const typename E::raw* g;
+  Ema<T> ema;
+  int64_t block(int64_t e) const {
+    const int64_t row = e / C;
+    return row * NB + (e - row * C) / kQBlock;
+  }
+  struct Update {  // pass 2: the block's new values, stored, decoded into buf (the caller's array of kQBlock)
+    const T* p;
+    const T* ptr() const { return p; }
+    T next(const T* __restrict buf, int64_t i, int, int64_t, T) const { return buf[i]; }
+  };
+  struct Read {
+    const int8_t* p;
+    T sc;
+    const int8_t* ptr() const { return p; }
+    T src(const int8_t* __restrict q, int64_t i, int, int64_t) const { return decode_int8(q[i], sc); }
+  };
+  // The block's new values (decode, EMA), its scale, its codes; buf = the codes decoded.
+  template <int NS>
+  Update update(T* __restrict buf, int64_t e, int64_t n) const {
+    static_assert(NS == 1, "int8 spans are one run inside one block");
+    const int64_t k = block(e);
+    int8_t* q = m + e;
+    const auto* ge = g + e;
+    const T s0 = T(scale[k]);
+    T absmax = T(0);
+    for (int64_t j = 0; j < n; ++j) {
+      buf[j] = ema(decode_int8(q[j], s0), E::load(ge[j]));
+      absmax = std::max(absmax, std::abs(buf[j]));
     }
-    return;
+    scale[k] = float(absmax);
+    const T a = std::max(absmax, std::numeric_limits<T>::min()), s1 = T(float(absmax));
+    for (int64_t j = 0; j < n; ++j) {
+      const int8_t v = encode_int8(buf[j], a);
+      q[j] = v;
+      buf[j] = decode_int8(v, s1);
+    }
+    return {buf};
   }
-  int8_t* m = at_<int8_t>(q.m) + e;
-  T absmax = T(0);
-  for (int64_t j = 0; j < n; ++j) absmax = std::max(absmax, std::abs(x[j]));
-  q.mscale[k] = float(absmax);
-  const T a = std::max(absmax, std::numeric_limits<T>::min()), s = T(float(absmax));
-#pragma omp simd
-  for (int64_t j = 0; j < n; ++j) {
-    const int8_t v = int8_t(std::copysign(std::nearbyint(std::sqrt(std::abs(x[j]) / a) * T(127)), x[j]));
-    m[j] = v;
-    out[j] = decode_int8(v, s);
+  template <int NS>
+  Read read_span(int64_t e, int64_t) const { return {m + e, T(scale[block(e)])}; }
+};
+
+// f(codec) with q's first-moment codec.
+template <class E, class F>
+void with_momentum(const Param& q, const Hyper& h, const F& f) {
+  using T = typename E::T;
+  using raw = typename E::raw;
+  if (!q.has_m) return f(NoMom<E>{at_<raw>(q.g)});
+  switch (q.mfmt) {
+    case kMomPlain: return f(PlainMom<E>{at_<T>(q.m), Ema<T>(h.beta1)});
+    case kMomBF16:
+      if constexpr (std::is_same_v<T, float>) return f(BF16Mom{at_<uint16_t>(q.m), q.mkey, Ema<float>(h.beta1)});
+      break;
+    case kMomInt8: return f(Int8Mom<E>{at_<int8_t>(q.m), q.mscale, q.mC, q.mNB, at_<raw>(q.g), Ema<T>(h.beta1)});
   }
+  TORCH_INTERNAL_ASSERT(false, "skewadam C++ CPU kernel: no codec for momentum format ", q.mfmt);
 }
 
-// acc[j % kLanes] += u(j)^2 for j < n.
-template <class T, class F>
-inline void add_squares(T* __restrict acc, int64_t n, const F& u) {
+// Pass 2's span of codec `mom`: int8 computes the block's new momentum first, into buf (kQBlock elements).
+template <int NS, class Mom, class T>
+inline auto update_span(const Mom& mom, int64_t e, int64_t stride, int64_t n, T* buf) {
+  if constexpr (Mom::kChunked)
+    return mom.template update<NS>(buf, e, n);
+  else
+    return mom.template update_span<NS>(e, stride, n);
+}
+
+// ------------------------------------------------------------------------------------------------ passes 2 and 3
+// The direction u of the update, given its source src (momentum or gradient) and the unit's scale c (pass 2: the bias
+// correction; pass 3: times the clip). Like the codecs, a direction's array comes in as a __restrict parameter d
+// (FactoredDir: cinv from the span's first column, indexed by column j; FullDir: v from the span's first element,
+// indexed by element i). `moment`: what pass 2 updates element-wise before forming u.
+template <class T, int NS>
+struct FactoredDir {  // u = src * (rinv_i * c) * cinv_j, rs[s] = rinv_i * c for the row of run s
+  using Ptr = const T*;
+  T rs[NS];
+  void moment(Ptr, int64_t, T) const {}
+  T u(Ptr __restrict cinv, int s, int64_t j, int64_t, T src) const { return src * rs[s] * cinv[j]; }
+};
+
+template <class T>
+struct FullDir {  // u = src * c / sqrt(max(v_i, floor)); pass 2 first moves v_i towards x^2 + add
+  using Ptr = T*;
+  T c, floor, add;
+  Ema<T> ema;
+  void moment(Ptr __restrict v, int64_t i, T x) const { v[i] = ema(v[i], x * x + add); }
+  T u(Ptr __restrict v, int, int64_t, int64_t i, T src) const { return src * c / std::sqrt(std::max(v[i], floor)); }
+};
+
+// Pass 2 on a span: the moments of each element, then u, its square added to acc. It stays a call (noinline): inlined
+// into the block's lambdas, GCC loses its __restrict and keeps acc on the stack, storing it every element (measured:
+// pass 2 of an expert bank 40% slower). Pass 3 is best inlined (as a call, its bf16 rounding loop is not vectorised).
+template <class E, int NS, class Sp, class Dir>
+[[gnu::noinline]] void p2_span(const typename E::raw* __restrict g, decltype(std::declval<const Sp&>().ptr()) __restrict m,
+                    typename Dir::Ptr __restrict d, int64_t stride, int64_t n, const Sp sp, const Dir dir,
+                    typename E::T* __restrict acc) {
+  using T = typename E::T;
   for_lanes(n, [&](int64_t j, int k) {
-    const T x = u(j);
-    acc[k] += x * x;
+    for (int s = 0; s < NS; ++s) {
+      const int64_t i = s * stride + j;
+      const T x = E::load(g[i]);
+      dir.moment(d, i, x);
+      const T u = dir.u(d, s, j, i, sp.next(m, i, s, j, x));
+      acc[k] = madd(u, u, acc[k]);
+    }
   });
 }
 
-// Pass 2 of block b with compact momentum (p2_block's math): returns the block's sum of u^2.
+// Pass 3 on a span: p = p*decay + nlr * u (bf16: rounded stochastically).
+template <class E, int NS, class Sp, class Dir>
+inline void p3_span(typename E::raw* __restrict p, decltype(std::declval<const Sp&>().ptr()) __restrict m,
+                    typename Dir::Ptr __restrict d, int64_t stride, int64_t n, const Sp sp, const Dir dir,
+                    typename E::T decay, typename E::T nlr, const Rounder* rnd) {
+  write_runs<E, NS>(p, stride, n, rnd, [&](int s, uint32_t j) {
+    const int64_t i = s * stride + j;
+    return madd(nlr, dir.u(d, s, j, i, sp.src(m, i, s, j)), E::load(p[i]) * decay);
+  });
+}
+
+// Block b of a factored parameter as spans: f(ns, e, stride, n, m, i, qr, c0) for NS rows i, i + qr, ... of matrix m,
+// columns [c0, c0 + n). A chunked codec gets one row at a time, cut at its int8 blocks.
+template <bool kChunked, class F>
+inline void factored_spans(const Geo& G, int64_t b, const F& f) {
+  int64_t m, i0, i1;
+  G.rows(b, m, i0, i1);
+  const int64_t C = G.C;
+  if constexpr (kChunked) {
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t c0 = 0; c0 < C; c0 += kQBlock)
+        f(Int<1>{}, (m * G.R + i) * C + c0, int64_t(0), std::min(kQBlock, C - c0), m, i, int64_t(0), c0);
+  } else {
+    row_groups(i0, i1, [&](auto ns, int64_t i, int64_t qr) {
+      f(ns, (m * G.R + i) * C, qr * C, C, m, i, qr, int64_t(0));
+    });
+  }
+}
+
+// Block b of a full parameter as spans: f(ns, e, stride, n). A chunked codec's cut at its int8 blocks (int8 blocks of
+// a full tensor hold whole rows of q.mC elements: make_geo's `align`).
+template <bool kChunked, class F>
+inline void full_spans(const Param& q, int64_t b, const F& f) {
+  int64_t e0, e1;
+  q.geo.range(b, e0, e1);
+  if constexpr (kChunked) {
+    for (int64_t e = e0; e < e1;) {
+      const int64_t n = std::min(kQBlock, q.mC - e % q.mC);
+      f(Int<1>{}, e, int64_t(0), n);
+      e += n;
+    }
+  } else {
+    run_groups(e0, e1, [&](auto ns, int64_t e, int64_t n, int64_t stride) { f(ns, e, stride, n); });
+  }
+}
+
+// Pass 2, one block: the first moment (and full second moment) EMAs in place; returns the block's sum of u^2.
 template <class E>
-double p2_compact(const Param& q, const Stats& s, const Hyper& h, int64_t b) {
+double p2_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
   using T = typename E::T;
   const Geo& G = q.geo;
-  const T w1 = T(1.0 - h.beta1);
-  const bool hi1 = std::abs(double(w1)) >= 0.5;
+  const auto* g = at_<typename E::raw>(q.g);
   T acc[kLanes] = {};
-  T src[kQBlock];
-  if (G.factored) {  // u = src * (rinv_i * corr) * cinv_j
-    int64_t mt, i0, i1;
-    G.rows(b, mt, i0, i1);
-    const int64_t C = G.C;
-    const T corr = T(q.corr[G.unit_of_mat(mt)]);
-    const T* rinv = s.at<T>(s.rinv, mt, G.R);
-    const T* cinv = s.at<T>(s.cinv, mt, C);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t off = (mt * G.R + i) * C;
-      const T sc = rinv[i] * corr;
-      mom_chunks(q, off, off + C, [&](int64_t e, int64_t n, int64_t k) {
-        mom_update<E>(q, e, n, k, w1, hi1, src);
-        const T* cj = cinv + (e - off);
-        add_squares(acc, n, [&](int64_t j) { return src[j] * sc * cj[j]; });
+  T buf[kQBlock];  // int8: a block's new momentum, decoded
+  with_momentum<E>(q, h, [&](const auto& mom) {
+    constexpr bool kChunked = std::decay_t<decltype(mom)>::kChunked;
+    if (G.factored) {
+      factored_spans<kChunked>(G, b, [&](auto ns, int64_t e, int64_t stride, int64_t n, int64_t mt, int64_t i,
+                                         int64_t qr, int64_t c0) {
+        constexpr int NS = decltype(ns)::value;
+        const T corr = T(q.corr[G.unit_of_mat(mt)]);
+        const T* rinv = st.at<T>(st.rinv, mt, G.R);
+        FactoredDir<T, NS> dir;
+        for (int s = 0; s < NS; ++s) dir.rs[s] = rinv[i + s * qr] * corr;
+        const auto sp = update_span<NS>(mom, e, stride, n, buf);
+        p2_span<E, NS>(g + e, sp.ptr(), st.at<T>(st.cinv, mt, G.C) + c0, stride, n, sp, dir, acc);
+      });
+    } else {
+      const FullDir<T> dir{T(q.corr[b / G.blocks_per_unit]), h.add_mode ? T(0) : T(h.eps),
+                           h.add_mode ? T(h.eps) : T(0), Ema<T>(h.beta2)};
+      full_spans<kChunked>(q, b, [&](auto ns, int64_t e, int64_t stride, int64_t n) {
+        constexpr int NS = decltype(ns)::value;
+        const auto sp = update_span<NS>(mom, e, stride, n, buf);
+        p2_span<E, NS>(g + e, sp.ptr(), at_<T>(q.v) + e, stride, n, sp, dir, acc);
       });
     }
-    return double(lanes_sum(acc));
-  }
-  // full: v = lerp(v, g^2 + add, 1 - beta2); u = src * corr / sqrt(max(v, floor))
-  int64_t e0, e1;
-  G.range(b, e0, e1);
-  const T corr = T(q.corr[b / G.blocks_per_unit]);
-  const T add = h.add_mode ? T(h.eps) : T(0), floor = h.add_mode ? T(0) : T(h.eps);
-  const T w2 = T(1.0 - h.beta2);
-  const bool hi2 = std::abs(double(w2)) >= 0.5;
-  const auto* g = at_<typename E::raw>(q.g);
-  T* v = at_<T>(q.v);
-  mom_chunks(q, e0, e1, [&](int64_t e, int64_t n, int64_t k) {
-    mom_update<E>(q, e, n, k, w1, hi1, src);
-    T* ve = v + e;
-    for (int64_t j = 0; j < n; ++j) {
-      const T x = E::load(g[e + j]);
-      ve[j] = lerp(ve[j], x * x + add, w2, hi2);
-    }
-    add_squares(acc, n, [&](int64_t j) { return src[j] * corr / std::sqrt(std::max(ve[j], floor)); });
   });
   return double(lanes_sum(acc));
 }
 
-// Pass 3 of block b with compact momentum (p3_block's math, src = the stored momentum decoded).
+// Pass 3, one block: p = p*(1 - lr*wd) - lr * u * clip (bf16: rounded stochastically).
 template <class E>
-void p3_compact(const Param& q, const Stats& s, const Hyper& h, int64_t b) {
+void p3_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
   using T = typename E::T;
   const Geo& G = q.geo;
   auto* p = at_<typename E::raw>(q.p);
   const T decay = T(1.0 - h.lr * h.weight_decay), nlr = T(-h.lr);
-  T src[kQBlock];
-  if (G.factored) {  // p = p*decay + nlr * (src * (rinv_i * corr * clip) * cinv_j)
-    int64_t mt, i0, i1;
-    G.rows(b, mt, i0, i1);
-    const int64_t C = G.C, u = G.unit_of_mat(mt);
-    const T cc = T(q.corr[u]) * T(q.clip[u]);
-    const T* rinv = s.at<T>(s.rinv, mt, G.R);
-    const T* cinv = s.at<T>(s.cinv, mt, C);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t off = (mt * G.R + i) * C;
-      const T sc = rinv[i] * cc;
-      mom_chunks(q, off, off + C, [&](int64_t e, int64_t n, int64_t k) {
-        mom_load<T>(q, e, n, k, src);
-        const T* cj = cinv + (e - off);
-        const Rounder r = rounder(e, q.key);
-        write_runs<E, 1>(p + e, 0, n, &r, [&](int, uint32_t j) {
-          return E::load(p[e + j]) * decay + nlr * (src[j] * sc * cj[j]);
-        });
+  with_momentum<E>(q, h, [&](const auto& mom) {
+    constexpr bool kChunked = std::decay_t<decltype(mom)>::kChunked;
+    if (G.factored) {
+      factored_spans<kChunked>(G, b, [&](auto ns, int64_t e, int64_t stride, int64_t n, int64_t mt, int64_t i,
+                                         int64_t qr, int64_t c0) {
+        constexpr int NS = decltype(ns)::value;
+        const int64_t u = G.unit_of_mat(mt);
+        const T cc = T(q.corr[u]) * T(q.clip[u]);
+        const T* rinv = st.at<T>(st.rinv, mt, G.R);
+        FactoredDir<T, NS> dir;
+        Rounder rnd[NS];
+        for (int s = 0; s < NS; ++s) {
+          dir.rs[s] = rinv[i + s * qr] * cc;
+          rnd[s] = rounder(e + s * stride, q.key);
+        }
+        const auto sp = mom.template read_span<NS>(e, stride);
+        p3_span<E, NS>(p + e, sp.ptr(), st.at<T>(st.cinv, mt, G.C) + c0, stride, n, sp, dir, decay, nlr, rnd);
+      });
+    } else {
+      const int64_t u = b / G.blocks_per_unit;
+      const FullDir<T> dir{T(q.corr[u]) * T(q.clip[u]), h.add_mode ? T(0) : T(h.eps), T(0), Ema<T>(h.beta2)};
+      full_spans<kChunked>(q, b, [&](auto ns, int64_t e, int64_t stride, int64_t n) {
+        constexpr int NS = decltype(ns)::value;
+        Rounder rnd[NS];
+        for (int s = 0; s < NS; ++s) rnd[s] = rounder(e + s * stride, q.key);
+        const auto sp = mom.template read_span<NS>(e, stride);
+        p3_span<E, NS>(p + e, sp.ptr(), at_<T>(q.v) + e, stride, n, sp, dir, decay, nlr, rnd);
       });
     }
-    return;
-  }
-  // full: p = p*decay + nlr * (src * (corr * clip) / sqrt(max(v, floor)))
-  int64_t e0, e1;
-  G.range(b, e0, e1);
-  const int64_t u = b / G.blocks_per_unit;
-  const T cc = T(q.corr[u]) * T(q.clip[u]);
-  const T floor = h.add_mode ? T(0) : T(h.eps);
-  const T* v = at_<T>(q.v);
-  mom_chunks(q, e0, e1, [&](int64_t e, int64_t n, int64_t k) {
-    mom_load<T>(q, e, n, k, src);
-    const Rounder r = rounder(e, q.key);
-    write_runs<E, 1>(p + e, 0, n, &r, [&](int, uint32_t j) {
-      return E::load(p[e + j]) * decay + nlr * (src[j] * cc / std::sqrt(std::max(v[e + j], floor)));
-    });
   });
-}
-
-// Pass 2, one block: momentum and full second moment EMAs in place; returns the block's sum of u^2.
-template <class E>
-double p2_block(const Param& q, const Stats& s, const Hyper& h, int64_t b) {
-  using T = typename E::T;
-  if (q.mfmt != kMomPlain) return p2_compact<E>(q, s, h, b);
-  const Geo& G = q.geo;
-  const auto* g = at_<typename E::raw>(q.g);
-  T* m = at_<T>(q.m);
-  const T w1 = T(1.0 - h.beta1);
-  const bool hi1 = std::abs(double(w1)) >= 0.5;
-  T acc[kLanes] = {};
-  auto with_mom = [&](auto body) { m ? body(std::true_type{}) : body(std::false_type{}); };
-  if (G.factored) {
-    int64_t mt, i0, i1;
-    G.rows(b, mt, i0, i1);
-    const int64_t C = G.C;
-    const T corr = T(q.corr[G.unit_of_mat(mt)]);
-    const T* rinv = s.at<T>(s.rinv, mt, G.R);
-    const T* cinv = s.at<T>(s.cinv, mt, C);
-    with_mom([&](auto mom) {
-      row_groups(i0, i1, [&](auto ns, int64_t i, int64_t qr) {
-        constexpr int NS = decltype(ns)::value;
-        T scale[NS];
-        for (int k = 0; k < NS; ++k) scale[k] = rinv[i + k * qr] * corr;
-        const int64_t off = (mt * G.R + i) * C;
-        p2_rows<E, NS, decltype(mom)::value>(g + off, m ? m + off : nullptr, qr * C, C, cinv, scale, w1, hi1, acc);
-      });
-    });
-    return double(lanes_sum(acc));
-  }
-  int64_t e0, e1;
-  G.range(b, e0, e1);
-  const T corr = T(q.corr[b / G.blocks_per_unit]);
-  const T add = h.add_mode ? T(h.eps) : T(0), floor = h.add_mode ? T(0) : T(h.eps);
-  const T w2 = T(1.0 - h.beta2);
-  const bool hi2 = std::abs(double(w2)) >= 0.5;
-  T* v = at_<T>(q.v);
-  with_mom([&](auto mom) {
-    run_groups(e0, e1, [&](auto ns, int64_t e, int64_t n, int64_t stride) {
-      p2_run<E, decltype(ns)::value, decltype(mom)::value>(g + e, m ? m + e : nullptr, v + e, stride, n, corr, w1,
-                                                           hi1, w2, hi2, add, floor, acc);
-    });
-  });
-  return double(lanes_sum(acc));
 }
 
 // Sum of unit u's block partials, in block order.
@@ -914,58 +1120,6 @@ T unit_sum(const Param& q, int64_t u) {
 template <class T>
 double clip_of(T u_sumsq, double n) {
   return double(T(1) / std::max(std::sqrt(u_sumsq / T(n)), T(1)));
-}
-
-// Pass 3, one block: p = p*(1 - lr*wd) - lr * u * clip (bf16: rounded stochastically).
-template <class E>
-void p3_block(const Param& q, const Stats& s, const Hyper& h, int64_t b) {
-  using T = typename E::T;
-  using raw = typename E::raw;
-  if (q.mfmt != kMomPlain) return p3_compact<E>(q, s, h, b);
-  const Geo& G = q.geo;
-  const raw* g = at_<raw>(q.g);
-  const T* m = at_<T>(q.m);
-  raw* p = at_<raw>(q.p);
-  const T decay = T(1.0 - h.lr * h.weight_decay), nlr = T(-h.lr);
-  auto with_mom = [&](auto body) { m ? body(std::true_type{}) : body(std::false_type{}); };
-  if (G.factored) {
-    int64_t mt, i0, i1;
-    G.rows(b, mt, i0, i1);
-    const int64_t C = G.C, u = G.unit_of_mat(mt);
-    const T cc = T(q.corr[u]) * T(q.clip[u]);
-    const T* rinv = s.at<T>(s.rinv, mt, G.R);
-    const T* cinv = s.at<T>(s.cinv, mt, C);
-    with_mom([&](auto mom) {
-      row_groups(i0, i1, [&](auto ns, int64_t i, int64_t qr) {
-        constexpr int NS = decltype(ns)::value;
-        T scale[NS];
-        Rounder rnd[NS];
-        const int64_t off = (mt * G.R + i) * C;
-        for (int k = 0; k < NS; ++k) {
-          scale[k] = rinv[i + k * qr] * cc;
-          rnd[k] = rounder(off + k * qr * C, q.key);
-        }
-        p3_rows<E, NS, decltype(mom)::value>(p + off, g + off, m ? m + off : nullptr, qr * C, C, cinv, scale, decay,
-                                             nlr, rnd);
-      });
-    });
-    return;
-  }
-  int64_t e0, e1;
-  G.range(b, e0, e1);
-  const int64_t u = b / G.blocks_per_unit;
-  const T cc = T(q.corr[u]) * T(q.clip[u]);
-  const T floor = h.add_mode ? T(0) : T(h.eps);
-  const T* v = at_<T>(q.v);
-  with_mom([&](auto mom) {
-    run_groups(e0, e1, [&](auto ns, int64_t e, int64_t n, int64_t stride) {
-      constexpr int NS = decltype(ns)::value;
-      Rounder rnd[NS];
-      for (int k = 0; k < NS; ++k) rnd[k] = rounder(e + k * stride, q.key);
-      p3_run<E, NS, decltype(mom)::value>(p + e, g + e, m ? m + e : nullptr, v + e, stride, n, cc, floor, decay, nlr,
-                                          rnd);
-    });
-  });
 }
 
 // ------------------------------------------------------------------------------------------------ one process
@@ -1060,58 +1214,25 @@ void split_units(std::vector<Param>& qs, const std::vector<const Hyper*>& hs,
 // The three passes for one process: nothing crosses a reduction seam, so no statistic becomes a tensor. Pass 1 is
 // only the per-unit sum of g^2 (for the non-finite check and the banks' idle slices); each unit's row and column
 // statistics are computed in pass 2, next to their use. Bitwise equal to grad_stats + update_moments +
-// apply_updates. Returns false, having written nothing, when skip_nonfinite and some gradient holds inf or NaN.
-bool step(const std::vector<std::vector<Tensor>>& params, const std::vector<std::vector<Tensor>>& grads,
-          const std::vector<std::vector<Tensor>>& steps, const std::vector<std::vector<OptTensor>>& exp_avgs,
-          const std::vector<std::vector<OptTensor>>& exp_avg_scales,
-          const std::vector<std::vector<OptTensor>>& exp_avg_sqs, const std::vector<std::vector<OptTensor>>& row_vars,
-          const std::vector<std::vector<OptTensor>>& col_vars, const std::vector<std::vector<bool>>& banks,
-          const std::vector<std::vector<std::vector<int64_t>>>& shapes,
-          const std::vector<std::vector<int64_t>>& param_ids, const std::vector<Hyper>& hypers, bool skip_nonfinite) {
-  const size_t ng = params.size();
-  TORCH_CHECK(grads.size() == ng && steps.size() == ng && exp_avgs.size() == ng && exp_avg_scales.size() == ng &&
-                  exp_avg_sqs.size() == ng && row_vars.size() == ng && col_vars.size() == ng && banks.size() == ng &&
-                  shapes.size() == ng && param_ids.size() == ng && hypers.size() == ng,
-              "skewadam C++ CPU kernel: per-group lists of different lengths");
+// apply_updates. Returns a 0-d bool tensor: true, having written nothing, when skip_nonfinite and some gradient
+// holds inf or NaN.
+Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
   Contig ct;
+  std::vector<Hyper> hypers;
+  hypers.reserve(groups.size());
   std::vector<Param> qs;
   std::vector<const Hyper*> hs;
-  std::vector<int64_t> ids;
   std::vector<std::pair<int32_t, int64_t>> blocks;
   int64_t elements = 0;
-  for (size_t gi = 0; gi < ng; ++gi) {
-    const size_t n = params[gi].size();
-    TORCH_CHECK(grads[gi].size() == n && steps[gi].size() == n && exp_avgs[gi].size() == n &&
-                    exp_avg_scales[gi].size() == n && exp_avg_sqs[gi].size() == n && row_vars[gi].size() == n &&
-                    col_vars[gi].size() == n && banks[gi].size() == n && shapes[gi].size() == n &&
-                    param_ids[gi].size() == n,
-                "skewadam C++ CPU kernel: tensor lists of different lengths in group ", gi);
-    for (size_t i = 0; i < n; ++i) {
-      Param& q = qs.emplace_back();
-      const Tensor& g = grads[gi][i];
-      q.dtype = g.scalar_type();
-      TORCH_CHECK(params[gi][i].scalar_type() == q.dtype, "skewadam C++ CPU kernel: gradient dtype ", q.dtype,
-                  " differs from the parameter's ", params[gi][i].scalar_type());
-      const at::ScalarType T = math_dtype(q.dtype);
-      for (const OptTensor* t : {&exp_avg_sqs[gi][i], &row_vars[gi][i], &col_vars[gi][i]})
-        TORCH_CHECK(!t->has_value() || (*t)->scalar_type() == T, "skewadam C++ CPU kernel: state of a ", q.dtype,
-                    " parameter must be ", T, ", got ", (*t)->scalar_type());
-      TORCH_CHECK(steps[gi][i].scalar_type() == at::kFloat, "skewadam C++ CPU kernel: step counts must be float32");
-      q.g = ct.read(g);
-      q.p = ct.write(params[gi][i]);
-      q.step = static_cast<float*>(ct.write(steps[gi][i]));
-      set_momentum(q, ct, exp_avgs[gi][i], exp_avg_scales[gi][i], true);
-      q.v = ct.write(exp_avg_sqs[gi][i]);
-      q.row_var = ct.write(row_vars[gi][i]);
-      q.col_var = ct.write(col_vars[gi][i]);
-      const bool factored = row_vars[gi][i].has_value();
-      q.geo = make_geo(g, banks[gi][i], factored, shapes[gi][i], mom_align(q, factored));
+  for (const GroupRec& group : groups) hypers.push_back(hyper_of(group));
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    for (const ParamRec& r : std::get<0>(groups[gi])) {
+      Param& q = qs.emplace_back(make_param(r, ct, kFusedPass));
       q.partial.assign(q.geo.blocks(), 0.0);
       q.clip.assign(q.geo.units, 1.0);
       q.sumsq_buf.assign(q.geo.units, 0.0);
       q.sumsq = q.sumsq_buf.data();
       hs.push_back(&hypers[gi]);
-      ids.push_back(param_ids[gi][i]);
       for (int64_t b = 0; b < q.geo.blocks(); ++b) blocks.emplace_back(int32_t(qs.size() - 1), b);
       elements += q.geo.numel;
     }
@@ -1130,16 +1251,17 @@ bool step(const std::vector<std::vector<Tensor>>& params, const std::vector<std:
         finite = finite && std::isfinite(at_<T>(q.sumsq)[u]);
       }
     });
-  if (skip_nonfinite && !finite) return false;
+  const bool skipped = skip_nonfinite && !finite;
+  if (skipped) return at::scalar_tensor(true, at::TensorOptions().dtype(at::kBool));
   // passes 2 and 3: units that fit a core's L2 cache whole, by one thread each; larger ones split
   std::vector<std::pair<int32_t, int64_t>> fused, split;
   int64_t fused_elements = 0, scratch_per_thread = 0, largest = 1;
   for (size_t i = 0; i < qs.size(); ++i) {
     Param& q = qs[i];
     const Geo& G = q.geo;
-    with_elem(q, [&](auto e) { count_steps<typename decltype(e)::T>(q, *hs[i], ids[i]); });
+    with_elem(q, [&](auto e) { count_steps<typename decltype(e)::T>(q, *hs[i]); });
     const int64_t m_bytes = q.mfmt == kMomPlain ? c10::elementSize(math_dtype(q.dtype)) : q.mfmt == kMomBF16 ? 2 : 1;
-    const int64_t src_bytes = G.unit_numel * (q.m ? m_bytes : int64_t(c10::elementSize(q.dtype)));
+    const int64_t src_bytes = G.unit_numel * (q.has_m ? m_bytes : int64_t(c10::elementSize(q.dtype)));
     largest = std::max(largest, G.unit_numel);
     for (int64_t u = 0; u < G.units; ++u) {
       if (!q.active[u] || G.blocks_per_unit == 0) continue;
@@ -1165,42 +1287,34 @@ bool step(const std::vector<std::vector<Tensor>>& params, const std::vector<std:
   });
   split_units(qs, hs, split, std::max<int64_t>(largest / 16, kBlock));  // <= 1/8 of an fp32 copy of the largest unit
   ct.finish();
-  return true;
+  return at::scalar_tensor(false, at::TensorOptions().dtype(at::kBool));
 }
 
-// Pass 1 (eager.grad_stats): per parameter [sumsq, rc_sumsq, row, col, row_var_sum] (None where not factored).
-std::vector<std::vector<OptTensor>> grad_stats(const std::vector<Tensor>& grads, const std::vector<OptTensor>& row_vars,
-                                               const std::vector<bool>& banks,
-                                               const std::vector<at::ScalarType>& dtypes) {
-  const size_t n = grads.size();
-  TORCH_CHECK(row_vars.size() == n && banks.size() == n && dtypes.size() == n,
-              "skewadam C++ CPU kernel: tensor lists of different lengths");
+// Pass 1 (eager.grad_stats): per parameter GradStats (sumsq, rc_sumsq, row, col, row_var_sum; None where not factored).
+std::vector<StatsRec> grad_stats(const GroupRec& group) {
+  const auto& recs = std::get<0>(group);
+  const size_t n = recs.size();
   Contig ct;
-  std::vector<Param> qs(n);
-  std::vector<std::vector<OptTensor>> out(n);
+  std::vector<Param> qs;
+  qs.reserve(n);
+  std::vector<StatsRec> out(n);
   std::vector<Tensor> colps;
   std::vector<std::pair<int32_t, int64_t>> blocks;
   int64_t elements = 0;
   for (size_t i = 0; i < n; ++i) {
-    Param& q = qs[i];
-    const Tensor& g = grads[i];
-    q.dtype = g.scalar_type();
-    TORCH_CHECK(dtypes[i] == math_dtype(q.dtype), "skewadam C++ CPU kernel: math dtype ", dtypes[i], " for a ",
-                q.dtype, " gradient is not supported (expected ", math_dtype(q.dtype), ")");
-    q.g = ct.read(g);
-    q.geo = make_geo(g, banks[i], row_vars[i].has_value(), g.sizes());
+    Param& q = qs.emplace_back(make_param(recs[i], ct, kStatsPass));
+    const Tensor& p = std::get<0>(recs[i]);
     const Geo& G = q.geo;
-    auto opts = g.options().dtype(dtypes[i]);
-    Tensor sumsq = at::empty(unit_keepdim_shape(g, banks[i]), opts);
+    auto opts = p.options().dtype(math_dtype(q.dtype));
+    Tensor sumsq = at::empty(unit_keepdim_shape(p.sizes(), G.bank), opts);
     q.sumsq = sumsq.data_ptr();
     q.partial.assign(G.blocks(), 0.0);
     for (int64_t b = 0; b < G.blocks(); ++b) blocks.emplace_back(int32_t(i), b);
     elements += G.numel;
     out[i] = {sumsq, std::nullopt, std::nullopt, std::nullopt, std::nullopt};
     if (!G.factored) continue;
-    q.row_var = const_cast<void*>(ct.read(*row_vars[i]));
-    Tensor rc = at::empty(stat_shape(g, 1, 1), opts), row = at::empty(stat_shape(g, G.R, 1), opts),
-           col = at::empty(stat_shape(g, 1, G.C), opts), rvs = at::empty(stat_shape(g, 1, 1), opts);
+    Tensor rc = at::empty(stat_shape(p.sizes(), 1, 1), opts), row = at::empty(stat_shape(p.sizes(), -1, 1), opts),
+           col = at::empty(stat_shape(p.sizes(), 1, G.C), opts), rvs = at::empty(stat_shape(p.sizes(), 1, 1), opts);
     q.st.rc = rc.data_ptr();
     q.st.row = row.data_ptr();
     q.st.col = col.data_ptr();
@@ -1238,69 +1352,75 @@ std::vector<std::vector<OptTensor>> grad_stats(const std::vector<Tensor>& grads,
   return out;
 }
 
-// Pass 2 (eager.update_moments_): per parameter (u_sumsq, corr tensor (bank) or None, corr float, rinv, cinv, active).
-std::vector<std::tuple<Tensor, OptTensor, double, OptTensor, OptTensor, OptTensor>> update_moments(
-    const std::vector<Tensor>& grads, const std::vector<Tensor>& steps, const std::vector<OptTensor>& exp_avgs,
-    const std::vector<OptTensor>& exp_avg_sqs, const std::vector<OptTensor>& row_vars,
-    const std::vector<OptTensor>& col_vars, const std::vector<std::vector<OptTensor>>& stats,
-    const std::vector<bool>& banks, const std::vector<std::vector<int64_t>>& shapes, double beta1, double beta2,
-    double eps, bool add_mode, const std::vector<OptTensor>& exp_avg_scales, int64_t seed,
-    const std::vector<int64_t>& param_ids) {
-  const size_t n = grads.size();
-  TORCH_CHECK(steps.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && row_vars.size() == n &&
-                  col_vars.size() == n && stats.size() == n && banks.size() == n && shapes.size() == n &&
-                  exp_avg_scales.size() == n && param_ids.size() == n,
-              "skewadam C++ CPU kernel: tensor lists of different lengths");
+// Pass 2 (eager.update_moments_): per parameter Moments (u_sumsq, corr: a tensor for a bank, else a float, rinv, cinv,
+// active). `skip` true: nothing written, zeros returned.
+std::vector<MomentsRec> update_moments(const GroupRec& group, const std::vector<StatsRec>& stats,
+                                       const OptTensor& skip) {
+  const auto& recs = std::get<0>(group);
+  const size_t n = recs.size();
+  TORCH_CHECK_VALUE(stats.size() == n, "skewadam C++ CPU kernel: ", stats.size(), " GradStats for ", n,
+                    " parameters");
+  const Hyper h = hyper_of(group);
+  const bool skipped = skip_of(skip);
   Contig ct;
-  Hyper h{beta1, beta2, eps, add_mode};
-  h.seed = seed;
-  std::vector<Param> qs(n);
-  std::vector<std::tuple<Tensor, OptTensor, double, OptTensor, OptTensor, OptTensor>> out;
+  std::vector<Param> qs;
+  qs.reserve(n);
+  std::vector<MomentsRec> out;
   std::vector<std::pair<int32_t, int64_t>> blocks;
   int64_t elements = 0;
   for (size_t i = 0; i < n; ++i) {
-    Param& q = qs[i];
-    const Tensor& g = grads[i];
-    q.dtype = g.scalar_type();
-    q.g = ct.read(g);
-    q.step = static_cast<float*>(ct.write(steps[i]));
-    set_momentum(q, ct, exp_avgs[i], exp_avg_scales[i], true);
-    q.v = ct.write(exp_avg_sqs[i]);
-    q.row_var = ct.write(row_vars[i]);
-    q.col_var = ct.write(col_vars[i]);
-    q.geo = make_geo(g, banks[i], row_vars[i].has_value(), shapes[i], mom_align(q, row_vars[i].has_value()));
+    Param& q = qs.emplace_back(make_param(recs[i], ct, skipped ? kStatsPass : kMomentsPass));
+    const Tensor& p = std::get<0>(recs[i]);
     const Geo& G = q.geo;
-    TORCH_CHECK(stats[i].size() == 5 && stats[i][0], "skewadam C++ CPU kernel: GradStats has 5 fields");
-    q.sumsq = const_cast<void*>(ct.read(*stats[i][0]));
-    auto opts = g.options().dtype(math_dtype(q.dtype));
-    OptTensor rinv, cinv, corr_t, active_t;
-    with_elem(q, [&](auto e) { count_steps<typename decltype(e)::T>(q, h, param_ids[i]); });
+    const at::ScalarType T = math_dtype(q.dtype);
+    const auto& [sumsq, rc, row, col, rvs] = stats[i];
+    const auto units = unit_keepdim_shape(p.sizes(), G.bank);
+    check_input(q, "GradStats.sumsq", sumsq, true, units, T);
+    check_input(q, "GradStats.rc_sumsq", rc, G.factored, G.factored ? stat_shape(p.sizes(), 1, 1) : units, T);
+    check_input(q, "GradStats.row", row, G.factored, G.factored ? stat_shape(p.sizes(), -1, 1) : units, T);
+    check_input(q, "GradStats.col", col, G.factored, G.factored ? stat_shape(p.sizes(), 1, G.C) : units, T);
+    check_input(q, "GradStats.row_var_sum", rvs, G.factored, G.factored ? stat_shape(p.sizes(), 1, 1) : units, T);
+    auto opts = p.options().dtype(T);
+    OptTensor rinv, cinv, active_t;
+    Corr corr = 0.0;
     if (G.factored) {
-      q.st.rc = const_cast<void*>(ct.read(*stats[i][1]));
-      q.st.row = const_cast<void*>(ct.read(*stats[i][2]));
-      q.st.col = const_cast<void*>(ct.read(*stats[i][3]));
-      q.st.rvs = const_cast<void*>(ct.read(*stats[i][4]));
-      rinv = at::empty(stat_shape(g, G.R, 1), opts);
-      cinv = at::empty(stat_shape(g, 1, G.C), opts);
+      rinv = at::zeros(stat_shape(p.sizes(), -1, 1), opts);
+      cinv = at::zeros(stat_shape(p.sizes(), 1, G.C), opts);
+    }
+    if (G.bank) {
+      corr = at::zeros(units, opts);
+      active_t = at::zeros(units, opts.dtype(at::kBool));
+    }
+    if (skipped) {
+      out.emplace_back(at::zeros(units, opts), corr, rinv, cinv, active_t);
+      continue;
+    }
+    q.sumsq = const_cast<void*>(ct.read(sumsq));
+    with_elem(q, [&](auto e) { count_steps<typename decltype(e)::T>(q, h); });
+    if (G.factored) {
+      q.st.rc = const_cast<void*>(ct.read(*rc));
+      q.st.row = const_cast<void*>(ct.read(*row));
+      q.st.col = const_cast<void*>(ct.read(*col));
+      q.st.rvs = const_cast<void*>(ct.read(*rvs));
       q.st.rinv = rinv->data_ptr();
       q.st.cinv = cinv->data_ptr();
       with_elem(q, [&](auto e) { update_factored<typename decltype(e)::T>(q, q.st, h, 0, G.M); });
     }
     if (G.bank) {
-      corr_t = at::empty(unit_keepdim_shape(g, true), opts);
-      active_t = at::empty(unit_keepdim_shape(g, true), opts.dtype(at::kBool));
       for (int64_t u = 0; u < G.units; ++u) {
-        with_elem(q, [&](auto e) { at_<typename decltype(e)::T>(corr_t->data_ptr())[u] = q.corr[u]; });
+        with_elem(q, [&](auto e) { at_<typename decltype(e)::T>(std::get<Tensor>(corr).data_ptr())[u] = q.corr[u]; });
         active_t->data_ptr<bool>()[u] = q.active[u];
       }
+    } else {
+      corr = q.corr[0];
     }
     q.partial.assign(G.blocks(), 0.0);
     for (int64_t b = 0; b < G.blocks(); ++b)
       if (q.active[b / G.blocks_per_unit]) blocks.emplace_back(int32_t(i), b);
     elements += G.numel;
-    out.emplace_back(at::empty(unit_keepdim_shape(g, G.bank), opts), corr_t, G.bank ? 0.0 : q.corr[0], rinv, cinv,
-                     active_t);
+    out.emplace_back(at::empty(units, opts), corr, rinv, cinv, active_t);
   }
+  if (skipped) return out;
   run_items(int64_t(blocks.size()), elements, [&](int64_t k) {
     const auto [i, b] = blocks[k];
     with_elem(qs[i], [&](auto e) { qs[i].partial[b] = p2_block<decltype(e)>(qs[i], qs[i].st, h, b); });
@@ -1316,67 +1436,49 @@ std::vector<std::tuple<Tensor, OptTensor, double, OptTensor, OptTensor, OptTenso
 }
 
 // Pass 3 (eager.apply_updates_), from the (reduced) per-unit sums of u^2 and pass 2's other results.
-void apply_updates(const std::vector<Tensor>& params, const std::vector<Tensor>& grads,
-                   const std::vector<Tensor>& steps, const std::vector<OptTensor>& exp_avgs,
-                   const std::vector<OptTensor>& exp_avg_sqs, const std::vector<Tensor>& u_sumsqs,
-                   const std::vector<OptTensor>& corr_ts, const std::vector<double>& corr_fs,
-                   const std::vector<OptTensor>& rinvs, const std::vector<OptTensor>& cinvs,
-                   const std::vector<OptTensor>& actives,
-                   const std::vector<bool>& banks, const std::vector<std::vector<int64_t>>& shapes, double lr,
-                   double weight_decay, double eps, bool add_mode, int64_t seed,
-                   const std::vector<int64_t>& param_ids, const std::vector<OptTensor>& exp_avg_scales) {
-  const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && steps.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
-                  u_sumsqs.size() == n && corr_ts.size() == n && corr_fs.size() == n && rinvs.size() == n &&
-                  cinvs.size() == n && actives.size() == n && banks.size() == n && shapes.size() == n &&
-                  param_ids.size() == n && exp_avg_scales.size() == n,
-              "skewadam C++ CPU kernel: tensor lists of different lengths");
+void apply_updates(const GroupRec& group, const std::vector<MomentsRec>& moments, const OptTensor& skip) {
+  const auto& recs = std::get<0>(group);
+  const size_t n = recs.size();
+  TORCH_CHECK_VALUE(moments.size() == n, "skewadam C++ CPU kernel: ", moments.size(), " Moments for ", n,
+                    " parameters");
+  const Hyper h = hyper_of(group);
+  if (skip_of(skip)) return;
   Contig ct;
-  Hyper h;
-  h.eps = eps;
-  h.add_mode = add_mode;
-  h.lr = lr;
-  h.weight_decay = weight_decay;
-  h.seed = seed;
-  std::vector<Param> qs(n);
+  std::vector<Param> qs;
+  qs.reserve(n);
   std::vector<std::pair<int32_t, int64_t>> blocks;
   int64_t elements = 0;
   for (size_t i = 0; i < n; ++i) {
-    Param& q = qs[i];
-    Tensor g = grads[i];
-    if (g.scalar_type() != params[i].scalar_type()) g = g.to(params[i].scalar_type());
-    q.dtype = g.scalar_type();
-    q.g = ct.read(g);
-    q.p = ct.write(params[i]);
-    q.step = static_cast<float*>(const_cast<void*>(ct.read(steps[i])));
-    set_momentum(q, ct, exp_avgs[i], exp_avg_scales[i], false);
-    q.v = exp_avg_sqs[i] ? const_cast<void*>(ct.read(*exp_avg_sqs[i])) : nullptr;
-    q.st.rinv = rinvs[i] ? const_cast<void*>(ct.read(*rinvs[i])) : nullptr;
-    q.st.cinv = cinvs[i] ? const_cast<void*>(ct.read(*cinvs[i])) : nullptr;
-    q.geo = make_geo(g, banks[i], rinvs[i].has_value(), shapes[i], mom_align(q, rinvs[i].has_value()));
+    Param& q = qs.emplace_back(make_param(recs[i], ct, kApplyPass));
+    const Tensor& p = std::get<0>(recs[i]);
     const Geo& G = q.geo;
-    q.active.assign(G.units, 1);
-    q.corr.assign(G.units, corr_fs[i]);
+    const at::ScalarType T = math_dtype(q.dtype);
+    const auto& [u_sumsq, corr, rinv, cinv, active] = moments[i];
+    const auto units = unit_keepdim_shape(p.sizes(), G.bank);
+    check_input(q, "Moments.u_sumsq", u_sumsq, true, units, T);
+    check_input(q, "Moments.rinv", rinv, G.factored, G.factored ? stat_shape(p.sizes(), -1, 1) : units, T);
+    check_input(q, "Moments.cinv", cinv, G.factored, G.factored ? stat_shape(p.sizes(), 1, G.C) : units, T);
+    check_input(q, "Moments.active", active, G.bank, units, at::kBool);
+    const Tensor* corr_t = std::get_if<Tensor>(&corr);
+    SKEWADAM_CHECK(q, corr_t || !G.bank, "Moments.corr of a bank must be a tensor (one value per slice)");
+    if (corr_t) check_input(q, "Moments.corr", *corr_t, true, units, T);
+    q.st.rinv = const_cast<void*>(ct.read(rinv));
+    q.st.cinv = const_cast<void*>(ct.read(cinv));
+    q.active.assign(G.units, G.ng > 0);
+    q.corr.assign(G.units, corr_t ? 0.0 : std::get<double>(corr));
     q.clip.assign(G.units, 1.0);
-    const void* us = ct.read(u_sumsqs[i]);
-    const void* cp = corr_ts[i] ? ct.read(*corr_ts[i]) : nullptr;
-    const bool* ap = actives[i] ? static_cast<const bool*>(ct.read(*actives[i])) : nullptr;
+    const void* us = ct.read(u_sumsq);
+    const void* cp = corr_t ? ct.read(*corr_t) : nullptr;
+    const bool* ap = static_cast<const bool*>(ct.read(active));
     with_elem(q, [&](auto e) {
       using T = typename decltype(e)::T;
-      TORCH_CHECK(u_sumsqs[i].scalar_type() == c10::CppTypeToScalarType<T>::value && u_sumsqs[i].numel() == G.units,
-                  "skewadam C++ CPU kernel: u_sumsq must hold one ", c10::CppTypeToScalarType<T>::value,
-                  " value per unit");
       for (int64_t u = 0; u < G.units; ++u) {
         if (cp) q.corr[u] = double(at_<T>(cp)[u]);
-        if (ap) q.active[u] = ap[u];
+        if (ap) q.active[u] = q.active[u] && ap[u];
         q.clip[u] = clip_of(at_<T>(us)[u], G.ng);
       }
     });
-    if (q.dtype == at::kBFloat16) {
-      double t = 0;
-      for (int64_t k = 0; k < steps[i].numel(); ++k) t += double(q.step[k]);
-      q.key = rounding_key(seed, param_ids[i], int64_t(t));
-    }
+    set_keys(q, h);
     for (int64_t b = 0; b < G.blocks(); ++b)
       if (q.active[b / G.blocks_per_unit]) blocks.emplace_back(int32_t(i), b);
     elements += G.numel;
@@ -1399,8 +1501,7 @@ Tensor stochastic_round_bf16(const Tensor& x, int64_t key) {
   run_items((n + kBlock - 1) / kBlock, n, [&](int64_t b) {
     const int64_t e0 = b * kBlock;
     const Rounder r = rounder(e0, k);
-    write_runs<Elem<c10::BFloat16>, 1>(o + e0, 0, std::min(kBlock, n - e0), &r,
-                                       [&](int, uint32_t j) { return s[e0 + j]; });
+    write_runs<BF16, 1>(o + e0, 0, std::min(kBlock, n - e0), &r, [&](int, uint32_t j) { return s[e0 + j]; });
   });
   return out;
 }
@@ -1409,14 +1510,14 @@ Tensor stochastic_round_bf16(const Tensor& x, int64_t key) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "SkewAdam's update passes on CPU (see skewadam/kernels/cpu.py)";
-  pybind11::class_<Hyper>(m, "Hyper")
-      .def(pybind11::init<double, double, double, bool, double, double, int64_t>(), pybind11::arg("beta1"),
-           pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("add_mode"), pybind11::arg("lr"),
-           pybind11::arg("weight_decay"), pybind11::arg("seed"));
-  m.def("step", &step, "passes 1-3 for one process; false if skipped for a non-finite gradient");
-  m.def("grad_stats", &grad_stats, "pass 1: sums of g^2");
-  m.def("update_moments", &update_moments, "pass 2: step counts, moments, per-unit sum of u^2");
-  m.def("apply_updates", &apply_updates, "pass 3: clip, decay, write (bf16: stochastic rounding)");
+  m.def("fields", &fields, "the record fields this extension reads, in order (types.py's NamedTuples)");
+  m.def("step", &step, pybind11::arg("groups"), pybind11::arg("skip_nonfinite"),
+        "passes 1-3 for one process; a 0-d bool tensor, true if skipped for a non-finite gradient");
+  m.def("grad_stats", &grad_stats, pybind11::arg("group"), "pass 1: sums of g^2");
+  m.def("update_moments", &update_moments, pybind11::arg("group"), pybind11::arg("stats"), pybind11::arg("skip"),
+        "pass 2: step counts, moments, per-unit sum of u^2");
+  m.def("apply_updates", &apply_updates, pybind11::arg("group"), pybind11::arg("moments"), pybind11::arg("skip"),
+        "pass 3: clip, decay, write (bf16: stochastic rounding)");
   m.def("stochastic_round_bf16", &stochastic_round_bf16, "rounding.py's stochastic rounding of fp32 to bf16");
   m.def("rounding_key", [](int64_t seed, int64_t param_index, int64_t step) {
     return int64_t(rounding_key(seed, param_index, step));

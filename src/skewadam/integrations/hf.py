@@ -1,7 +1,15 @@
 """Hugging Face Transformers integration: SkewAdam in `Trainer`, and MoE checkpoints that resume exactly.
 
-`SkewAdamTrainer` is a `transformers.Trainer` that builds `SkewAdam.from_model` from its `TrainingArguments` (the LR
-schedule stays Transformers' own: ``lr_scheduler_type``, ``warmup_steps``, ...) and resumes MoE checkpoints exactly.
+Three ways in, from the least to the most that works:
+
+- ``Trainer(optimizer_cls_and_kwargs=(SkewAdam, {...}))`` trains, but without tiers: Trainer hands an optimizer class
+  two param groups of bare tensors (decay / no decay), with no names and no model, so everything is ``backbone``.
+- ``Trainer(optimizer_cls_and_kwargs=(SkewAdamFactory, {"lr": ..., ...}))`` tiers automatically: Trainer (5.x) treats
+  a class that is not an optimizer as a factory and calls it with the model, so this is `SkewAdam.from_model`. The
+  hyperparameters are the kwargs (Trainer passes no `TrainingArguments` to a factory; its LR schedule still applies).
+  Resuming is exact for models saved as held (GPT-OSS, non-MoE), not for the fused-expert families below.
+- `SkewAdamTrainer` builds `SkewAdam.from_model` from its `TrainingArguments` (the LR schedule stays Transformers' own:
+  ``lr_scheduler_type``, ``warmup_steps``, ...) and resumes MoE checkpoints exactly.
 
 Why resuming needs care (transformers 5.x; huggingface/transformers#48805): most MoE families (Mixtral, Qwen2/3-MoE,
 OLMoE, DeepSeek-V2/V3, ...) hold their routed experts fused, ``mlp.experts.gate_up_proj [E, 2I, H]``, but
@@ -16,7 +24,7 @@ Transformers is an optional dependency (``pip install 'skewadam[hf]'``): ``impor
 module does.
 
 Example:
-    >>> from skewadam.hf import SkewAdamTrainer
+    >>> from skewadam.integrations.hf import SkewAdamTrainer
     >>> trainer = SkewAdamTrainer(model=model, args=args, train_dataset=ds, optimizer_kwargs={"tier_options": ...})
     >>> trainer.train()                              # later: trainer.train(resume_from_checkpoint=True)
 """
@@ -34,11 +42,29 @@ try:
     from transformers.trainer import is_sagemaker_mp_enabled
     from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("skewadam.hf needs Hugging Face Transformers: pip install 'skewadam[hf]'") from e
+    raise ImportError("skewadam.integrations.hf needs Hugging Face Transformers: pip install 'skewadam[hf]'") from e
 
-from .optimizer import SkewAdam
+from ..optimizer import SkewAdam
 
-__all__ = ["SkewAdamTrainer", "create_optimizer", "load_pretrained_weights"]
+__all__ = ["SkewAdamFactory", "SkewAdamTrainer", "create_optimizer", "load_pretrained_weights"]
+
+
+class SkewAdamFactory:
+    """``optimizer_cls`` for ``Trainer(optimizer_cls_and_kwargs=(SkewAdamFactory, kwargs))``: SkewAdam with its tiers.
+
+    Transformers instantiates an ``optimizer_cls`` that is not a `torch.optim.Optimizer` and calls the instance with
+    the model and ``kwargs`` (``Trainer.create_optimizer``, ``is_optimizer_factory``); this returns
+    ``SkewAdam.from_model(model, **kwargs)``. ``kwargs`` are `SkewAdam.from_model`'s (``lr``, ``weight_decay``,
+    ``tier_options``, ...): `TrainingArguments` does not reach a factory, so give ``lr`` here (Trainer's LR schedule
+    then scales it).
+
+    Example:
+        >>> trainer = Trainer(model=model, args=args, train_dataset=ds,
+        ...                   optimizer_cls_and_kwargs=(SkewAdamFactory, {"lr": 3e-4, "weight_decay": 0.1}))
+    """
+
+    def __call__(self, model: torch.nn.Module, **kwargs: Any) -> SkewAdam:
+        return SkewAdam.from_model(model, **kwargs)
 
 
 def create_optimizer(model: torch.nn.Module, args: Any = None, **kwargs: Any) -> SkewAdam:
@@ -126,7 +152,7 @@ class SkewAdamTrainer(Trainer):
     `skewadam.classify`, with ``lr``/``betas``/``weight_decay`` from ``args`` unless ``optimizer_kwargs`` sets
     them (and any `SkewAdam.from_model` option: ``tier_options``, ``rules``, ``eps_mode``, ...). The scheduler
     is Trainer's (``args.lr_scheduler_type``). A SkewAdam passed through ``optimizers=(opt, sched)`` is used as
-    is. Checkpoints saved in a converted layout (fused MoE experts; see `skewadam.hf`) are loaded through
+    is. Checkpoints saved in a converted layout (fused MoE experts; see `skewadam.integrations.hf`) are loaded through
     `load_pretrained_weights` when resuming and for ``load_best_model_at_end``.
 
     Args:

@@ -1,0 +1,542 @@
+"""The Triton kernels (`skewadam.kernels.triton`, issue 14).
+
+Without CUDA they run in Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set here before the module is
+imported); with CUDA, compiled, on the GPU. Shapes are small: the interpreter is slow.
+
+The contracts checked: the float64 math equals `tests/reference.py`; fp32 equals eager up to summation order; what
+depends on no sum is bitwise eager's (the compact first moment's bytes and scales, step counts) and bf16 values are
+rounded with `skewadam.kernels.rounding`'s bits; the fused step is bitwise the three passes; a non-finite gradient
+skips the step on the device; idle bank slices, zero-size dims, non-contiguous tensors; a resumed run is bitwise an
+uninterrupted one; bad input is refused before any launch; the transient memory is what `step_transient_bytes` says.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import math
+import os
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (tests/conftest.py sets it before anything imports triton)
+pytest.importorskip("triton")
+
+from reference import RefParam  # noqa: E402
+from skewadam.kernels import eager, rounding  # noqa: E402
+from skewadam.kernels import triton as tk  # noqa: E402
+from skewadam.kernels.types import Group, ParamTensors  # noqa: E402
+from skewadam.state import is_bank, state_spec  # noqa: E402
+from skewadam.tiers import TIER_STATE, Tier  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if not tk.available(DEVICE):
+    pytest.skip("no GPU, and triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it)",
+                allow_module_level=True)
+pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),  # interpreter: masked
+              pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning")]  # lanes, empty dims
+
+# (shape, tier, overrides): ranks 0-4, banks (3-d and 4-d expert tensors) with momentum or not, the router's full
+# second moment, factoring and banks switched off, a matrix cut into strips (> _MIN_ROWS rows), a last dim that is not
+# a multiple of the int8 block.
+SPECS = [
+    ((), "backbone", {}),
+    ((7,), "backbone", {}),
+    ((5, 9), "backbone", {}),
+    ((2, 3, 4, 5), "backbone", {}),
+    ((3, 5, 9), "expert", {}),
+    ((3, 6, 260), "expert", {"use_momentum": True}),
+    ((2, 2, 3, 4), "expert", {}),
+    ((4, 6), "router", {}),
+    ((3, 4, 6), "expert", {"use_factored": False}),
+    ((3, 4, 5), "expert", {"bank": False}),
+    ((600, 3), "backbone", {}),
+]
+# Fewer tensors, one per code path of the kernels (each bucket kind, momentum in a bank and in a backbone matrix, an
+# int8 row of two blocks, an idle bank slice), for the tests that need no rank coverage.
+SMALL = [
+    ((7,), "backbone", {}),
+    ((5, 9), "backbone", {}),
+    ((3, 6, 260), "expert", {"use_momentum": True}),
+    ((4, 6), "router", {}),
+    ((3, 4, 6), "expert", {"use_factored": False, "use_momentum": True}),
+]
+
+
+class P:
+    """One parameter with its state (allocated from `state_spec`, step counts on the device)."""
+
+    def __init__(self, shape, tier, overrides, dtype, momentum_dtype="fp32", seed=0, device=DEVICE):
+        flags = {**{k: v for k, v in TIER_STATE[Tier.parse(tier)].items()}, **overrides}
+        self.momentum, self.factored = flags["use_momentum"], flags["use_factored"]
+        self.bank = is_bank(len(shape), tier, flags.get("bank"))
+        gen = torch.Generator().manual_seed(seed)
+        self.param = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
+        spec = state_spec(shape, dtype, use_momentum=self.momentum, use_factored=self.factored, bank=self.bank,
+                          momentum_dtype=momentum_dtype)
+        self.state = {k: torch.zeros(v.shape, dtype=v.dtype, device=device) for k, v in spec.items()}
+
+    def record(self, grad, stream):
+        s = self.state
+        return ParamTensors(self.param, grad, s["step"], s.get("exp_avg"), s.get("exp_avg_scale"),
+                            s.get("exp_avg_sq"), s.get("row_var"), s.get("col_var"), tuple(self.param.shape),
+                            self.bank, stream)
+
+    def clone(self):
+        other = object.__new__(P)
+        other.__dict__.update(self.__dict__)
+        other.param = self.param.clone()
+        other.state = {k: v.clone() for k, v in self.state.items()}
+        return other
+
+
+def make(specs, dtype, momentum_dtype="fp32"):
+    return [P(s, t, o, dtype, momentum_dtype, seed=i) for i, (s, t, o) in enumerate(specs)]
+
+
+def grads_for(ps, steps, dtype, seed=1):
+    """Per step, a gradient per parameter; bank slice 0 is idle (all zero) on odd steps."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(steps):
+        gs = [torch.randn(p.param.shape, generator=gen, dtype=torch.float64).to(dtype).to(DEVICE) for p in ps]
+        for p, g in zip(ps, gs):
+            if p.bank and k % 2 and g.shape[0]:
+                g[0].zero_()
+        out.append(gs)
+    return out
+
+
+@pytest.fixture
+def cut_items(monkeypatch):
+    """Work items of a few hundred elements: matrices cut into strips (column partials added per matrix), units of
+    several items (their sums added per unit), as on large tensors."""
+    monkeypatch.setattr(tk, "_TARGET", 96)
+    monkeypatch.setattr(tk, "_MIN_ROWS", 4)
+    tk._layout.cache_clear()
+    yield
+    tk._layout.cache_clear()
+
+
+HP = dict(lr=0.02, beta1=0.9, beta2=0.99, weight_decay=0.1, seed=3)
+
+
+def group(ps, grads, *, eps_mode="add", first=0, **hp):
+    hp = {**HP, **hp}
+    eps = hp.pop("eps", 1e-30 if eps_mode == "add" else 1e-8)
+    return Group([p.record(g, first + i) for i, (p, g) in enumerate(zip(ps, grads))], hp["lr"], hp["beta1"],
+                 hp["beta2"], eps, eps_mode, hp["weight_decay"], hp["seed"])
+
+
+def eager_step(g: Group) -> bool:
+    """One step of `skewadam.kernels.eager` on a Group (its functions take tensor lists today); skipped when a
+    gradient is not finite, as the optimizer does. Returns whether it was skipped."""
+    if next(iter(inspect.signature(eager.grad_stats).parameters)) == "group":  # the record API
+        stats = eager.grad_stats(g)
+        if not all(bool(s.sumsq.isfinite().all()) for s in stats):
+            return True
+        eager.apply_updates_(g, eager.update_moments_(g, stats))
+        return False
+    ps = g.params
+    lists = lambda name: [getattr(q, name) for q in ps]  # noqa: E731
+    banks, shapes = lists("bank"), lists("shape")
+    dtypes = [(q.row_var if q.row_var is not None else q.exp_avg_sq).dtype for q in ps]
+    stats = eager.grad_stats(lists("grad"), lists("row_var"), banks=banks, dtypes=dtypes)
+    if not all(bool(s.sumsq.isfinite().all()) for s in stats):
+        return True
+    common = dict(banks=banks, shapes=shapes, eps=g.eps, eps_mode=g.eps_mode, seed=g.seed,
+                  param_ids=lists("stream"), exp_avg_scales=lists("exp_avg_scale"))
+    moments = eager.update_moments_(lists("grad"), lists("step"), lists("exp_avg"), lists("exp_avg_sq"),
+                                    lists("row_var"), lists("col_var"), stats, beta1=g.beta1, beta2=g.beta2, **common)
+    eager.apply_updates_(lists("param"), lists("grad"), lists("step"), lists("exp_avg"), lists("exp_avg_sq"),
+                         moments, lr=g.lr, weight_decay=g.weight_decay, **common)
+    return False
+
+
+def triton_three_passes(groups, skip=None):
+    """The distributed seam's path with an identity reducer: grad_stats, update_moments_, apply_updates_."""
+    stats = [tk.grad_stats(g) for g in groups]
+    moments = [tk.update_moments_(g, s, skip=skip) for g, s in zip(groups, stats)]
+    for g, m in zip(groups, moments):
+        tk.apply_updates_(g, m, skip=skip)
+
+
+def run(ps, all_grads, step, **kw):
+    for grads in all_grads:
+        step([group(ps, [g.clone() for g in grads], **kw)])
+
+
+def triton_step(groups):
+    assert not bool(tk.step_(groups, skip_nonfinite=True))
+
+
+def assert_state_equal(a: P, b: P, keys=None):
+    for key in keys or a.state:
+        assert torch.equal(a.state[key], b.state[key]), key
+
+
+# ---------------------------------------------------------------------------------------------- the math
+@pytest.mark.parametrize("eps_mode,items,steps", [("add", "whole", 3), ("floor", "cut", 2)])
+def test_fp64_step_matches_the_reference(eps_mode, items, steps, request):
+    """Every tier and rank, banks with idle slices (and, at step 3, slices at different step counts), three groups
+    in one step_ with their own hyperparameters."""
+    if items == "cut":
+        request.getfixturevalue("cut_items")
+    ps = make(SPECS, torch.float64)
+    tiers = {"backbone": [], "expert": [], "router": []}
+    for i, (_, tier, _) in enumerate(SPECS):
+        tiers[tier].append(i)
+    hps = {"backbone": dict(HP), "expert": {**HP, "lr": 0.03, "beta2": 0.95, "weight_decay": 0.0},
+           "router": {**HP, "beta1": 0.5, "beta2": 0.9}}
+    refs = [RefParam(p.param.cpu(), momentum=p.momentum, factored=p.factored, bank=p.bank) for p in ps]
+    eps = 1e-30 if eps_mode == "add" else 1e-8
+    for grads in grads_for(ps, steps, torch.float64):
+        groups = [group([ps[i] for i in idx], [grads[i] for i in idx], eps_mode=eps_mode, first=idx[0], **hps[t])
+                  for t, idx in tiers.items()]
+        triton_step(groups)
+        for t, idx in tiers.items():
+            h = hps[t]
+            for i in idx:
+                refs[i].step(grads[i].cpu(), lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=eps, eps_mode=eps_mode,
+                             weight_decay=h["weight_decay"])
+    for (shape, _, _), p, ref in zip(SPECS, ps, refs):
+        assert (p.param.cpu() - ref.value).abs().max().item() <= 1e-12, shape
+        units = [u.t for u in ref.units]
+        assert p.state["step"].cpu().flatten().tolist() == units, shape  # idle slices did not count a step
+
+
+EAGER = SMALL + [((2, 3, 4, 5), "backbone", {}), ((3, 5, 9), "expert", {})]
+
+
+@pytest.mark.parametrize("dtype,momentum_dtype,items", [
+    (torch.float32, "bf16", "whole"), (torch.float32, "int8", "cut"), (torch.bfloat16, "fp32", "whole"),
+    (torch.bfloat16, "int8", "whole"),
+])
+def test_matches_eager_and_stores_its_compact_momentum_bytes(dtype, momentum_dtype, items, request):
+    """fp32: equal up to summation order. The first moment depends on no sum: its bf16 values, int8 codes and scales
+    are eager's bytes (int8 against eager on CPU: on CUDA, torch divides by the scalar 127 as a multiplication by its
+    reciprocal, so a code may differ by one). bf16 weights, rounded with the same bits, are at most a few elements one
+    bf16 step apart."""
+    if items == "cut":
+        request.getfixturevalue("cut_items")
+    a = make(EAGER, dtype, momentum_dtype)
+    b = [p.clone() for p in a]
+    all_grads = grads_for(a, 2, dtype)
+    run(a, all_grads, lambda gs: eager_step(gs[0]))
+    run(b, all_grads, triton_step)
+    exact = DEVICE.type == "cpu" or momentum_dtype == "bf16"
+    for (shape, _, _), x, y in zip(EAGER, a, b):
+        assert_state_equal(x, y, [k for k in ("step", "exp_avg", "exp_avg_scale") if k in x.state and (
+            k == "step" or (exact and x.state[k].dtype in (torch.int8, torch.bfloat16)))])
+        if not exact and x.state.get("exp_avg") is not None and x.state["exp_avg"].dtype == torch.int8:
+            diff = (x.state["exp_avg"].int() - y.state["exp_avg"].int()).abs()
+            assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-2, shape
+        for key in ("row_var", "col_var", "exp_avg_sq", "exp_avg"):
+            if key in x.state and x.state[key].is_floating_point() and x.state[key].dtype != torch.bfloat16:
+                torch.testing.assert_close(y.state[key], x.state[key], rtol=1e-5, atol=1e-30)
+        if dtype == torch.float32:
+            torch.testing.assert_close(y.param, x.param, rtol=1e-5, atol=1e-6)
+        else:
+            u, v = x.param.float(), y.param.float()
+            ulp = torch.finfo(torch.bfloat16).eps * u.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
+            assert ((u - v).abs() <= 2 * ulp).all(), shape
+    if dtype == torch.bfloat16:
+        u = torch.cat([x.param.float().flatten() for x in a])
+        v = torch.cat([y.param.float().flatten() for y in b])
+        assert (u != v).float().mean() < 1e-2
+        c = make(EAGER, dtype, momentum_dtype)
+        run(c, all_grads, triton_step, seed=4)  # other bits: the measure above can fail
+        w = torch.cat([z.param.float().flatten() for z in c])
+        assert (u != w).float().mean() > 0.1
+
+
+@pytest.mark.parametrize("key,offset", [(0, 0), (1, 1), (0xDEADBEEF, 7), (rounding.rounding_key(7, 3, 11), 2**33 + 1)])
+def test_bf16_rounding_draws_rounding_py_s_bits(key, offset):
+    gen = torch.Generator().manual_seed(key & 0xFFFF)
+    n = 10_003
+    x = torch.randn(n, generator=gen) * torch.logspace(-30, 30, n)
+    x[:7] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, -3e38, float("nan")])
+    got = tk.stochastic_round_bf16(x.to(DEVICE), key, offset).cpu()
+    want = rounding.stochastic_round_bf16(x, key, offset)
+    assert torch.equal(got[7:].view(torch.int16), want[7:].view(torch.int16))
+    assert torch.equal(got[:6].view(torch.int16), want[:6].view(torch.int16))
+    assert got[6].isnan()  # NaN's payload: 0x7FC0 here (c10::BFloat16's), eager's vectorised cast writes 0xFFFF
+
+
+# ---------------------------------------------------------------------------------------------- paths and skips
+@pytest.mark.parametrize("dtype,momentum_dtype", [(torch.float32, "bf16"), (torch.bfloat16, "int8")])
+def test_fused_step_is_bitwise_the_three_passes_with_an_identity_reducer(dtype, momentum_dtype):
+    a = make(SMALL, dtype, momentum_dtype)
+    b = [p.clone() for p in a]
+    all_grads = grads_for(a, 2, dtype)
+    run(a, all_grads, triton_step)
+    run(b, all_grads, triton_three_passes)
+    for x, y in zip(a, b):
+        assert torch.equal(x.param, y.param)
+        assert_state_equal(x, y)
+
+
+def _nonfinite_grads(ps, dtype):
+    """Gradients with a NaN in a bank and an inf in another tensor."""
+    grads = grads_for(ps, 1, dtype)[0]
+    bank = next(i for i, p in enumerate(ps) if p.bank)
+    grads[bank].view(-1)[3] = float("nan")
+    grads[next(i for i, g in enumerate(grads) if g.numel() > 2 and i != bank)].view(-1)[2] = float("inf")
+    return grads
+
+
+@pytest.mark.parametrize("path", ["fused", "three-pass"])
+def test_a_nonfinite_gradient_skips_the_step_on_the_device(path):
+    ps = make(SMALL, torch.bfloat16, "int8")
+    run(ps, grads_for(ps, 1, torch.bfloat16), triton_step)
+    before = [p.clone() for p in ps]
+    grads = _nonfinite_grads(ps, torch.bfloat16)
+    if path == "fused":
+        skipped = tk.step_([group(ps, grads)], skip_nonfinite=True)
+        assert skipped.dtype == torch.bool and skipped.shape == () and skipped.device == DEVICE and bool(skipped)
+    else:  # the seam: the caller decides from the (reduced) sums and passes a device flag
+        g = group(ps, grads)
+        stats = tk.grad_stats(g)
+        skip = ~torch.stack([s.sumsq.sum() for s in stats]).sum().isfinite()
+        tk.apply_updates_(g, tk.update_moments_(g, stats, skip=skip), skip=skip)
+    for x, y in zip(ps, before):
+        assert torch.equal(x.param, y.param)
+        assert_state_equal(x, y)
+    skipped = tk.step_([group(ps, _nonfinite_grads(ps, torch.bfloat16))], skip_nonfinite=False)
+    assert not bool(skipped) and not torch.equal(ps[0].param, before[0].param)  # the check can fail
+
+
+def test_idle_bank_slices_keep_weights_and_state_bitwise():
+    specs = [((3, 5, 9), "expert", {})] + [s for s in SMALL if s[1] == "expert"]
+    for momentum_dtype in ("bf16", "int8"):
+        ps = make(specs, torch.float32, momentum_dtype)
+        run(ps, grads_for(ps, 1, torch.float32), triton_step)
+        before = [p.clone() for p in ps]
+        grads = grads_for(ps, 1, torch.float32, seed=9)[0]
+        for g in grads:
+            g[0] = 0
+        triton_step([group(ps, grads)])
+        for (shape, _, _), p, q in zip(specs, ps, before):
+            assert torch.equal(p.param[0], q.param[0]) and not torch.equal(p.param[1:], q.param[1:]), shape
+            for key, value in p.state.items():
+                assert torch.equal(value[0], q.state[key][0]), (shape, key)
+                assert not torch.equal(value[1:], q.state[key][1:]), (shape, key)
+
+
+ZERO_SIZE = [((0,), "backbone", {}), ((0, 5), "backbone", {}), ((4, 0), "backbone", {}), ((3, 0, 4), "expert", {}),
+             ((2, 3, 0), "expert", {"use_momentum": True}), ((0, 4, 4), "expert", {}), ((2, 0), "router", {}),
+             ((5, 6), "backbone", {})]
+
+
+@pytest.mark.parametrize("momentum_dtype", ["fp32", "int8"])
+def test_zero_size_dims_step_like_eager(momentum_dtype):
+    """A unit without elements is an idle bank slice (no step counted); the rest steps as eager does. (Eager's int8
+    codec cannot reshape an empty tensor: its empty tensors keep fp32 momentum here; the step rule ignores it.)"""
+    ref = [P(s, t, o, torch.float32, momentum_dtype if math.prod(s) else "fp32", seed=i)
+           for i, (s, t, o) in enumerate(ZERO_SIZE)]
+    ps = make(ZERO_SIZE, torch.float32, momentum_dtype)
+    for grads in grads_for(ps, 2, torch.float32):
+        eager_step(group(ref, [g.clone() for g in grads]))
+        triton_step([group(ps, grads)])
+    for (shape, _, _), x, y in zip(ZERO_SIZE, ref, ps):
+        assert torch.equal(x.state["step"], y.state["step"]), shape
+        torch.testing.assert_close(y.param, x.param, rtol=1e-5, atol=1e-6)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in x.state and x.state[key].dtype == y.state[key].dtype:
+                torch.testing.assert_close(y.state[key], x.state[key], rtol=1e-5, atol=1e-6)
+
+
+def test_noncontiguous_parameters_and_gradients_are_updated_in_place():
+    shape = (12, 10)
+    a = P(shape, "backbone", {}, torch.float32)
+    b = a.clone()
+    b.param = a.param.clone().t().contiguous().t()  # same values, transposed storage
+    assert not b.param.is_contiguous()
+    ref = b.param
+    for grads in grads_for([a], 2, torch.float32):
+        triton_step([group([a], grads)])
+        g = grads[0].t().contiguous().t()
+        triton_step([group([b], [g])])
+    assert b.param is ref and not b.param.is_contiguous()
+    assert torch.equal(a.param, b.param)
+    assert_state_equal(a, b)
+
+
+def test_lr_as_a_device_tensor_equals_the_float():
+    a = make(SMALL[:3], torch.bfloat16)
+    b = [p.clone() for p in a]
+    all_grads = grads_for(a, 1, torch.bfloat16)
+    run(a, all_grads, triton_step)
+    run(b, all_grads, triton_step, lr=torch.tensor(HP["lr"], dtype=torch.float64, device=DEVICE))
+    for x, y in zip(a, b):
+        assert torch.equal(x.param, y.param)
+
+
+def test_resume_from_saved_state_is_bitwise_an_uninterrupted_run():
+    """The rounding bits are a function of (seed, parameter, step count): nothing to save beyond the state."""
+    a = make(SMALL, torch.bfloat16, "bf16")
+    all_grads = grads_for(a, 3, torch.bfloat16)
+    run(a, all_grads[:2], triton_step)
+    buf = io.BytesIO()
+    torch.save([(p.param, p.state) for p in a], buf)
+    buf.seek(0)
+    b = [p.clone() for p in a]
+    for p, (param, state) in zip(b, torch.load(buf, map_location="cpu", weights_only=True)):
+        p.param = param.to(DEVICE)
+        p.state = {k: v.to(DEVICE) for k, v in state.items()}
+    run(a, all_grads[2:], triton_step)
+    run(b, all_grads[2:], triton_step)
+    for x, y in zip(a, b):
+        assert torch.equal(x.param.view(torch.int16), y.param.view(torch.int16))
+        assert_state_equal(x, y)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def test_sizes_dtypes_and_devices_are_checked_before_any_launch():
+    p = P((4, 6), "backbone", {}, torch.float32)
+    g = torch.zeros(4, 6, device=DEVICE)
+    cases = [
+        (lambda r: r._replace(grad=torch.zeros(4, 5, device=DEVICE)), ValueError, "gradient of its shape"),
+        (lambda r: r._replace(row_var=torch.zeros(4, 2, device=DEVICE)), ValueError,
+         r"row_var must have shape \(4, 1\)"),
+        (lambda r: r._replace(exp_avg=torch.zeros(4, 6, dtype=torch.float64, device=DEVICE)), ValueError, "exp_avg"),
+        (lambda r: r._replace(step=torch.zeros(2, device=DEVICE)), ValueError, "step must have shape"),
+        (lambda r: r._replace(col_var=torch.zeros(1, 12, device=DEVICE)[:, ::2]), ValueError,
+         "col_var must be contiguous"),
+        (lambda r: r._replace(step=torch.zeros((), device="meta")), ValueError, "keep state\\['step'\\] on the"),
+        (lambda r: r._replace(exp_avg_sq=torch.zeros(4, 6, device=DEVICE)), ValueError, "both a factored"),
+        (lambda r: r._replace(shape=(4,)), ValueError, "global shape"),
+        (lambda r: r._replace(param=r.param.half(), grad=g.half()), TypeError, "float32, bfloat16 or float64"),
+    ]
+    if DEVICE.type == "cuda":
+        cases.append((lambda r: r._replace(step=torch.zeros(())), ValueError, "keep state\\['step'\\] on the"))
+    for edit, error, message in cases:
+        record = edit(p.record(g, 0))
+        with pytest.raises(error, match=message):
+            tk.step_([Group([record], 0.1, 0.9, 0.99, 1e-8, "add", 0.0, 0)], skip_nonfinite=True)
+    with pytest.raises(ValueError, match="eps_mode"):
+        tk.grad_stats(Group([p.record(g, 0)], 0.1, 0.9, 0.99, 1e-8, "max", 0.0, 0))
+    with pytest.raises(ValueError, match="lr must be"):
+        tk.step_([Group([p.record(g, 0)], torch.ones(2, device=DEVICE), 0.9, 0.99, 1e-8, "add", 0.0, 0)],
+                 skip_nonfinite=True)
+
+
+def test_statistics_handed_back_are_checked():
+    p = P((4, 6), "backbone", {}, torch.float32)
+    g = group([p], [torch.ones(4, 6, device=DEVICE)])
+    stats = tk.grad_stats(g)
+    with pytest.raises(ValueError, match="row must be a contiguous torch.float32 tensor of shape \\(4, 1\\)"):
+        tk.update_moments_(g, [stats[0]._replace(row=stats[0].row[:2])])
+    moments = tk.update_moments_(g, stats)
+    with pytest.raises(TypeError, match="corr must be a tensor"):
+        tk.apply_updates_(g, [moments[0]._replace(corr=1.0)])
+
+
+# ---------------------------------------------------------------------------------------------- work and memory
+@pytest.mark.parametrize("specs,kind", [
+    ((((3, 700, 40), True), ((5, 9), False), ((2, 2, 3, 4), True), ((0, 3, 3), True), ((4, 0, 3), True)), "factored"),
+    ((((3, 20, 600), True), ((7, 300), False), ((2, 0, 5), True)), "rows"),
+    ((((), False), ((600_000,), False), ((4, 3, 100_003), True)), "flat"),
+])
+def test_work_items_cover_every_element_once_inside_one_unit(specs, kind):
+    L = tk._layout(specs, kind)
+    for t, (shape, bank) in enumerate(specs):
+        numel, E = math.prod(shape), (shape[0] if bank else 1)
+        items = [it for it in L.items if it[0] == t]
+        covered = torch.zeros(numel, dtype=torch.int32)
+        for _, u, b, row0, nrows, e0, n, colp in items:
+            covered[e0: e0 + n] += 1
+            unit = numel // E
+            assert u * unit <= e0 and e0 + n <= (u + 1) * unit  # an item never crosses a unit
+            if kind != "flat":
+                assert e0 == row0 * shape[-1] and n == nrows * shape[-1]
+            if kind == "factored":
+                R = shape[-2]
+                assert b * R <= row0 and row0 + nrows <= (b + 1) * R  # nor a matrix
+        assert bool((covered == 1).all()), shape
+        units = [un for un in L.units if un[0] == t]
+        assert len(units) == E and sum(un[3] for un in units) == len(items)
+    if kind == "factored":
+        assert L.colp <= sum(math.prod(s) for s, _ in specs) // tk._MIN_ROWS + 700
+
+
+def test_step_allocates_what_step_transient_bytes_says():
+    specs = [s for s in SMALL if s[1] != "router" and s[2].get("use_factored", True)]  # factored where >= 2 dims
+    ps = make(specs, torch.bfloat16)
+    all_grads = grads_for(ps, 2, torch.bfloat16)
+    run(ps, all_grads[:1], triton_step)  # the cached item tables exist from here on
+    g = group(ps, all_grads[1])
+    with _Allocations() as tracked:
+        tk.step_([g], skip_nonfinite=True)
+    assert tracked.peak == tk.step_transient_bytes([(s, p.bank) for (s, _, _), p in zip(specs, ps)], torch.bfloat16)
+
+
+@pytest.mark.parametrize("d_expert", [4096, 1024])
+def test_transient_memory_of_a_paper_model_step_is_below_one_percent_of_the_parameters(d_expert):
+    """The paper's 6.78B model (128-expert banks [128, 4096, 4096]) and the GPU benchmark's scaled one."""
+    from skewadam.groups import param_groups
+    from skewadam.models import MoETransformer, get_config
+
+    with torch.device("meta"):
+        model = MoETransformer(get_config("paper-6.78b", d_expert=d_expert))
+    groups = param_groups(model, log=False)
+    for dtype in (torch.float32, torch.bfloat16):
+        planned = sum(tk.step_transient_bytes([(tuple(p.shape), is_bank(p.ndim, g["tier"], None)) for p in g["params"]],
+                                              dtype) for g in groups)
+        params = sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
+        assert planned / params < 0.01, (dtype, planned / params)
+
+
+class _Allocations(TorchDispatchMode):
+    """Peak bytes of live tensor storages created inside the mode (as tests/test_memory.py counts them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.device != DEVICE:  # device memory (not a pinned staging copy)
+                continue
+            s = t.untyped_storage()
+            ptr, n = s.data_ptr(), s.nbytes()
+            if ptr in inputs or ptr in self._seen or n == 0:
+                continue
+            self._seen.add(ptr)
+            self.live += n
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(s, self._free, ptr, n)
+        return out
+
+    def _free(self, ptr: int, n: int) -> None:
+        self._seen.discard(ptr)
+        self.live -= n
+
+
+# ---------------------------------------------------------------------------------------------- GPU only
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_step_makes_no_host_sync():
+    """Whole steps (every bucket kind, bf16 weights, int8 momentum, a device lr, the finite check) under
+    ``set_sync_debug_mode("error")``: any device-to-host synchronisation raises."""
+    ps = make(SPECS, torch.bfloat16, "int8")
+    all_grads = grads_for(ps, 3, torch.bfloat16) + [_nonfinite_grads(ps, torch.bfloat16)]  # (host copies: before)
+    lr = torch.tensor(0.01, device=DEVICE)
+    groups = [group(ps, grads, lr=lr) for grads in all_grads]
+    results = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for g in groups:
+            results.append(tk.step_([g], skip_nonfinite=True))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert [bool(r) for r in results] == [False, False, False, True]
