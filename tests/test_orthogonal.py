@@ -298,3 +298,49 @@ def test_default_groups_and_labels_do_not_change():
     assert not any("update" in g for g in groups)
     opt = SkewAdam.from_model(model, log=False)
     assert {g["update"] for g in opt.param_groups} == {"adam"}
+
+
+def test_an_untied_head_of_the_vocab_shape_is_not_a_hidden_matrix():
+    """A plain module's untied LM head [V, D] (nanoGPT, torchtitan's ``output``) has the token table's shape: left
+    out, while the square position table's shape [T, D] = [D, D] still admits hidden matrices."""
+    class LM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok, self.pos = torch.nn.Embedding(50, 8), torch.nn.Embedding(8, 8)
+            self.wq, self.up = torch.nn.Linear(8, 8), torch.nn.Linear(8, 24)
+            self.head = torch.nn.Linear(8, 50, bias=False)
+
+    assert hidden_matrices(LM()) == ["wq.weight", "up.weight"]
+
+
+def test_orthogonal_is_overridable_per_group_and_per_name():
+    """A list of names picks exactly those tensors; ``orthogonal_options`` sets those groups' settings (lr, momentum,
+    momentum dtype) and nothing else's; state follows the group (momentum only, int8 with its scales)."""
+    model = _model()
+    pick = ["blocks.0.attn.wq.weight", "blocks.1.attn.wo.weight"]
+    groups = param_groups(model, orthogonal=pick, log=False,
+                          orthogonal_options={"lr": 7e-3, "betas": (0.9, 0.99), "momentum_dtype": "int8"})
+    [orth] = [g for g in groups if g.get("update") == "orthogonal"]
+    assert orth["param_names"] == pick and orth["lr"] == 7e-3 and orth["betas"] == (0.9, 0.99)
+    assert all("lr" not in g and g.get("update") is None for g in groups if g is not orth)
+    opt = SkewAdam(groups, lr=1e-3)
+    _train(model, opt, 1, seed=1)
+    named = dict(model.named_parameters())
+    assert set(opt.state[named[pick[0]]]) == {"step", "exp_avg", "exp_avg_scale"}
+    assert opt.state[named[pick[0]]]["exp_avg"].dtype == torch.int8
+    assert "row_var" in opt.state[named["blocks.0.attn.wk.weight"]]  # not picked: the backbone's Adam-style state
+    with pytest.raises(ValueError, match=r"orthogonal names \['nope'\] are not trainable parameters"):
+        param_groups(model, orthogonal=["nope"], log=False)
+
+
+def test_the_planner_counts_the_gathered_bytes_of_sharded_hidden_matrices():
+    """Under FSDP2 on N ranks (``Shard(0)``) each rank receives (N - 1) / N of every orthogonal matrix's fp32 update
+    per step; banks sharded on experts and Adam-style arms gather nothing."""
+    from skewadam import plan
+
+    model = _model()
+    hidden = sum(p.numel() for n, p in model.named_parameters() if n in set(hidden_matrices(model)))
+    got = plan(model, optimizers=["skewadam", "skewadam-orthogonal", "skewadam-orthogonal-experts"], shards=4)
+    assert got["skewadam"].gather_bytes == 0
+    assert got["skewadam-orthogonal"].gather_bytes == hidden * 4 * 3 // 4
+    assert got["skewadam-orthogonal-experts"].gather_bytes == hidden * 4 * 3 // 4  # its banks [E, A, B]: no gather

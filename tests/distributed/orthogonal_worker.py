@@ -1,7 +1,7 @@
 """SkewAdam's orthogonal tier under FSDP2 and DDP, checked against one process on the global batch.
 
-Run by ``test_orthogonal_distributed.py`` as ``torchrun --standalone --nproc_per_node=2 orthogonal_worker.py OUT_DIR``
-(CPU, gloo), with the reference MoE and the helpers of ``worker.py`` (float64, odd sizes, batch-additive loss). The
+Run by ``test_orthogonal_distributed.py`` as ``torchrun --standalone --nproc_per_node=2 orthogonal_worker.py OUT_DIR
+IMPL`` (CPU, gloo; every SkewAdam on kernel IMPL, the one-process references too, for the fused groups), with the reference MoE and the helpers of ``worker.py`` (float64, odd sizes, batch-additive loss). The
 orthogonalisation needs whole matrices: a sharded matrix's update is all-gathered, orthogonalised and cut back to the
 rank's shard; a bank sharded on its experts needs nothing. Rank 0 writes ``OUT_DIR/results.json`` as worker.py does.
 
@@ -13,6 +13,7 @@ Adafactor's options refused on DTensors.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from datetime import timedelta
@@ -95,7 +96,8 @@ def check_adafactor_options_refused() -> dict:
         return {"refused": str(e)}
 
 
-def main(out_dir: Path) -> None:
+def main(out_dir: Path, impl: str) -> None:
+    os.environ["SKEWADAM_IMPL"] = impl  # every SkewAdam below, the one-process references too
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     worker.MESH = init_device_mesh("cpu", (W,))
     checks = {
@@ -121,4 +123,4 @@ def main(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2])

@@ -1,6 +1,7 @@
 """The orthogonal tier on sharded parameters: equal to one process under FSDP2 (both expert placements, int8
 momentum) and DDP, the gathered bytes what the math needs and what the planner counts; Adafactor's options refused on
-DTensors. The checks run once in ``orthogonal_worker.py`` under torchrun (2 CPU ranks, gloo)."""
+DTensors. The checks run in ``orthogonal_worker.py`` under torchrun (2 CPU ranks, gloo), once per kernel available
+here (the fused groups' kernel: eager, and the C++ one)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ from pathlib import Path
 
 import pytest
 
+from skewadam import kernels
 from test_distributed import TOL, _get, torchrun
 
 WORKER = Path(__file__).with_name("orthogonal_worker.py")
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("orthogonal")
-    torchrun(str(WORKER), str(out))
+@pytest.fixture(scope="module", params=kernels.impls())
+def results(request, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp(f"orthogonal-{request.param}")
+    torchrun(str(WORKER), str(out), request.param)
     return json.loads((out / "results.json").read_text())
 
 
