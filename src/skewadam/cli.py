@@ -123,6 +123,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--top-k", type=int, default=None, help="experts per token (default: from the config)")
     p.add_argument("--impl", choices=["eager", "cpp"], default="eager",
                    help="SkewAdam kernel for its step temporaries: eager (GPUs; default) or cpp (the C++ CPU kernel)")
+    p.add_argument("--shards", type=int, default=1,
+                   help="FSDP2 ranks (Shard(0)): also print the bytes an orthogonal tier gathers per rank and step")
     p.add_argument("--optimizer", action="append", type=_arm, default=None, metavar="NAME",
                    help="plan only these (repeatable; default: " + ", ".join(arms.PLAN_DEFAULT) + "; any of "
                    + ", ".join(arms.names(planned=True)) + ")")
@@ -143,7 +145,7 @@ def _plan(args: argparse.Namespace) -> int:
     model = _load_model("plan", args.model, overrides)
     try:
         result = plan(model, batch=args.batch, seq=args.seq, param_dtype=args.param_dtype, top_k=args.top_k,
-                      optimizers=args.optimizer, impl=args.impl)
+                      optimizers=args.optimizer, impl=args.impl, shards=args.shards)
         result = dataclasses.replace(result, model=args.model)
         measured = None
         if args.measure:
