@@ -344,3 +344,28 @@ def test_the_planner_counts_the_gathered_bytes_of_sharded_hidden_matrices():
     assert got["skewadam"].gather_bytes == 0
     assert got["skewadam-orthogonal"].gather_bytes == hidden * 4 * 3 // 4
     assert got["skewadam-orthogonal-experts"].gather_bytes == hidden * 4 * 3 // 4  # its banks [E, A, B]: no gather
+
+
+def test_the_orthogonal_kernel_refuses_records_that_do_not_fit_naming_the_parameter():
+    """Every size `orthogonal.step_` indexes with is checked before anything is written: gradient, momentum, a bank's
+    step counts and active masks."""
+    from skewadam.kernels.types import Group, ParamTensors
+
+    def record(p, g, step, m=None, bank=False):
+        return ParamTensors(p, g, step, m, None, None, None, None, tuple(p.shape), bank, 0, "w ('blocks.0.wq')")
+
+    p, e = torch.zeros(4, 3), torch.zeros(2, 4, 3)
+    cases = [
+        (record(p, torch.zeros(3, 4), torch.zeros(())), None, r"'blocks.0.wq'.*gradient \(3, 4\)"),
+        (record(p, torch.zeros(4, 3), torch.zeros(()), torch.zeros(4, 2)), None, r"state 'exp_avg' of shape \(4, 2\)"),
+        (record(e, torch.zeros(2, 4, 3), torch.zeros(3), bank=True), torch.ones(2, 1, 1, dtype=torch.bool),
+         r"state 'step' of shape \(3,\)"),
+        (record(e, torch.zeros(2, 4, 3), torch.zeros(2), bank=True), torch.ones(3, 1, 1, dtype=torch.bool),
+         r"active slices \[E, 1, 1\], got \(3, 1, 1\)"),
+        (record(torch.zeros(5), torch.zeros(5), torch.zeros(())), None, r"takes matrices \[A, B\]"),
+    ]
+    for pt, active, match in cases:
+        before = [t.clone() for t in (pt.param, pt.step)]
+        with pytest.raises(ValueError, match=match):
+            orthogonal.step_(Group([pt], 1e-2, 0.95, 0.999, 1e-30, "add", 0.0, 0), [active])
+        assert all(torch.equal(a, b) for a, b in zip(before, (pt.param, pt.step)))

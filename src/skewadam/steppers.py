@@ -58,22 +58,19 @@ def step_(work: Sequence[tuple[dict, list[Tensor], Group]], reducer: Any, impl: 
 
 
 def _orthogonal_(record: Group, params: list[Tensor], reducer: Any) -> None:
-    """Count steps (a bank's active slices: its gradient's sums over each slice, reduced across shards), then
+    """A bank's active slices (its gradient's sums over each slice, reduced across shards), then
     `skewadam.kernels.orthogonal.step_` with a sharded matrix's update gathered through the reducer."""
     records, actives = record.params, []
     for p, pt in zip(params, records):
-        orthogonal.check(pt)
+        orthogonal.check(pt)  # before the sums index the gradient
         if not pt.bank:
-            pt.step.add_(1)
             actives.append(None)
             continue
         dims = unit_dims(pt.grad.ndim, True)
         sumsq = pt.grad.square().sum(dims, keepdim=True)
         if reducer is not None:
             reducer([(p, [(sumsq, dims)])])
-        active = sumsq > 0  # an expert that received no token: its slice (and its count) stays as it is
-        pt.step.add_(active.view(-1))
-        actives.append(active)
+        actives.append(sumsq > 0)  # an expert that received no token: its slice (and its count) stays as it is
     gathered = [reducer is not None and hasattr(reducer, "gathers") and reducer.gathers(p, pt.bank)
                 for p, pt in zip(params, records)]
     orthogonal.step_(record, actives, gathered=gathered,

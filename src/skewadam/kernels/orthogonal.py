@@ -151,8 +151,8 @@ def step_(
     local_part: Optional[Callable[[Tensor, int], Tensor]] = None,
     gathered: Optional[Sequence[bool]] = None,
 ) -> None:
-    """One step of the orthogonal update of ``group``'s tensors (local shards of DTensor parameters), in place; step
-    counts are the caller's (counted before, so that ``actives`` and the rounding keys see this step's).
+    """One step of the orthogonal update of ``group``'s tensors (local shards of DTensor parameters), in place, step
+    counts included (a bank's active slices only).
 
     The matrices of one shape are orthogonalised together, in chunks of at most `CHUNK_NUMEL` elements of whole
     matrices, so the step's temporaries stay a few chunks whatever the number of experts. Per piece: the momentum
@@ -163,8 +163,16 @@ def step_(
     seed, the parameter's stream and its step count.
     """
     pts = group.params
-    for pt in pts:
+    if len(actives) != len(pts):
+        raise ValueError(f"{len(actives)} active masks for {len(pts)} parameters: give one per parameter (None for "
+                         f"a matrix)")
+    for pt, active in zip(pts, actives):
         check(pt)
+        if pt.bank and (active is None or tuple(active.shape) != (pt.param.shape[0], 1, 1)):
+            raise ValueError(f"{pt.name or 'parameter'}: a bank needs its active slices [E, 1, 1], got "
+                             f"{None if active is None else tuple(active.shape)}")
+    for pt, active in zip(pts, actives):
+        pt.step.add_(active.view(-1) if pt.bank else 1)
     gathered = gathered or [False] * len(pts)
     lr = float(group.lr)
     keys = [rounding_key(group.seed, pt.stream, int(pt.step.sum().item()))
