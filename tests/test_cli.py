@@ -100,6 +100,19 @@ def test_cli_plan_prints_the_table_and_json(capsys):
     assert out["optimizers"]["adamw"]["master"] == 4 * out["trainable"] and out["seq"] == 16
 
 
+def test_cli_plan_shards_prints_what_the_orthogonal_tier_gathers(capsys):
+    """--shards N: the gathered bytes per rank, the planner's (`plan(shards=N)`), for the arms that gather only."""
+    from skewadam import plan
+
+    out = _cli(["plan", "tiny", "--optimizer", "skewadam", "--optimizer", "skewadam-orthogonal", "--shards", "2"],
+               capsys)
+    want = plan("tiny", optimizers=["skewadam-orthogonal"], shards=2)["skewadam-orthogonal"].gather_bytes
+    assert want > 0 and "FSDP2 over 2 ranks" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("skewadam")]
+    assert ["skewadam-orthogonal", f"{want:,}"] == [rows[-1][0], rows[-1][-1]]
+    assert not any(r[0] == "skewadam" and r[-1] == f"{want:,}" for r in rows)
+
+
 def test_cli_plan_set_overrides_a_config_value(capsys):
     out = json.loads(_cli(["plan", "olmoe-1b-7b", "--json", "--optimizer", "skewadam",
                            "--set", "num_hidden_layers=2"], capsys))
