@@ -135,8 +135,6 @@ def test_measure_state_counts_dtensor_shards_at_local_size():
     assert shard.shape == (8, 4) and got.total == 4 * 4 * 4
 
 
-
-
 def test_an_orthogonal_group_keeps_momentum_only_and_its_banks_a_step_count_only():
     """update='orthogonal': no second moment (use_factored resolves to False); compact momentum as elsewhere."""
     flags = state_flags({"tier": "backbone", "update": "orthogonal"})
