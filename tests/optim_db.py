@@ -40,6 +40,8 @@ CASES: list[Case] = [
     Case({"tier": "expert", "bank": False}, "expert tier with banks off: each tensor is one unit"),
     Case({"betas": (0.5, 0.9), "lr": 3e-2}, "non-default betas and lr"),
     Case({"skip_nonfinite": False}, "non-finite check off"),
+    Case({"relative_step": True, "weight_decay": 0.1}, "Adafactor's relative step: the passes one unit at a time"),
+    Case({"tier": "expert", "beta2_decay": -0.8}, "Adafactor's second-moment decay, expert banks unit by unit"),
 ]
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]

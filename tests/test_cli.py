@@ -115,6 +115,19 @@ def test_cli_plan_prints_the_table_and_json(capsys):
     assert out["optimizers"]["adamw"]["master"] == 4 * out["trainable"] and out["seq"] == 16
 
 
+def test_cli_plan_shards_prints_what_the_orthogonal_tier_gathers(capsys):
+    """--shards N: the gathered bytes per rank, the planner's (`plan(shards=N)`), for the arms that gather only."""
+    from skewadam import plan
+
+    out = _cli(["plan", "tiny", "--optimizer", "skewadam", "--optimizer", "skewadam-orthogonal", "--shards", "2"],
+               capsys)
+    want = plan("tiny", optimizers=["skewadam-orthogonal"], shards=2)["skewadam-orthogonal"].gather_bytes
+    assert want > 0 and "FSDP2 over 2 ranks" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("skewadam")]
+    assert ["skewadam-orthogonal", f"{want:,}"] == [rows[-1][0], rows[-1][-1]]
+    assert not any(r[0] == "skewadam" and r[-1] == f"{want:,}" for r in rows)
+
+
 def test_cli_plan_set_overrides_a_config_value(capsys):
     out = json.loads(_cli(["plan", "olmoe-1b-7b", "--json", "--optimizer", "skewadam",
                            "--set", "num_hidden_layers=2"], capsys))
@@ -123,11 +136,13 @@ def test_cli_plan_set_overrides_a_config_value(capsys):
         _cli(["plan", "tiny", "--set", "num_hidden_layers"], capsys)
 
 
-def test_cli_plan_of_an_arm_without_a_memory_model_says_which_have_one(capsys):
-    with pytest.raises(SystemExit, match=r"skewadam plan: no memory model of \['muon'\]: plan any of adamw"):
-        _cli(["plan", "tiny", "--optimizer", "muon"], capsys)
-    with pytest.raises(SystemExit, match=r"skewadam plan: no memory model of \['muon'\]"):
-        _cli(["plan", "tiny", "--measure", "muon"], capsys)
+def test_cli_plan_of_an_arm_without_a_memory_model_says_which_have_one(capsys, monkeypatch):
+    unmodelled = dataclasses.replace(arms.ARMS["muon"], name="muon-unmodelled", state=None, transient=None)
+    monkeypatch.setitem(arms.ARMS, unmodelled.name, unmodelled)
+    with pytest.raises(SystemExit, match=r"skewadam plan: no memory model of \['muon-unmodelled'\]: plan any of adamw"):
+        _cli(["plan", "tiny", "--optimizer", "muon-unmodelled"], capsys)
+    with pytest.raises(SystemExit, match=r"skewadam plan: no memory model of \['muon-unmodelled'\]"):
+        _cli(["plan", "tiny", "--measure", "muon-unmodelled"], capsys)
     with pytest.raises(SystemExit, match=r"skewadam bench-step: \['adamw8bit-bnb'\]: memory models only"):
         _cli(["bench-step", "--optimizers", "adamw8bit"], capsys)
 
@@ -330,10 +345,15 @@ def _study_best_lrs() -> dict[str, float]:
 
 
 def test_every_arm_trains_by_default_at_its_best_lr_of_the_study():
+    from skewadam.harness.config import STUDY_ARMS, default, study
+
     best = _study_best_lrs()
-    assert set(best) == set(ALL)  # the study covers every trainable arm
+    assert set(best) == set(STUDY_ARMS)  # the study covers every arm of its grid
     assert {name: arms.get(name).lr for name in best} == best
-    from skewadam.harness.config import default, study
+    text = (Path(__file__).resolve().parents[1] / "docs" / "study" / "orthogonal.md").read_text()
+    bold = dict(re.findall(r"^\| ([\w-]+) \| ([0-9.e-]+) \| [0-9, ]+ \| \*\*", text, re.M))  # its best row
+    assert {name: arms.get(name).lr for name in bold} == {name: float(lr) for name, lr in bold.items()}
+    assert "skewadam-orthogonal" in bold
 
     bench = default()
     assert {r.optimizer: r.resolved_lr for r in bench.runs()} == {n: best[n] for n in arms.BENCH_DEFAULT}

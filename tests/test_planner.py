@@ -6,6 +6,7 @@ Shape legend: V vocab, D model width, F FFN hidden, E experts, N tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import weakref
 
@@ -160,7 +161,7 @@ def test_plan_equals_measured_state_after_one_step(model_name):
     assert {"backbone", "expert", "router"} <= set(labels.values())
     names = [n for n in arms.names(buildable=True, planned=True) if not arms.ARMS[n].master]  # SkewAdam's
     # torch's and torchao's keep bf16 state for bf16 params
-    names += ["adamw", "adamw-foreach", "adafactor", "adamw8bit-torchao"] if dtype == torch.float32 else []
+    names += ["adamw", "adamw-foreach", "adafactor", "adamw8bit-torchao", "muon"] if dtype == torch.float32 else []
     planned = plan(model, param_dtype="bf16" if dtype == torch.bfloat16 else "fp32", optimizers=names)
     quantised = 0
     for name in names:
@@ -235,13 +236,15 @@ def test_skewadam_step_temporaries_are_what_its_kernel_reports(monkeypatch):
     assert {s for s, bank in tensors if bank} == {tuple(p.shape) for p in model.parameters() if p.ndim >= 3}
 
 
-def test_plan_rejects_bad_arguments_with_the_fix():
+def test_plan_rejects_bad_arguments_with_the_fix(monkeypatch):
     with pytest.raises(ValueError, match="param_dtype='fp16'.*bf16"):
         plan("tiny", param_dtype="fp16")
     with pytest.raises(ValueError, match="unknown optimizer.*adamw"):
         plan("tiny", optimizers=["lion"])
-    with pytest.raises(ValueError, match=r"no memory model of \['muon'\]: plan any of adamw"):
-        plan("tiny", optimizers=["muon"])
+    unmodelled = dataclasses.replace(arms.ARMS["muon"], name="muon-unmodelled", state=None, transient=None)
+    monkeypatch.setitem(arms.ARMS, unmodelled.name, unmodelled)
+    with pytest.raises(ValueError, match=r"no memory model of \['muon-unmodelled'\]: plan any of adamw"):
+        plan("tiny", optimizers=["muon-unmodelled"])
     with pytest.raises(ValueError, match="batch=0"):
         plan("tiny", batch=0)
 
@@ -286,7 +289,7 @@ class _Allocations(TorchDispatchMode):
 @pytest.mark.parametrize("optimizer,param_dtype,impl,batch,seq", [
     ("skewadam", "fp32", "eager", 4, 64), ("skewadam", "bf16", "eager", 4, 64), ("skewadam", "bf16", "cpp", 1, 8),
     ("adamw", "fp32", "eager", 1, 8), ("adamw-foreach", "fp32", "eager", 1, 8), ("adafactor", "fp32", "eager", 1, 8),
-    ("skewadam", "fp32", "eager-chunked", 1, 8),
+    ("skewadam", "fp32", "eager-chunked", 1, 8), ("skewadam-orthogonal-experts", "fp32", "eager", 1, 8),
 ])
 def test_peak_estimate_is_within_5_percent_of_tracked_tensor_bytes(optimizer, param_dtype, impl, batch, seq,
                                                                    monkeypatch):

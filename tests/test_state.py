@@ -135,3 +135,15 @@ def test_measure_state_counts_dtensor_shards_at_local_size():
     assert shard.shape == (8, 4) and got.total == 4 * 4 * 4
 
 
+def test_an_orthogonal_group_keeps_momentum_only_and_its_banks_a_step_count_only():
+    """update='orthogonal': no second moment (use_factored resolves to False); compact momentum as elsewhere."""
+    flags = state_flags({"tier": "backbone", "update": "orthogonal"})
+    assert flags == StateFlags("backbone", True, False, None, "fp32", "orthogonal")
+    assert {k: v.shape for k, v in flags.spec((8, 6), torch.bfloat16).items()} == {"step": (), "exp_avg": (8, 6)}
+    int8 = state_flags({"update": "orthogonal", "momentum_dtype": "int8"}).spec((8, 300), torch.float32)
+    assert {k: (v.shape, v.dtype) for k, v in int8.items()} == {
+        "step": ((), torch.float32), "exp_avg": ((8, 300), torch.int8), "exp_avg_scale": ((8, 2), torch.float32)}
+    bank = state_flags({"tier": "expert", "update": "orthogonal"}).spec((4, 6, 5), torch.float32)
+    assert {k: v.shape for k, v in bank.items()} == {"step": (4,)}
+    with pytest.raises(ValueError, match="Invalid update"):
+        state_flags({"update": "muon"})

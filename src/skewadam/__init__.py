@@ -12,7 +12,8 @@ every import against this list.
                                     import nothing of ours)
     2. state, structure             state_spec, state_flags, check_state, measure_state; the MoE structure of a model
     3. kernels, classify, validation  the update kernels; automatic tiers; param group checks
-    4. distributed, groups          DTensor placements and the cross-shard reducer; param groups and their census
+    4. distributed, groups, steppers  DTensor placements and the cross-shard reducer; param groups and their census;
+                                    the groups stepped outside the fused kernels (orthogonal tier, Adafactor's options)
     5. optimizer                    SkewAdam
     6. arms, presets                the optimizer arms (one registry); models by name
     7. planner                      plan(): memory per arm

@@ -13,9 +13,9 @@ from the kernel that runs them (``step_transient_bytes`` of `skewadam.kernels.ea
 | adamw8bit-bnb             | 8-bit AdamW as bitsandbytes stores it (memory model only: not a dependency)       |
 | adamw8bit-torchao         | torchao.optim.AdamW8bit (block-wise 8-bit moments; needs ``torchao``)              |
 | adafactor                 | torch.optim.Adafactor (factored second moment, no momentum)                       |
-| muon                      | torch.optim.Muon on the 2-D hidden matrices (attention, dense FFN), lr matched     |
-|                           | to AdamW's RMS; AdamW on embeddings, norms, router and the 3-D expert banks       |
-|                           | (no memory model)                                                                 |
+| muon                      | torch.optim.Muon on the hidden matrices (`skewadam.classify.hidden_matrices`:     |
+|                           | attention, dense FFN), lr matched to AdamW's RMS; AdamW (fused) on embeddings,    |
+|                           | norms, router and the 3-D expert banks                                            |
 | skewadam                  | SkewAdam's defaults: paper tiers, eps_mode="add" (Adafactor's)                    |
 | skewadam-floor            | SkewAdam, paper tiers, eps_mode="floor" (the paper's)                             |
 | skewadam-eager            | skewadam on the eager kernels: its math, another implementation                   |
@@ -24,6 +24,12 @@ from the kernel that runs them (``step_transient_bytes`` of `skewadam.kernels.ea
 | skewadam-expert-momentum  | ablation: experts also keep momentum                                              |
 | skewadam-factored-router  | ablation: the router's second moment factored too                                 |
 | skewadam-uniform          | ablation: every tier momentum + factored                                          |
+| skewadam-orthogonal       | hidden matrices orthogonal (Muon's update, `skewadam.steppers`), the rest paper   |
+|                           | tiers: one optimizer, one state dict                                              |
+| skewadam-orthogonal-experts | skewadam-orthogonal + expert banks orthogonalised per expert from the gradient  |
+| skewadam-orthogonal-lrNx  | skewadam-orthogonal with the orthogonal groups' lr N x the rest's (N = 3, 10)     |
+| skewadam-relative-step    | skewadam, update x max(1e-3, rms(p)) per unit (Adafactor's relative step)         |
+| skewadam-beta2-decay      | skewadam, beta2_t = 1 - t^-0.8, no second-moment bias correction (Adafactor's)    |
 
 The ablations and compact-momentum arms use ``eps_mode="add"``, the better of the two in the study (``docs/study``),
 so that each varies one thing against ``skewadam``. Default learning rates are each arm's best in the study on the
@@ -44,8 +50,9 @@ import torch
 from torch import nn
 
 from .extras import quiet_imports
-from .groups import param_groups
+from .groups import group_settings, param_groups
 from .kernels import cpu, eager
+from .kernels import orthogonal as orthogonal_kernel
 from .optimizer import SkewAdam
 from .state import StateTensor, state_flags
 from .tiers import Tier
@@ -55,11 +62,13 @@ __all__ = ["Arm", "ARMS", "ALIASES", "get", "canonical", "names", "ChainedOptimi
 
 #: ``(param groups, lr, SkewAdam kernel impl) -> optimizer``; the impl is ignored by the others.
 Builder = Callable[[list[dict[str, Any]], float, str], Any]
-#: ``(shape, tier, stepped dtype) -> [(state key, StateTensor), ...]``: the state of one trainable tensor, in the
-#: dtype of the tensor the optimizer steps (the fp32 master copy when the arm keeps one).
-TensorState = Callable[[tuple[int, ...], str, torch.dtype], list[tuple[str, StateTensor]]]
-#: ``([(shape, tier), ...], stepped dtype, SkewAdam kernel impl) -> bytes``: the peak temporaries of one step.
-Transient = Callable[[Sequence[tuple[tuple[int, ...], str]], torch.dtype, str], int]
+#: ``(shape, tier, stepped dtype, orthogonal) -> [(state key, StateTensor), ...]``: the state of one trainable tensor,
+#: in the dtype of the tensor the optimizer steps (the fp32 master copy when the arm keeps one); ``orthogonal``: the
+#: arm's ``orthogonal`` setting selects it (`skewadam.groups.orthogonal_names`).
+TensorState = Callable[[tuple[int, ...], str, torch.dtype, bool], list[tuple[str, StateTensor]]]
+#: ``([(shape, tier, orthogonal), ...], stepped dtype, SkewAdam kernel impl) -> bytes``: the peak temporaries of one
+#: step.
+Transient = Callable[[Sequence[tuple[tuple[int, ...], str, bool]], torch.dtype, str], int]
 
 _F32 = torch.float32
 _STEP = ("step", StateTensor((), _F32))  # torch optimizers' per-tensor 0-d fp32 step count
@@ -81,6 +90,9 @@ class Arm:
         shared: state allocated once per optimizer, not per tensor (bitsandbytes' quantisation maps).
         lr, weight_decay: defaults of `skewadam bench`: the best lr of the study (``docs/study``) on its model.
         tier_options: passed to `param_groups` (SkewAdam's tier ablations).
+        orthogonal: passed to `param_groups`: which tensors take the orthogonal update (`orthogonal_names`).
+        orthogonal_lr: the orthogonal groups' lr as a multiple of the arm's lr (a ``tier_options``-style lr that
+            follows the lr given to `build`, and so the bench's lr grid).
         variant_of: another implementation of that arm's math (`bench-step` compares it; `bench --optimizers all`
             and the study leave it out).
         requires: optional packages it imports, ``{module: pip package}`` (`skewadam.extras.missing` finds them).
@@ -98,6 +110,8 @@ class Arm:
     lr: float = 1e-3
     weight_decay: float = 0.05
     tier_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    orthogonal: Any = False
+    orthogonal_lr: float = 1.0
     variant_of: Optional[str] = None
     requires: Mapping[str, str] = dataclasses.field(default_factory=dict)
     kernels: bool = False
@@ -113,8 +127,13 @@ class Arm:
             raise ValueError(f"{self.name} is a memory model only (its library is not a dependency): plan it, "
                              f"build another arm ({', '.join(names(buildable=True))})")
         wd = self.weight_decay if weight_decay is None else weight_decay
-        groups = param_groups(model, weight_decay=wd, tier_options=dict(self.tier_options), log=False)
-        return self.make(groups, self.lr if lr is None else lr, impl)
+        lr = self.lr if lr is None else lr
+        groups = param_groups(model, weight_decay=wd, tier_options=dict(self.tier_options), log=False,
+                              orthogonal=self.orthogonal)
+        for g in groups:
+            if g.get("update") == "orthogonal" and self.orthogonal_lr != 1.0:
+                g["lr"] = lr * self.orthogonal_lr
+        return self.make(groups, lr, impl)
 
 
 class ChainedOptimizer:
@@ -158,19 +177,14 @@ def _adamw8bit_torchao(groups, lr, impl):
     return EagerOnCPU(groups, lr=lr)
 
 
-def _is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
-    return p.ndim == 2 and not name.startswith(("tok_emb.", "pos_emb.")) and ".router." not in name
+_SKEWADAM_ONLY = ("update", "betas", "relative_step", "beta2_decay")  # orthogonal groups' SkewAdam settings
 
 
 def _muon(groups, lr, impl):
-    muon_groups, adamw_groups = [], []
-    for g in groups:
-        pairs = list(zip(g["param_names"], g["params"]))
-        settings = {k: v for k, v in g.items() if k not in ("params", "param_names")}
-        for target, keep in ((muon_groups, True), (adamw_groups, False)):
-            members = [(n, p) for n, p in pairs if _is_hidden_matrix(n, p) == keep]
-            if members:
-                target.append({**settings, "params": [p for _, p in members], "param_names": [n for n, _ in members]})
+    """torch's Muon on the orthogonal groups (the hidden matrices), fused AdamW on the others; one lr."""
+    muon_groups = [{k: v for k, v in g.items() if k not in _SKEWADAM_ONLY} for g in groups
+                   if g.get("update") == "orthogonal"]
+    adamw_groups = [g for g in groups if g.get("update") != "orthogonal"]
     return ChainedOptimizer(
         torch.optim.Muon(muon_groups, lr=lr, adjust_lr_fn="match_rms_adamw"),
         torch.optim.AdamW(adamw_groups, lr=lr, fused=True),
@@ -178,11 +192,16 @@ def _muon(groups, lr, impl):
 
 
 # ------------------------------------------------------------------------------------------------ memory models
-def _adamw_state(shape, tier, dtype):
+def _adamw_state(shape, tier, dtype, orthogonal=False):
     return [_STEP, ("exp_avg", StateTensor(shape, dtype)), ("exp_avg_sq", StateTensor(shape, dtype))]
 
 
-def _adafactor_state(shape, tier, dtype):
+def _muon_state(shape, tier, dtype, orthogonal=False):
+    # torch.optim.Muon keeps one momentum buffer (no step) per hidden matrix; fused AdamW the rest
+    return [("momentum_buffer", StateTensor(shape, dtype))] if orthogonal else _adamw_state(shape, tier, dtype)
+
+
+def _adafactor_state(shape, tier, dtype, orthogonal=False):
     # torch.optim.Adafactor: row/col over the last two dims for >= 2-D tensors, a full variance otherwise; no momentum.
     if len(shape) >= 2:
         return [_STEP, ("row_var", StateTensor(shape[:-1] + (1,), dtype)),
@@ -190,7 +209,7 @@ def _adafactor_state(shape, tier, dtype):
     return [_STEP, ("variance", StateTensor(shape, dtype))]
 
 
-def _bnb_adamw8bit_state(shape, tier, dtype):
+def _bnb_adamw8bit_state(shape, tier, dtype, orthogonal=False):
     # bitsandbytes AdamW8bit (block_wise=True, min_8bit_size=4096): uint8 state1/state2 with one fp32 absmax per
     # 2048-element block each; tensors under 4096 elements keep fp32 state1/state2. Its step is a Python int.
     n = math.prod(shape)
@@ -201,7 +220,7 @@ def _bnb_adamw8bit_state(shape, tier, dtype):
             ("state2", StateTensor(shape, torch.uint8)), ("absmax2", StateTensor(blocks, _F32))]
 
 
-def _torchao_adamw8bit_state(shape, tier, dtype):
+def _torchao_adamw8bit_state(shape, tier, dtype, orthogonal=False):
     # torchao.optim.AdamW8bit (block_size=256): each moment is an OptimState8bit of uint8 codes, one fp32 scale per
     # 256 elements and its own 256-entry fp32 qmap; tensors under 4096 elements or not a multiple of 256 keep plain
     # moments in the stepped tensor's dtype.
@@ -214,38 +233,45 @@ def _torchao_adamw8bit_state(shape, tier, dtype):
 
 def _fp32_copies_of_largest(n: int) -> Transient:
     """``n`` fp32 copies of the largest tensor: torch's per-tensor implementations allocate per tensor."""
-    return lambda tensors, dtype, impl: n * max((math.prod(s) for s, _ in tensors), default=0) * 4
+    return lambda tensors, dtype, impl: n * max((math.prod(s) for s, *_ in tensors), default=0) * 4
 
 
 def _copy_of_largest_group(tensors, dtype, impl) -> int:
     """One stepped-dtype copy of the largest param group (one group per tier): foreach ops take a group at once."""
     by_tier: dict[str, int] = defaultdict(int)
-    for shape, tier in tensors:
+    for shape, tier, *_ in tensors:
         by_tier[tier] += math.prod(shape)
     return max(by_tier.values(), default=0) * dtype.itemsize
 
 
 def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None,
               tier_options: Optional[dict[str, dict[str, Any]]] = None, variant_of: Optional[str] = None,
-              lr: float = 1e-3) -> Arm:
-    """A SkewAdam arm: ``options`` are SkewAdam keyword arguments, ``tier_options`` per-tier group settings."""
+              lr: float = 1e-3, orthogonal: Any = False, orthogonal_lr: float = 1.0) -> Arm:
+    """A SkewAdam arm: ``options`` are SkewAdam keyword arguments, ``tier_options`` per-tier group settings,
+    ``orthogonal`` which tensors take the orthogonal update (their state, as `param_groups` sets their groups)."""
     options, tier_options = dict(options or {}), dict(tier_options or {})
-    flags = {t.value: state_flags({**options, **tier_options.get(t.value, {}), "tier": t.value}) for t in Tier}
+    flags = {(t.value, False): state_flags(group_settings(t.value, False, options, tier_options, {})) for t in Tier}
+    if orthogonal:  # what param_groups gives the tensors `orthogonal` selects (in the backbone and expert tiers)
+        flags.update({(t, True): state_flags(group_settings(t, True, options, tier_options, {}))
+                      for t in (Tier.BACKBONE.value, Tier.EXPERT.value)})
 
     def make(groups, lr, impl):
         return SkewAdam(groups, lr=lr, **{"impl": impl, **options})
 
-    def state(shape, tier, dtype):
-        return list(flags[tier].spec(shape, dtype).items())
+    def state(shape, tier, dtype, orthogonal=False):
+        return list(flags[tier, orthogonal].spec(shape, dtype).items())
 
     def transient(tensors, dtype, impl):
         kernel = _KERNELS[options.get("impl", impl)]
-        return kernel.step_transient_bytes([(shape, flags[tier].is_bank(len(shape))) for shape, tier in tensors], dtype)
+        fused = [(shape, flags[tier, False].is_bank(len(shape))) for shape, tier, o in tensors if not o]
+        return max(kernel.step_transient_bytes(fused, dtype),
+                   orthogonal_kernel.step_transient_bytes([shape for shape, _, o in tensors if o], dtype))
 
     return Arm(name, label, make, state, transient, master=False, tier_options=tier_options, variant_of=variant_of,
-               kernels=True, lr=lr,
+               kernels=True, lr=lr, orthogonal=orthogonal, orthogonal_lr=orthogonal_lr,
                temporaries="as its kernel counts them (`step_transient_bytes` of skewadam.kernels.eager: a few fp32 "
-               "copies of the largest chunk of whole bank slices; of skewadam.kernels.cpu: none)")
+               "copies of the largest chunk of whole bank slices; of skewadam.kernels.cpu: none; of "
+               "skewadam.kernels.orthogonal: the stacked Newton-Schulz iterates), the larger of the two")
 
 
 _MEASURED = "measured, torch 2.13 CPU"
@@ -266,7 +292,8 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
     Arm("adafactor", "Adafactor, torch (factored v, no momentum)", lambda g, lr, impl: torch.optim.Adafactor(g, lr=lr),
         _adafactor_state, _fp32_copies_of_largest(2), f"2 fp32 copies of the largest tensor ({_MEASURED})",
         lr=1e-1, weight_decay=1.5e-3),
-    Arm("muon", "Muon, torch, on hidden matrices + fused AdamW on the rest", _muon, lr=1e-2),
+    Arm("muon", "Muon, torch, on hidden matrices + fused AdamW on the rest", _muon, _muon_state,
+        _fp32_copies_of_largest(2), "2 fp32 copies of the largest tensor (assumed)", orthogonal=True, lr=1e-2),
     _skewadam("skewadam", "SkewAdam (paper tiers, eps_mode='add')"),
     _skewadam("skewadam-floor", "SkewAdam (paper tiers, eps_mode='floor', the paper's)", options={"eps_mode": "floor"},
               lr=1e-2),
@@ -278,6 +305,16 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
     _skewadam("skewadam-factored-router", "SkewAdam, router factored", tier_options={"router": {"use_factored": True}}),
     _skewadam("skewadam-uniform", "SkewAdam, momentum + factored everywhere",
               tier_options={"expert": {"use_momentum": True}, "router": {"use_momentum": True, "use_factored": True}}),
+    _skewadam("skewadam-orthogonal", "SkewAdam, hidden matrices orthogonal (Muon's update, fp32 momentum)",
+              orthogonal=True, lr=1e-2),
+    _skewadam("skewadam-orthogonal-experts", "SkewAdam, hidden matrices and expert banks (per expert) orthogonal",
+              orthogonal="experts"),
+    *(_skewadam(f"skewadam-orthogonal-lr{k:g}x", f"skewadam-orthogonal, orthogonal groups at {k:g}x the lr",
+                orthogonal=True, orthogonal_lr=k) for k in (3.0, 10.0)),
+    _skewadam("skewadam-relative-step", "SkewAdam, update x max(1e-3, rms(p)) (Adafactor's relative step)",
+              options={"relative_step": True}),
+    _skewadam("skewadam-beta2-decay", "SkewAdam, beta2_t = 1 - t^-0.8 (Adafactor's decay)",
+              options={"beta2_decay": -0.8}),
 ]}
 
 #: Names of earlier releases (the planner's, the bench's and bench-step's own), accepted everywhere.

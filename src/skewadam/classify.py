@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from .structure import structure
 from .tiers import Tier
 
-__all__ = ["classify", "flattened_experts", "split_trainable"]
+__all__ = ["classify", "flattened_experts", "split_trainable", "hidden_matrices"]
 
 
 # ----------------------------------------------------------------------------------------------------- classify
@@ -147,3 +147,30 @@ def _compile_rules(rules: Optional[Sequence[tuple[str, str]]]) -> list[tuple[re.
             raise ValueError(f"tier rule {rule!r}: {e}") from None
         compiled.append((regex, tier))
     return compiled
+
+
+# ------------------------------------------------------------------------------------------------ hidden matrices
+def hidden_matrices(model: nn.Module, labels: Optional[dict[str, str]] = None) -> list[str]:
+    """Names of the hidden matrices of ``model``: the 2-D backbone weights that are not embeddings, the output
+    head, norms, biases or the router, i.e. what Muon-style orthogonal updates are for (`skewadam.steppers`).
+
+    Embeddings and heads are found by structure: ``nn.Embedding`` weights, any parameter tied to one (the same tensor
+    under another name), a matrix of a non-square embedding table's shape ``[V, D]``, ``V != D`` (an untied LM head,
+    nanoGPT's or torchtitan's ``output``; a square table's shape is a hidden matrix's too), and the weight of
+    ``model.get_output_embeddings()`` where the model has it (Transformers' LM head, tied or not). ``labels`` are
+    `classify`'s (computed if not given); only ``backbone`` tensors qualify.
+
+    Example:
+        >>> hidden_matrices(MoETransformer(get_config("tiny")))[:2]
+        ['blocks.0.attn.wq.weight', 'blocks.0.attn.wk.weight']
+    """
+    labels = classify(model) if labels is None else labels
+    embeddings = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
+    tables = {id(w) for w in embeddings}
+    table_shapes = {tuple(w.shape) for w in embeddings if w.ndim == 2 and w.shape[0] != w.shape[1]}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(getattr(head, "weight", None), Tensor):
+        tables.add(id(head.weight))
+    trainable, _ = split_trainable(model)
+    return [n for n, p in trainable.items() if labels.get(n) == Tier.BACKBONE.value and p.ndim == 2
+            and id(p) not in tables and tuple(p.shape) not in table_shapes]

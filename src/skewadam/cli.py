@@ -129,6 +129,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--impl", choices=["eager", "cpp"], default=None,
                    help="SkewAdam kernel for its step temporaries: eager (GPUs) or cpp (the C++ CPU kernel); default "
                    "eager, or with --measure the kernel the measurement steps with (cpp on CPU when it builds)")
+    p.add_argument("--shards", type=int, default=1,
+                   help="FSDP2 ranks (Shard(0)): also print the bytes an orthogonal tier gathers per rank and step")
     p.add_argument("--optimizer", action="append", type=_arm, default=None, metavar="NAME",
                    help="plan only these (repeatable; default: " + ", ".join(arms.PLAN_DEFAULT) + "; any of "
                    + ", ".join(arms.names(planned=True)) + ")")
@@ -160,7 +162,7 @@ def _plan(args: argparse.Namespace) -> int:
         optimizers = [*(optimizers or arms.PLAN_DEFAULT), args.measure]
     try:
         result = plan(model, batch=args.batch, seq=args.seq, param_dtype=args.param_dtype, top_k=args.top_k,
-                      optimizers=optimizers, impl=impl or "eager")
+                      optimizers=optimizers, impl=impl or "eager", shards=args.shards)
         result = dataclasses.replace(result, model=args.model)
         measured = None
         if args.measure:

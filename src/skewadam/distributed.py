@@ -32,6 +32,12 @@ local index; `rounding_stream` mixes the global offset of the shard's first elem
 parameter draw independent bits (the same local positions would otherwise round alike on every rank) while replicas
 of one shard (``Replicate`` mesh dims, HSDP) draw the same bits and stay identical.
 
+The orthogonal tier (`skewadam.kernels.orthogonal`) needs each whole matrix: `DTensorReducer.gather` all-gathers a
+sharded parameter's update over exactly the mesh dims that shard its matrix dims (the last two; a bank's expert dim
+stays sharded, so a bank sharded on experts gathers nothing), every rank orthogonalises the full matrices, and
+`DTensorReducer.local_part` takes back its own shard without communication, as torchtitan's DistMuon does.
+``gathered_bytes`` counts what this rank received (the full matrix less its own shard, in the update's dtype).
+
 To disable the reductions (e.g. as a negative control), set the seam yourself before the first step:
 ``optimizer._reducer = lambda items: None``.
 """
@@ -180,6 +186,7 @@ class DTensorReducer:
     def __init__(self) -> None:
         self.collectives = 0
         self.bytes = 0
+        self.gathered_bytes = 0
         self._device: Optional[torch.device] = None
 
     def __call__(self, items: list[tuple[Tensor, list[tuple[Tensor, tuple[int, ...]]]]]) -> None:
@@ -213,6 +220,50 @@ class DTensorReducer:
         self.collectives += 1
         self.bytes += flag.element_size()
         return flag[0] > 0
+
+    def gathers(self, param: Tensor, bank: bool) -> bool:
+        """Whether `gather` communicates for ``param``: a mesh dim of size > 1 shards one of its matrix dims."""
+        return _matrix_gathered(param, bank) is not None
+
+    def gather(self, local: Tensor, param: Tensor, bank: bool) -> Tensor:
+        """The full matrices of ``local`` (this rank's part of a tensor placed like ``param``): all-gathered over the
+        mesh dims that shard a matrix dim; a bank's expert dim stays as it is. ``local`` itself where none does."""
+        placements = _matrix_gathered(param, bank)
+        if placements is None:
+            return local
+        dt = DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                stride=param.stride())
+        full = dt.redistribute(param.device_mesh, placements).to_local()
+        self.collectives += 1
+        self.gathered_bytes += (full.numel() - local.numel()) * full.element_size()
+        return full
+
+    def local_part(self, full: Tensor, param: Tensor, bank: bool) -> Tensor:
+        """This rank's shard of ``full`` (what `gather` returned, transformed), as ``param`` is placed: a local
+        slice, no communication."""
+        placements = _matrix_gathered(param, bank)
+        if placements is None:
+            return full
+        dt = DTensor.from_local(full, param.device_mesh, placements, run_check=False, shape=param.shape,
+                                stride=param.stride())
+        return dt.redistribute(param.device_mesh, param.placements).to_local()
+
+
+def _matrix_gathered(param: Tensor, bank: bool) -> Optional[tuple[Placement, ...]]:
+    """``param``'s placements with every mesh dim that shards one of its matrix dims (the last two) replicated;
+    None when no mesh dim of size > 1 does (nothing to gather)."""
+    if not isinstance(param, DTensor):
+        return None
+    matrix = {param.ndim - 2, param.ndim - 1} if bank else set(range(param.ndim))
+    out, gathered = [], False
+    for i, pl in enumerate(param.placements):
+        d = _sharded_dim(pl, max(param.ndim, 1), "parameter")
+        if d is not None and d in matrix and param.device_mesh.size(i) > 1:
+            out.append(Replicate())
+            gathered = True
+        else:
+            out.append(pl)
+    return tuple(out) if gathered else None
 
 
 def check_grad(param: DTensor) -> None:

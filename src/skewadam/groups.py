@@ -14,17 +14,19 @@ import dataclasses
 import logging
 import sys
 import warnings
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from torch import nn
 
-from .classify import classify, flattened_experts, split_trainable
+from .classify import classify, flattened_experts, hidden_matrices, split_trainable
 from .state import format_bytes, spec_nbytes, state_flags
 from .tiers import Tier
 
-__all__ = ["describe", "param_groups", "split_kwargs", "Census", "TierCensus", "warn_untiered_experts"]
+__all__ = ["describe", "param_groups", "split_kwargs", "orthogonal_names", "group_settings", "Census",
+           "TierCensus", "ORTHOGONAL_MOMENTUM", "warn_untiered_experts"]
 
 logger = logging.getLogger("skewadam")
+Orthogonal = Union[bool, str, Sequence[str]]
 
 _TIERS = tuple(t.value for t in Tier)
 
@@ -101,26 +103,32 @@ def describe(
     *,
     labels: Optional[dict[str, str]] = None,
     defaults: Optional[Mapping[str, Any]] = None,
+    orthogonal: Orthogonal = False,
+    orthogonal_options: Optional[dict[str, Any]] = None,
 ) -> Census:
     """Census of ``model`` under SkewAdam: per tier the tensors, parameters, share and optimizer-state bytes.
 
     State bytes are those `skewadam.state.state_spec` allocates for each parameter under its tier's flags as
     `skewadam.state.state_flags` resolves them from ``defaults`` (SkewAdam's constructor settings: ``momentum_dtype``,
-    ``use_momentum``, ...) overridden by ``tier_options[tier]``, exactly as the optimizer resolves its groups. Warns
-    when a tier is empty.
+    ``use_momentum``, ...) overridden by ``tier_options[tier]`` (and, for the tensors ``orthogonal`` selects, the
+    orthogonal groups' settings), exactly as the optimizer resolves its groups. Warns when a tier is empty.
 
     Example:
         >>> print(describe(model, defaults={"momentum_dtype": "int8"}).table())
     """
     options = _check_tier_options(tier_options)
-    flags = {t: state_flags({**(defaults or {}), **options.get(t, {}), "tier": t}) for t in _TIERS}
     trainable, frozen = split_trainable(model)
     labels = classify(model, rules) if labels is None else labels
+    orth = set(orthogonal_names(model, labels, orthogonal))
     flat = flattened_experts(model, rules)  # sized as the stacked banks they flatten, as the optimizer steps them
+    flags: dict[tuple[str, bool], Any] = {}
     rows = {t: [0, 0, 0, 0] for t in _TIERS}
     for name, p in trainable.items():
         tier = labels[name]
-        tier_flags = flags[tier]._replace(experts=flat[name]) if tier == "expert" and name in flat else flags[tier]
+        key = (tier, name in orth)
+        if key not in flags:
+            flags[key] = state_flags(group_settings(tier, key[1], defaults, options, orthogonal_options))
+        tier_flags = flags[key]._replace(experts=flat[name]) if tier == "expert" and name in flat else flags[key]
         stats, counters = spec_nbytes(tier_flags.spec(p.shape, p.dtype))
         row = rows[tier]
         row[0] += 1
@@ -158,7 +166,48 @@ def _warn_empty(census: Census) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ param groups
-_GROUP_OPTIONS = ("rules", "tier_options", "exempt_1d", "log", "weight_decay")
+_GROUP_OPTIONS = ("rules", "tier_options", "exempt_1d", "log", "weight_decay", "orthogonal", "orthogonal_options")
+#: Muon's momentum (torch.optim.Muon's default), the orthogonal groups' ``betas[0]`` unless set otherwise.
+ORTHOGONAL_MOMENTUM = 0.95
+
+
+def orthogonal_names(model: nn.Module, labels: Mapping[str, str], orthogonal: Orthogonal) -> list[str]:
+    """The tensors ``orthogonal`` puts into update="orthogonal" groups: none (False), the hidden matrices (True or
+    ``"hidden"``: `skewadam.classify.hidden_matrices`), those and every expert tensor made of matrices
+    (``"experts"``: banks ``[E, A, B]``, per-expert ``[A, B]``), or the names given (a list)."""
+    trainable, _ = split_trainable(model)
+    if orthogonal is False or orthogonal is None:
+        return []
+    if orthogonal is True or orthogonal in ("hidden", "experts"):
+        names = hidden_matrices(model, dict(labels))
+        if orthogonal == "experts":  # banks of matrices, and the weights of per-expert Linear modules (not the
+            linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}  # [E, F] bias banks)
+            names += [n for n, p in trainable.items()
+                      if labels[n] == Tier.EXPERT.value and (p.ndim == 3 or (p.ndim == 2 and id(p) in linear))]
+        return names
+    if isinstance(orthogonal, str) or not all(isinstance(n, str) for n in orthogonal):
+        raise ValueError(f"orthogonal={orthogonal!r}: use True (the hidden matrices), 'experts' (and the expert "
+                         f"matrices), or a list of parameter names")
+    names = list(orthogonal)
+    unknown = [n for n in names if n not in trainable]
+    if unknown:
+        raise ValueError(f"orthogonal names {unknown[:3]} are not trainable parameters of {type(model).__name__} "
+                         f"(names such as {next(iter(trainable), '<none>')!r})")
+    return names
+
+
+def group_settings(tier: str, orthogonal: bool, defaults: Optional[Mapping[str, Any]], options: dict,
+              orthogonal_options: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """A group's settings: SkewAdam's ``defaults``, then for orthogonal groups Muon's momentum, then
+    ``tier_options[tier]``, then ``orthogonal_options``."""
+    out = dict(defaults or {})
+    if orthogonal:
+        out.update(update="orthogonal", betas=(ORTHOGONAL_MOMENTUM, out.get("betas", (0.9, 0.999))[1]),
+                   relative_step=False, beta2_decay=None)
+    out.update(options.get(tier, {}))
+    if orthogonal:
+        out.update(orthogonal_options or {})
+    return {**out, "tier": tier}
 
 
 def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -194,6 +243,8 @@ def param_groups(
     exempt_1d: bool = False,
     log: bool = True,
     defaults: Optional[Mapping[str, Any]] = None,
+    orthogonal: Orthogonal = False,
+    orthogonal_options: Optional[dict[str, Any]] = None,
 ) -> list[dict[str, Any]]:
     """SkewAdam param groups for ``model``: one per non-empty tier (two with ``exempt_1d``), labelled by `classify`.
 
@@ -205,13 +256,20 @@ def param_groups(
     With ``log`` the census goes to the ``skewadam`` logger (INFO), its state counted under ``defaults``: the SkewAdam settings the groups will inherit
     (`SkewAdam.from_model` passes its own).
 
+    ``orthogonal`` (beyond the paper; `orthogonal_names`): True puts the hidden matrices into a backbone group with
+    ``update="orthogonal"`` (Muon's update, momentum ``ORTHOGONAL_MOMENTUM``), ``"experts"`` also the expert
+    matrices (an expert group with ``update="orthogonal"``, no momentum: per expert, from the gradient);
+    ``orthogonal_options`` overrides those groups' settings (applied after ``tier_options``).
+
     Example:
         >>> opt = SkewAdam(param_groups(model, weight_decay=0.1, exempt_1d=True), lr=3e-4)
     """
     options = _check_tier_options(tier_options)
     labels = classify(model, rules)
     flat = flattened_experts(model, rules)
-    census = describe(model, tier_options=tier_options, labels=labels, defaults=defaults)
+    census = describe(model, tier_options=tier_options, labels=labels, defaults=defaults, orthogonal=orthogonal,
+                      orthogonal_options=orthogonal_options)
+    orth = set(orthogonal_names(model, labels, orthogonal))
     if log:
         logger.info("%s", census.table())
         if census.frozen_names:
@@ -220,7 +278,7 @@ def param_groups(
     groups = []
     for tier in _TIERS:
         default_wd = 0.0 if tier == Tier.ROUTER.value else weight_decay
-        names = [n for n, t in labels.items() if t == tier]
+        names = [n for n, t in labels.items() if t == tier and n not in orth]
         split = [(names, False)]
         if exempt_1d:
             split = [([n for n in names if trainable[n].ndim >= 2], False), ([n for n in names if trainable[n].ndim < 2], True)]
@@ -237,6 +295,13 @@ def param_groups(
             if exempt:
                 group["weight_decay"] = 0.0
             groups.append(group)
+        members = [n for n, t in labels.items() if t == tier and n in orth]
+        if members:
+            settings = group_settings(tier, True, defaults, options, orthogonal_options)
+            extra = {k: settings[k] for k in ("update", "betas", "relative_step", "beta2_decay", *options.get(tier, {}),
+                                              *(orthogonal_options or {}))}
+            groups.append({"params": [trainable[n] for n in members], "param_names": members, "tier": tier,
+                           "weight_decay": default_wd, **extra})
     return groups
 
 

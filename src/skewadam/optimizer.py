@@ -4,6 +4,7 @@ Each param group belongs to a tier (``backbone``, ``expert``, ``router``; `skewa
 its parameters keep. The update math lives in `skewadam.kernels` as pure functions over one record per group
 (`skewadam.kernels.types.Group`); this wrapper validates groups, allocates state lazily
 (`skewadam.state.state_spec`), and runs the three kernel passes with the cross-shard reduction seam between them.
+Groups the fused kernels do not run (the orthogonal tier, Adafactor's options) are stepped by `skewadam.steppers`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import kernels
+from . import kernels, steppers
 from .kernels.types import Group, ParamTensors, all_finite, stat_dims, unit_dims
 from .state import StateBytes, check_state, is_bank, measure_state, state_flags
 from .validation import EPS_DEFAULT, FOREIGN_KEYS, GROUP_KEYS, foreign_message, validate_group, validate_param
@@ -77,6 +78,11 @@ class SkewAdam(Optimizer):
     whose gradient is all zero (an expert that received no token) is left untouched, weights and state, exactly as
     the paper's separate expert modules with ``grad=None`` are.
 
+    Beyond the paper, ``update="orthogonal"`` (for the hidden matrices, `skewadam.classify.hidden_matrices`;
+    ``param_groups(model, orthogonal=True)``): Muon's orthogonalised Nesterov momentum,
+    :math:`p \leftarrow p(1-\mathrm{lr}\lambda) - \mathrm{lr}\,0.2\sqrt{\max(A,B)}\,\mathrm{NS}_5(u)`, with
+    :math:`\mu` = ``betas[0]`` and no second moment (`skewadam.kernels.orthogonal`).
+
     .. Note:: Deviations from the paper's code.
         bf16 parameters are written with exact, unbiased stochastic rounding (a counter-based hash of ``seed``, the
         parameter and its step; no generator state to save) instead of dithering, and weight decay is fused into the
@@ -112,6 +118,10 @@ class SkewAdam(Optimizer):
             imports, eager torch ops otherwise), ``"eager"``, ``"cpp"`` or ``"triton"`` (no host sync in a step; its
             step counts live on the parameters' device). All give the same math; the C++ kernel is several times
             faster on CPU.
+        update: ``"adam"`` (the tiers' update) or ``"orthogonal"`` (above; matrices and banks of matrices only).
+        relative_step, beta2_decay: Adafactor's options (`skewadam.steppers`), off by default: the update scaled by
+            ``max(1e-3, rms(p))`` per unit, and ``beta2_t = 1 - t^beta2_decay`` (e.g. -0.8) without second-moment
+            bias correction.
 
     Example:
         >>> opt = SkewAdam([
@@ -138,11 +148,14 @@ class SkewAdam(Optimizer):
         seed: int = 0,
         skip_nonfinite: bool = True,
         impl: str = "auto",
+        update: str = "adam",
+        relative_step: bool = False,
+        beta2_decay: Optional[float] = None,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode, tier=tier,
             use_momentum=use_momentum, use_factored=use_factored, bank=bank, seed=seed,
-            momentum_dtype=momentum_dtype,
+            momentum_dtype=momentum_dtype, update=update, relative_step=relative_step, beta2_decay=beta2_decay,
         )
         if impl not in kernels.IMPLS:
             raise ValueError(f"Invalid impl: {impl!r} (expected one of {kernels.IMPLS})")
@@ -383,24 +396,36 @@ class SkewAdam(Optimizer):
         if first is None:
             return loss
         impl = kernels.select(self._impl, _local(first).device)
-        work, first_id = [], 0
+        work, outside, first_id = [], [], 0
         for index, group in enumerate(self.param_groups):
             w = self._init_group(group, index, first_id, getattr(impl, "DEVICE_STEPS", False))
             first_id += len(group["params"])
-            if w is not None:
+            if w is not None and steppers.outside_kernels(group):  # the orthogonal tier, Adafactor's options
+                outside.append((group, *w))
+            elif w is not None:
                 work.append(w)
-        if self._reducer is None and any(isinstance(p, DTensor) for params, _ in work for p in params):
+        if self._reducer is None and any(isinstance(p, DTensor) for params, _ in work + [w[1:] for w in outside]
+                                         for p in params):
             from .distributed import DTensorReducer
 
             self._reducer = DTensorReducer()
+        check = self.skip_nonfinite
+        if outside:
+            if check and not bool(self._grads_finite(outside, work)):  # both kinds skip a step together
+                self.skipped_steps += 1
+                return loss
+            check = False
+            steppers.step_(outside, self._reducer, impl)
+        if not work:
+            return loss
         groups = [group for _, group in work]
         if self._reducer is None:  # one process: the kernel runs the whole step at once
-            self._count_skipped(impl.step_(groups, skip_nonfinite=self.skip_nonfinite))
+            self._count_skipped(impl.step_(groups, skip_nonfinite=check))
             return loss
         stats = [impl.grad_stats(group) for group in groups]
         self._reduce(work, stats, lambda pt, st: stat_dims(st, pt.grad.ndim, pt.bank))
         skip = None
-        if self.skip_nonfinite:
+        if check:
             skip = _all_finite([s.sumsq for st in stats for s in st], self._reducer).logical_not()
             self._count_skipped(skip)
             if getattr(impl, "SKIP_ON_HOST", True):  # the kernel would read it on the host: read it once, here
@@ -412,6 +437,14 @@ class SkewAdam(Optimizer):
         for group, mo in zip(groups, moments):
             impl.apply_updates_(group, mo, skip=skip)
         return loss
+
+    def _grads_finite(self, outside: list[tuple[dict, list[Tensor], Group]],
+                      work: list[tuple[list[Tensor], Group]]) -> Tensor:
+        """Whether every gradient, of `skewadam.steppers`' groups and the kernels', is finite (on every rank)."""
+        grads = [pt.grad for group in [w[2] for w in outside] + [w[1] for w in work] for pt in group.params]
+        finite = torch.stack([g.isfinite().all() for g in grads]).all() if grads else torch.ones((), dtype=torch.bool)
+        agree = getattr(self._reducer, "all_finite", None)
+        return agree(finite) if agree is not None else finite
 
     def __repr__(self) -> str:
         lines = [self.__class__.__name__ + " ("]

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from . import arms
+from .groups import orthogonal_names
 from .state import StateBytes, Tally, format_bytes, is_bank
 from .tiers import Tier
 
@@ -33,12 +34,12 @@ __all__ = ["OptimizerPlan", "Plan", "plan", "format_bytes", "config_value", "def
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _plan_state(arm: arms.Arm, tensors: Sequence[tuple[tuple[int, ...], str]], dtype: torch.dtype) -> StateBytes:
-    """The state ``arm`` allocates for trainable ``tensors`` ``[(shape, tier), ...]`` stepped in ``dtype``."""
+def _plan_state(arm: arms.Arm, tensors: Sequence[tuple[tuple[int, ...], str, bool]], dtype: torch.dtype) -> StateBytes:
+    """The state ``arm`` allocates for trainable ``tensors`` ``[(shape, tier, orthogonal), ...]`` stepped in ``dtype``."""
     tally = Tally()
     quantized = False
-    for shape, tier in tensors:
-        for key, st in arm.state(shape, tier, dtype):
+    for shape, tier, orth in tensors:
+        for key, st in arm.state(shape, tier, dtype, orth):
             tally.tensors += 1
             tally.add(tier, key, st.nbytes)
             quantized |= st.dtype == torch.uint8
@@ -181,6 +182,7 @@ class OptimizerPlan:
     activations: Optional[int]  # saved for backward at the end of forward, logits included
     step_temporaries: int  # alive during step(): the optimizer implementation's scratch tensors
     peak: Optional[int]  # estimate; None without an activation estimate
+    gather_bytes: int = 0  # per rank and step under FSDP2 over `Plan.shards` ranks: the orthogonal tier's all-gathers
 
     @property
     def static(self) -> int:
@@ -205,6 +207,7 @@ class Plan:
     top_k: Optional[int]
     optimizers: dict[str, OptimizerPlan]
     assumptions: list[str]
+    shards: int = 1
 
     def __getitem__(self, name: str) -> OptimizerPlan:
         return self.optimizers[arms.canonical(name)]
@@ -238,6 +241,12 @@ class Plan:
             [n, *("n/a" if c is None else format_bytes(c) for c in (
                 o.params, o.grads, o.master, o.state.total, o.activations, o.step_temporaries, o.peak))]
             for n, o in self.optimizers.items()])
+        if any(o.gather_bytes for o in self.optimizers.values()):
+            lines += ["", f"bytes each rank receives per step to gather the orthogonal tier's matrices (FSDP2 over "
+                          f"{self.shards} ranks, Shard(0))"]
+            lines += _table(["optimizer", "gathered", "bytes"], [
+                [n, format_bytes(o.gather_bytes), f"{o.gather_bytes:,}"] for n, o in self.optimizers.items()
+                if o.gather_bytes])
         lines += ["", "optimizers:", *(f"  {n}: {o.label}" for n, o in self.optimizers.items())]
         lines += ["assumptions:", *(f"  - {a}" for a in self.assumptions)]
         return "\n".join(lines)
@@ -272,6 +281,7 @@ def plan(
     optimizers: Optional[Sequence[str]] = None,
     labels: Optional[Mapping[str, str]] = None,
     impl: str = "eager",
+    shards: int = 1,
 ) -> Plan:
     """Plan the memory of training ``model`` with each optimizer arm named (default `skewadam.arms.PLAN_DEFAULT`).
 
@@ -288,6 +298,9 @@ def plan(
         labels: ``{parameter name: tier}``; default `skewadam.classify.classify(model)`.
         impl: SkewAdam's update kernel, which sets its step temporaries: ``"eager"`` (torch ops: what runs on GPUs,
             and on CPUs without the C++ kernel) or ``"cpp"`` (`skewadam.kernels.cpu`: no tensor-sized scratch).
+        shards: FSDP2 ranks (``Shard(0)`` on every tensor), for the bytes an orthogonal tier all-gathers per step
+            (``gather_bytes``: its 2-D matrices' updates, the full matrix less the rank's shard; a bank sharded
+            on its expert dim gathers nothing). State and memory stay those of one process.
 
     Example:
         >>> print(plan("paper-6.78b"))
@@ -303,8 +316,8 @@ def plan(
         raise ValueError(f"param_dtype={param_dtype!r}: use one of {sorted(DTYPES)}")
     if impl not in ("eager", "cpp"):
         raise ValueError(f"impl={impl!r}: use 'eager' (torch ops, GPUs) or 'cpp' (the C++ CPU kernel)")
-    if batch < 1 or (seq is not None and seq < 1):
-        raise ValueError(f"batch={batch}, seq={seq}: both must be >= 1")
+    if batch < 1 or (seq is not None and seq < 1) or shards < 1:
+        raise ValueError(f"batch={batch}, seq={seq}, shards={shards}: all must be >= 1")
     chosen = [arms.get(o) for o in (arms.PLAN_DEFAULT if optimizers is None else optimizers)]
     unmodelled_arms = [a.name for a in chosen if a.state is None]
     if unmodelled_arms:
@@ -320,11 +333,11 @@ def plan(
     missing = [n for n, p in params.items() if p.requires_grad and n not in labels]
     if missing:
         raise ValueError(f"labels miss trainable parameter(s) {missing[:5]}: label every one (skewadam.classify)")
-    trainable = [(tuple(p.shape), labels[n]) for n, p in params.items() if p.requires_grad]
+    trainable = [(n, tuple(p.shape), labels[n]) for n, p in params.items() if p.requires_grad]
     n_params = sum(p.numel() for p in params.values())
-    n_trainable = sum(math.prod(s) for s, _ in trainable)
+    n_trainable = sum(math.prod(s) for _, s, _ in trainable)
     by_tier = {t.value: 0 for t in Tier}
-    for shape, tier in trainable:
+    for _, shape, tier in trainable:
         by_tier[tier] += math.prod(shape)
     seq = default_seq(model) if seq is None else seq
     k = top_k if top_k is not None else config_value(model, _TOP_K_KEYS)
@@ -340,12 +353,17 @@ def plan(
     for arm in chosen:
         master = n_trainable * 4 if (arm.master and itemsize < 4) else 0
         stepped = torch.float32 if master else dtype
-        state = _plan_state(arm, trainable, stepped)
+        orth = set(orthogonal_names(model, labels, arm.orthogonal))
+        tensors = [(shape, tier, n in orth) for n, shape, tier in trainable]
+        state = _plan_state(arm, tensors, stepped)
         static = n_params * itemsize + master + state.total
-        temporaries = arm.transient(trainable, stepped, impl)
+        temporaries = arm.transient(tensors, stepped, impl)
         peak = None if unmodelled else static + max(bwd_peak, after_bwd + temporaries)
+        # the update is gathered in the compute dtype (fp32 for 16-bit weights); an even share of it is the rank's own
+        update_bytes = 4 if stepped.itemsize < 4 else stepped.itemsize
+        gathered = sum(math.prod(s) for s, _, o in tensors if o and len(s) == 2) * update_bytes * (shards - 1) // shards
         rows[arm.name] = OptimizerPlan(arm.name, arm.label, n_params * itemsize, n_trainable * itemsize, master, state,
-                                       activations, temporaries, peak)
+                                       activations, temporaries, peak, gathered)
     counted: dict[str, list[str]] = {}
     for arm in chosen:
         counted.setdefault(arm.temporaries, []).append(arm.name)
@@ -370,4 +388,4 @@ def plan(
     ]
     if unmodelled:
         assumptions.insert(0, f"no activation or peak estimate: {unmodelled}")
-    return Plan(name, n_params, n_trainable, by_tier, param_dtype, batch, seq, k, rows, assumptions)
+    return Plan(name, n_params, n_trainable, by_tier, param_dtype, batch, seq, k, rows, assumptions, shards)

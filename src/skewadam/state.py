@@ -13,6 +13,10 @@ Names follow torch: ``step``, ``exp_avg`` (first moment), ``exp_avg_sq`` (full s
 parameters), ``"bf16"``, or ``"int8"`` (block-wise, with ``exp_avg_scale`` ``[..., ceil(C / 256)]``; tensors with
 < 2 dims keep the statistics dtype, see `skewadam.kernels.quant`).
 
+``update`` is what a group's update is made of: ``"adam"`` (the default: momentum and/or a second moment, as above)
+or ``"orthogonal"`` (the orthogonalised momentum of `skewadam.kernels.orthogonal`: ``exp_avg`` only, no second
+moment; without momentum, as for expert banks orthogonalised per expert from the gradient, only ``step``).
+
 A *bank* is a stacked expert tensor ``[E, ...]`` whose slices along dim 0 are treated as separate experts: its
 ``step`` holds one count per slice, and whether a slice is factored depends on the slice's rank, not the bank's.
 
@@ -48,13 +52,14 @@ def num_blocks(last_dim: int) -> int:
 
 __all__ = [
     "BLOCK", "num_blocks", "StateTensor", "StateFlags", "state_flags", "state_spec", "check_state", "spec_nbytes",
-    "is_bank", "is_factored", "state_dtype_for", "COUNTER_KEYS", "MOMENTUM_DTYPES", "StateBytes", "measure_state",
-    "UNTIERED", "format_bytes", "BINARY_UNITS",
+    "is_bank", "is_factored", "state_dtype_for", "COUNTER_KEYS", "MOMENTUM_DTYPES", "UPDATES", "StateBytes",
+    "measure_state", "UNTIERED", "format_bytes", "BINARY_UNITS",
 ]
 
 #: State entries that are bookkeeping (step counts), reported apart from the statistics themselves.
 COUNTER_KEYS = frozenset({"step"})
 MOMENTUM_DTYPES = ("fp32", "bf16", "int8")
+UPDATES = ("adam", "orthogonal")  # a group's ``update``: the tiers' Adam-style update, or orthogonalised momentum
 UNTIERED = "untiered"  # tier of a param group that names none (a plain torch optimizer)
 
 
@@ -93,8 +98,9 @@ def state_spec(
     use_factored: bool,
     bank: bool,
     momentum_dtype: str = "fp32",
+    update: str = "adam",
 ) -> dict[str, StateTensor]:
-    """The state tensors of one parameter, in allocation order.
+    """The state tensors of one parameter, in allocation order (``update="orthogonal"``: no second moment).
 
     Example:
         >>> spec = state_spec((8, 64, 32), torch.bfloat16, use_momentum=False, use_factored=True, bank=True)
@@ -110,6 +116,8 @@ def state_spec(
             spec["exp_avg_scale"] = StateTensor(shape[:-1] + (num_blocks(shape[-1]),), torch.float32)
         else:
             spec["exp_avg"] = StateTensor(shape, torch.bfloat16 if momentum_dtype == "bf16" else dtype)
+    if update == "orthogonal":
+        return spec
     if is_factored(shape, use_factored=use_factored, bank=bank):
         spec["row_var"] = StateTensor(shape[:-1] + (1,), dtype)
         spec["col_var"] = StateTensor(shape[:-2] + (1, shape[-1]), dtype)
@@ -126,6 +134,7 @@ class StateFlags(NamedTuple):
     use_factored: bool
     bank: Optional[bool]  # None: the bank rule of `is_bank`
     momentum_dtype: str
+    update: str = "adam"  # "orthogonal": momentum only (`skewadam.kernels.orthogonal`)
     experts: Optional[int] = None  # flattened banks: each tensor stacks this many experts along dim 0
 
     def is_bank(self, ndim: int) -> bool:
@@ -142,7 +151,7 @@ class StateFlags(NamedTuple):
         """`state_spec` of a parameter of this group (of its `view_shape`)."""
         shape = self.view_shape(shape)
         return state_spec(shape, param_dtype, use_momentum=self.use_momentum, use_factored=self.use_factored,
-                          bank=self.is_bank(len(shape)), momentum_dtype=self.momentum_dtype)
+                          bank=self.is_bank(len(shape)), momentum_dtype=self.momentum_dtype, update=self.update)
 
 
 def state_flags(group: Mapping[str, Any]) -> StateFlags:
@@ -150,12 +159,14 @@ def state_flags(group: Mapping[str, Any]) -> StateFlags:
 
     ``tier`` (default ``"backbone"``) sets ``use_momentum``/``use_factored`` (`skewadam.tiers.TIER_STATE`) where the
     group gives ``None`` or nothing; ``bank`` stays ``None`` (the bank rule) unless given; ``momentum_dtype``
-    defaults to ``"fp32"``; ``experts`` (flattened banks) is kept. The optimizer, the census and the planner all
-    resolve through here.
+    defaults to ``"fp32"``, ``update`` to ``"adam"``; an ``"orthogonal"`` group keeps no second moment
+    (``use_factored`` resolves to False); ``experts`` (flattened banks) is kept. The optimizer, the census and the
+    planner all resolve through here.
 
     Example:
         >>> state_flags({"tier": "expert", "use_momentum": True, "lr": 1e-3})
-        StateFlags(tier='expert', use_momentum=True, use_factored=True, bank=None, momentum_dtype='fp32', experts=None)
+        StateFlags(tier='expert', use_momentum=True, use_factored=True, bank=None, momentum_dtype='fp32', update='adam',
+                   experts=None)
     """
     tier = Tier.parse(group.get("tier") or Tier.BACKBONE)
     defaults = TIER_STATE[tier]
@@ -164,7 +175,15 @@ def state_flags(group: Mapping[str, Any]) -> StateFlags:
     momentum_dtype = group.get("momentum_dtype") or "fp32"
     if momentum_dtype not in MOMENTUM_DTYPES:
         raise ValueError(f"Invalid momentum_dtype: {momentum_dtype!r} (expected one of {MOMENTUM_DTYPES})")
-    return StateFlags(tier.value, bool(use_momentum), bool(use_factored), group.get("bank"), momentum_dtype,
+    update = group.get("update") or "adam"
+    if update not in UPDATES:
+        raise ValueError(f"Invalid update: {update!r} (expected one of {UPDATES})")
+    if update == "orthogonal":
+        if group.get("use_factored"):
+            raise ValueError("update='orthogonal' keeps no second moment: leave use_factored unset (or False) in "
+                             "that group, or use update='adam'")
+        use_factored = False
+    return StateFlags(tier.value, bool(use_momentum), bool(use_factored), group.get("bank"), momentum_dtype, update,
                       group.get("experts"))
 
 
@@ -176,7 +195,8 @@ def check_state(state: Mapping[str, Any], spec: Mapping[str, StateTensor], where
         raise ValueError(
             f"{where}: state has keys {sorted(state)}, expected {list(spec)}"
             + (f" (missing {missing})" if missing else "") + (f" (unexpected {extra})" if extra else "")
-            + "; it was saved under other state settings (tier, use_momentum, use_factored, bank, momentum_dtype) "
+            + "; it was saved under other state settings (tier, update, use_momentum, use_factored, bank, "
+            "momentum_dtype) "
             "or for another parameter: load it where the settings and parameters match"
         )
     for key, want in spec.items():

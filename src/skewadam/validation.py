@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .state import MOMENTUM_DTYPES
+from .state import MOMENTUM_DTYPES, UPDATES, state_flags
 from .tiers import Tier
 
 __all__ = ["EPS_DEFAULT", "GROUP_KEYS", "FOREIGN_KEYS", "validate_group", "validate_param", "foreign_message"]
@@ -18,7 +18,7 @@ __all__ = ["EPS_DEFAULT", "GROUP_KEYS", "FOREIGN_KEYS", "validate_group", "valid
 EPS_DEFAULT = {"floor": 1e-8, "add": 1e-30}
 GROUP_KEYS = frozenset(
     {"params", "lr", "betas", "eps", "weight_decay", "eps_mode", "tier", "use_momentum", "use_factored", "bank", "seed",
-     "momentum_dtype", "experts"}
+     "momentum_dtype", "experts", "update", "relative_step", "beta2_decay"}
 )
 # Keys other torch APIs put into param groups: named parameters, LR schedulers' bookkeeping.
 FOREIGN_KEYS = frozenset({"param_names", "initial_lr"})
@@ -61,6 +61,7 @@ def validate_group(group: dict, idx: int) -> None:
         Tier.parse(group["tier"])
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+    _validate_update(group, where)
     experts = group.get("experts")
     if experts is not None:
         if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
@@ -68,6 +69,31 @@ def validate_group(group: dict, idx: int) -> None:
                              "each tensor stacks along dim 0)")
         if Tier.parse(group["tier"]) != Tier.EXPERT:
             raise ValueError(f"{where}: experts={experts} is a key of 'expert' groups, got tier {group['tier']!r}")
+
+
+def _validate_update(group: dict, where: str) -> None:
+    """``update`` (`skewadam.steppers`), Adafactor's ``relative_step`` and ``beta2_decay``, and the combinations that
+    mean nothing (Adafactor's options on an orthogonal group, a factored orthogonal group)."""
+    if group["update"] not in UPDATES:
+        raise ValueError(f"Invalid update in {where}: {group['update']!r} (expected one of {UPDATES})")
+    if not isinstance(group["relative_step"], bool):
+        raise ValueError(f"Invalid relative_step in {where}: {group['relative_step']!r} (expected True or False)")
+    decay = group["beta2_decay"]
+    if decay is not None and (isinstance(decay, bool) or not isinstance(decay, (int, float))
+                              or not math.isfinite(decay) or decay > 0):
+        raise ValueError(f"Invalid beta2_decay in {where}: {decay!r} (expected None or a float <= 0, e.g. "
+                         f"Adafactor's -0.8)")
+    if group["update"] != "orthogonal":
+        return
+    if group["relative_step"] or decay is not None:
+        raise ValueError(f"{where}: relative_step and beta2_decay shape the Adam-style update; an update='orthogonal' "
+                         f"group has no second moment to decay and a fixed RMS: set them in update='adam' groups only")
+    if group["use_factored"]:
+        raise ValueError(f"{where}: update='orthogonal' keeps no second moment: leave use_factored unset (or False), "
+                         f"or use update='adam'")
+    if group.get("experts") is not None:
+        raise ValueError(f"{where}: update='orthogonal' takes matrices or stacked banks [E, A, B], not flattened "
+                         f"banks (experts={group['experts']}): leave these tensors in an update='adam' group")
 
 
 def foreign_message(saved: dict, idx: int) -> str:
@@ -102,6 +128,11 @@ def validate_param(p: Tensor, group: dict, idx: int) -> None:
         )
     if group["bank"] and p.ndim < 1:
         raise ValueError(f"{where}: bank=True needs parameters with a leading expert dim, got a 0-d tensor")
+    bank = state_flags(group).is_bank(p.ndim)
+    if group["update"] == "orthogonal" and p.ndim - bank != 2:
+        raise ValueError(f"{where}: update='orthogonal' orthogonalises matrices, got a parameter of shape "
+                         f"{tuple(p.shape)} (bank={bank}); give it matrices [A, B] or banks [E, A, B] (bank=True), and "
+                         f"norms, biases and embeddings an update='adam' group")
     experts = group.get("experts")
     if experts is not None and (p.ndim < 2 or p.shape[0] % experts):
         raise ValueError(

@@ -144,8 +144,11 @@ def _trainable(name: str) -> str:
     return arm.name
 
 
-#: What ``--optimizers all`` and the study train: every arm that builds, one implementation of each.
+#: What ``--optimizers all`` trains: every arm that builds, one implementation of each.
 ALL = tuple(arms.names(buildable=True, variants=False))
+#: The arms of issue 9's study (docs/study/results.md), fixed so that the preset reproduces it as new arms come.
+STUDY_ARMS = ("skewadam-floor", "skewadam", "adamw", "skewadam-int8m", "adafactor", "muon", "skewadam-expert-momentum",
+              "skewadam-factored-router", "skewadam-uniform", "skewadam-bf16m", "adamw8bit-torchao")
 
 
 def default_jobs(base: RunConfig) -> int:
@@ -189,14 +192,34 @@ def study() -> BenchConfig:
     Seed-major, so an interrupted study has every arm at its first seeds; resumable. Its settings are the default
     bench's (`RunConfig`'s defaults)."""
     return BenchConfig(
-        base=RunConfig(),
-        optimizers=ALL,
-        lrs={name: STUDY_LRS.get(name, STUDY_LR_DEFAULT) for name in ALL},
+        base=RunConfig(steps=200, eval_interval=25),
+        optimizers=STUDY_ARMS,
+        lrs={name: STUDY_LRS.get(name, STUDY_LR_DEFAULT) for name in STUDY_ARMS},
         seeds=3,
     )
 
 
-PRESETS: dict[str, Callable[[], BenchConfig]] = {"default": default, "smoke": smoke, "study": study}
+#: the orthogonal tier's grid: 3 half-decade lrs around each new arm's best at 200 steps (seed-0 sweeps first,
+#: extended while the best sat at an edge, as for `STUDY_LRS`)
+STUDY_ORTH_LRS: dict[str, tuple[float, ...]] = {
+    "skewadam-orthogonal": (3e-3, 1e-2, 3e-2),
+    "skewadam-orthogonal-experts": (3e-3, 1e-2, 3e-2),
+    # the 2-D sweep: (lr of the rest, lr of the orthogonal groups) = (lr, 3 lr) and (lr, 10 lr)
+    "skewadam-orthogonal-lr3x": (1e-3, 3e-3, 1e-2),
+    "skewadam-orthogonal-lr10x": (3e-4, 1e-3, 3e-3),
+    "skewadam-relative-step": (3e-2, 1e-1, 3e-1),
+    "skewadam-beta2-decay": (3e-4, 1e-3, 3e-3),
+}
+
+
+def study_orth() -> BenchConfig:
+    """The orthogonal tier's and Adafactor's options' study: 3 lrs x 3 seeds, 200 steps, with the base settings of
+    `study` (so ``--out`` may be that study's directory, whose runs it leaves as they are)."""
+    return BenchConfig(base=study().base, optimizers=tuple(STUDY_ORTH_LRS), lrs=dict(STUDY_ORTH_LRS), seeds=3)
+
+
+PRESETS: dict[str, Callable[[], BenchConfig]] = {"default": default, "smoke": smoke, "study": study,
+                                                 "study-orth": study_orth}
 
 
 def get_preset(name: str) -> BenchConfig:

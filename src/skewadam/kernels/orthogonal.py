@@ -1,0 +1,264 @@
+r"""The orthogonal tier's update as pure functions over tensor lists: Muon's orthogonalised Nesterov momentum.
+
+Per parameter ``[A, B]`` (per slice of a bank ``[E, A, B]``), with gradient :math:`g` and momentum coefficient
+:math:`\mu` (the group's ``betas[0]``):
+
+.. math::
+    m \leftarrow \mu m + (1-\mu) g, \qquad u = (1-\mu) g + \mu m \;\text{(Nesterov)}, \qquad
+    O = \mathrm{NS}_5(u), \qquad p \leftarrow p\,(1 - \mathrm{lr}\,\lambda) - \mathrm{lr}\cdot 0.2\sqrt{\max(A, B)}\; O
+
+Without momentum (expert banks orthogonalised per expert from the gradient) :math:`u = g`. :math:`\mathrm{NS}_5` is
+five Newton-Schulz steps with Muon's coefficients after scaling :math:`u` to unit Frobenius norm,
+:math:`X \leftarrow aX + (bXX^\top + c(XX^\top)^2)X` on the wide orientation, as `torch.optim.Muon` and
+KellerJordan/Muon do. :math:`0.2\sqrt{\max(A,B)}` is torch's ``adjust_lr_fn="match_rms_adamw"`` (Moonshot's): the
+update's RMS is then about 0.2, an AdamW update's, so ``lr`` and ``weight_decay`` mean what they mean in the other
+tiers. A bank slice whose gradient is all zero (an expert that received no token) is left untouched.
+
+`step_` runs it over one group's record (`skewadam.kernels.types.Group`; ``beta1`` is :math:`\mu`, ``beta2``,
+``eps`` and ``eps_mode`` are unused), batching the matrices of one shape into one Newton-Schulz per chunk; the
+distributed seam is injected (``gather`` a sharded matrix's ``u``, ``local_part`` of ``O``; the identity on one
+device), so nothing here calls torch.distributed.
+
+Deviations from `torch.optim.Muon`: Newton-Schulz runs in `ns_dtype` of the parameter (bf16 for bf16 parameters, as
+torch always does; fp32 for fp32 and fp64 for fp64 parameters, where torch casts to bf16: fp32 matmuls are faster
+than bf16 ones on CPUs without bf16 units, and an fp64 path can be tested against an fp64 reference); bf16 weights
+and bf16 momentum are written with SkewAdam's unbiased stochastic rounding; momentum may be stored compactly
+(``momentum_dtype``, `skewadam.kernels.quant`); an all-zero bank slice is skipped. No RMS clip: the scaled update's
+RMS is about 0.2, far below SkewAdam's clip at 1.
+
+Shape legend: ``N`` matrices stacked for one batched Newton-Schulz, ``E`` bank slices, ``A`` rows, ``B`` columns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Callable, NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ..state import num_blocks
+from .quant import load_momentum, store_momentum_
+from .rounding import rounding_key, stochastic_round_bf16
+from .types import Group, ParamTensors
+
+__all__ = ["NS_COEFFICIENTS", "NS_STEPS", "NS_EPS", "CHUNK_NUMEL", "ns_dtype", "newton_schulz", "newton_schulz_",
+           "rms_scale", "check", "step_", "nesterov_", "apply_", "step_transient_bytes"]
+
+#: Muon's quintic Newton-Schulz coefficients (KellerJordan/Muon; torch.optim.Muon's defaults), steps and eps.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+NS_EPS = 1e-7
+CHUNK_NUMEL = 1 << 24  # elements of whole matrices orthogonalised at a time (64 MiB of fp32)
+
+
+def ns_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype Newton-Schulz runs in: bf16 for 16-bit parameters (torch's choice), the parameter's own otherwise."""
+    return torch.bfloat16 if param_dtype in (torch.bfloat16, torch.float16) else param_dtype
+
+
+def newton_schulz(x_NAB: Tensor, steps: int = NS_STEPS) -> Tensor:
+    """``NS_steps(x)`` of each matrix of ``x_NAB`` (leading dims are batch dims), in ``x``'s dtype.
+
+    Example:
+        >>> o = newton_schulz(torch.randn(4, 64, 32))  # singular values of each o[i] in about [0.7, 1.2]
+    """
+    return newton_schulz_(x_NAB.clone(), steps)
+
+
+def newton_schulz_(x_NAB: Tensor, steps: int = NS_STEPS) -> Tensor:
+    """`newton_schulz`, using ``x_NAB`` (contiguous) as the first iterate: its values are lost."""
+    a, b, c = NS_COEFFICIENTS
+    wide = x_NAB.shape[-2] <= x_NAB.shape[-1]
+    x = x_NAB if wide else x_NAB.mT
+    x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp_(min=NS_EPS))
+    shape = x.shape
+    flat = x.reshape(-1, *shape[-2:])
+    del x, x_NAB  # (the caller's reference keeps the input alive: 3 stacks and a Gram polynomial at most)
+    for _ in range(steps):
+        gram = torch.bmm(flat, flat.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b*G + c*G^2
+        del gram
+        flat = torch.baddbmm(flat, poly, flat, beta=a)  # a*X + poly @ X
+        del poly
+    flat = flat.reshape(shape)
+    return flat if wide else flat.mT
+
+
+def rms_scale(shape: Sequence[int]) -> float:
+    """``0.2 * sqrt(max(A, B))`` of a matrix (or bank slice) ``[..., A, B]``: torch's ``match_rms_adamw``."""
+    return 0.2 * math.sqrt(max(shape[-2], shape[-1]))
+
+
+def _compute_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if param_dtype == torch.bfloat16 else param_dtype
+
+
+class _Piece(NamedTuple):
+    """Part of one tensor that one batched Newton-Schulz takes: slices ``rows`` of dim 0 (a bank's experts; all of
+    a matrix), or the whole tensor where its matrices are gathered across shards."""
+
+    index: int
+    rows: slice
+
+
+def _pieces(shapes: Sequence[Sequence[int]], banks: Sequence[bool], whole: Sequence[bool], idx: Sequence[int]
+            ) -> list[list[_Piece]]:
+    """The tensors ``idx`` (local ``shapes``, one matrix shape) cut into chunks of at most `CHUNK_NUMEL` elements of
+    whole matrices (a bigger piece alone), in order; a bank is cut between its slices unless ``whole[i]``."""
+    chunks, chunk, room = [], [], CHUNK_NUMEL
+    for i in idx:
+        shape = shapes[i]
+        n = shape[0] if banks[i] and not whole[i] else 1
+        per = max(1, math.prod(shape) // max(n, 1))  # elements per slice (per tensor when n == 1)
+        start = 0
+        while start < n:
+            if chunk and room < per:
+                chunks.append(chunk)
+                chunk, room = [], CHUNK_NUMEL
+            take = min(n - start, max(1, room // per))
+            chunk.append(_Piece(i, slice(start, start + take) if banks[i] and not whole[i] else slice(None)))
+            room -= take * per
+            start += take
+    return chunks + [chunk] if chunk else chunks
+
+
+def check(pt: ParamTensors) -> None:
+    """Raise ValueError, naming the parameter, if its gradient or a state tensor does not fit it, or it is not a
+    matrix (a bank of matrices) as this update needs: the sizes `step_` indexes with."""
+    name, p = pt.name or "parameter", tuple(pt.param.shape)
+    if len(p) - pt.bank != 2:
+        raise ValueError(f"{name}: the orthogonal update takes matrices [A, B] or banks [E, A, B], got shape {p} "
+                         f"(bank={pt.bank})")
+    if not isinstance(pt.grad, Tensor) or tuple(pt.grad.shape) != p or pt.grad.dtype != pt.param.dtype:
+        raise ValueError(f"{name}: gradient {tuple(getattr(pt.grad, 'shape', ()))} {getattr(pt.grad, 'dtype', None)} "
+                         f"for a parameter {p} {pt.param.dtype}; give p.grad the parameter's shape and dtype")
+    want = {"step": p[:1] if pt.bank else (), "exp_avg": p if pt.exp_avg is not None else None,
+            "exp_avg_scale": p[:-1] + (num_blocks(p[-1]),) if pt.exp_avg_scale is not None else None}
+    for key, shape in want.items():
+        t = getattr(pt, key)
+        if t is not None and tuple(t.shape) != shape and not (key == "step" and t.numel() == 1 and not pt.bank):
+            raise ValueError(f"{name}: state {key!r} of shape {tuple(t.shape)}, a parameter of shape {p} needs "
+                             f"{shape}; load the state saved for this model, or reset it with `del optimizer.state[p]`")
+
+
+def step_(
+    group: Group,
+    actives: Sequence[Optional[Tensor]],
+    *,
+    gather: Optional[Callable[[Tensor, int], Tensor]] = None,
+    local_part: Optional[Callable[[Tensor, int], Tensor]] = None,
+    gathered: Optional[Sequence[bool]] = None,
+) -> None:
+    """One step of the orthogonal update of ``group``'s tensors (local shards of DTensor parameters), in place, step
+    counts included (a bank's active slices only).
+
+    The matrices of one shape are orthogonalised together, in chunks of at most `CHUNK_NUMEL` elements of whole
+    matrices, so the step's temporaries stay a few chunks whatever the number of experts. Per piece: the momentum
+    (`nesterov_`), ``gather(u, i)`` (tensors with ``gathered[i]``: the full matrices of a shard, whole tensors at a
+    time), `newton_schulz` in `ns_dtype`, ``local_part(o, i)`` (the shard back), then `apply_`. ``actives`` ``[E, 1,
+    1]`` mark a bank's slices that had a gradient (others keep their weights). The momentum coefficient is
+    ``group.beta1``; bf16 weights and momentum round with `skewadam.kernels.rounding.rounding_key` of the group's
+    seed, the parameter's stream and its step count.
+    """
+    pts = group.params
+    if len(actives) != len(pts):
+        raise ValueError(f"{len(actives)} active masks for {len(pts)} parameters: give one per parameter (None for "
+                         f"a matrix)")
+    for pt, active in zip(pts, actives):
+        check(pt)
+        if pt.bank and (active is None or tuple(active.shape) != (pt.param.shape[0], 1, 1)):
+            raise ValueError(f"{pt.name or 'parameter'}: a bank needs its active slices [E, 1, 1], got "
+                             f"{None if active is None else tuple(active.shape)}")
+    for pt, active in zip(pts, actives):
+        pt.step.add_(active.view(-1) if pt.bank else 1)
+    gathered = gathered or [False] * len(pts)
+    lr = float(group.lr)
+    keys = [rounding_key(group.seed, pt.stream, int(pt.step.sum().item()))
+            if torch.bfloat16 in (pt.param.dtype, getattr(pt.exp_avg, "dtype", None)) else 0 for pt in pts]
+    kinds: dict[tuple, list[int]] = defaultdict(list)
+    for i, pt in enumerate(pts):
+        kinds[(tuple(pt.shape[-2:]), ns_dtype(pt.param.dtype))].append(i)
+    for (_, dtype), idx in kinds.items():
+        for chunk in _pieces([pt.param.shape for pt in pts], [pt.bank for pt in pts], gathered, idx):
+            mats, cut = [], []
+            for i, rows in chunk:
+                pt = pts[i]
+                offset = (rows.start or 0) * math.prod(pt.param.shape[1:])
+                u = nesterov_(pt.grad[rows], _at(pt.exp_avg, rows), _at(pt.exp_avg_scale, rows),
+                              _at(actives[i], rows), beta=group.beta1, key=keys[i], offset=offset)
+                if gathered[i]:
+                    u = gather(u, i)  # type: ignore[misc]
+                cut.append(u.shape)
+                mats.append(u.to(dtype).reshape(-1, *u.shape[-2:]))
+            counts = [m.shape[0] for m in mats]
+            x_NAB = torch.cat(mats)  # a fresh buffer (gradients stay as they are) that the iteration consumes
+            del mats, u
+            o_NAB = newton_schulz_(x_NAB)
+            del x_NAB
+            for (i, rows), o, shape in zip(chunk, o_NAB.split(counts), cut):
+                pt = pts[i]
+                o = o.reshape(shape)
+                if gathered[i]:
+                    o = local_part(o, i)  # type: ignore[misc]
+                offset = (rows.start or 0) * math.prod(pt.param.shape[1:])
+                apply_(pt.param[rows], o, _at(actives[i], rows), shape=pt.shape, lr=lr,
+                       weight_decay=group.weight_decay, key=keys[i], offset=offset)
+
+
+def _at(t: Optional[Tensor], rows: slice) -> Optional[Tensor]:
+    return t[rows] if t is not None else None
+
+
+def nesterov_(g: Tensor, m: Optional[Tensor], scale: Optional[Tensor], active: Optional[Tensor], *, beta: float,
+              key: int, offset: int = 0) -> Tensor:
+    """Update the momentum in place (``m = lerp(m, g, 1 - beta)``, stored per its dtype, `skewadam.kernels.quant`;
+    a bank's slices where ``active`` is False keep theirs) and return the Nesterov update ``u = lerp(g, m, beta)`` in
+    the compute dtype; ``u = g`` without momentum. ``key`` and ``offset`` (of ``g``'s first element in its tensor)
+    seed a bf16 momentum's stochastic rounding."""
+    dtype = _compute_dtype(g.dtype)
+    g = g if g.dtype == dtype else g.to(dtype)
+    if m is None:
+        return g
+    m32 = load_momentum(m, scale, dtype)
+    new = m32.lerp(g, 1.0 - beta)
+    if active is not None:
+        new = torch.where(active, new, m32)
+    store_momentum_(m, scale, new, key, offset)
+    return g.lerp(load_momentum(m, scale, dtype), beta)
+
+
+def apply_(p: Tensor, o: Tensor, active: Optional[Tensor], *, shape: Sequence[int], lr: float, weight_decay: float,
+           key: int, offset: int = 0) -> None:
+    """``p = p*(1 - lr*wd) - lr * rms_scale(shape) * o`` in the compute dtype (``shape``: the global shape), bf16
+    weights rounded stochastically (``key``, ``offset``); a bank's slices where ``active`` is False are kept."""
+    dtype = _compute_dtype(p.dtype)
+    p32 = p if p.dtype == dtype else p.to(dtype)
+    decay = 1.0 - lr * weight_decay
+    new = torch.add(p32 * decay if decay != 1.0 else p32, o.to(dtype), alpha=-lr * rms_scale(shape))
+    if active is not None:
+        new = torch.where(active, new, p32)
+    if p.dtype == torch.bfloat16:
+        new = stochastic_round_bf16(new, key, offset)
+    p.copy_(new)
+
+
+def step_transient_bytes(shapes: Sequence[Sequence[int]], param_dtype: torch.dtype) -> int:
+    """Peak bytes a step of the orthogonal tensors ``shapes`` allocates beyond parameters, gradients and state, for
+    the largest chunk of one matrix shape (`CHUNK_NUMEL` elements of whole matrices; a bigger matrix alone): during
+    Newton-Schulz 3 of its stacks (the input, the old and the new iterate) and a Gram polynomial (``min(A, B)^2``
+    per matrix) in the Newton-Schulz dtype; then its result and, for the largest tensor, 4 copies in the compute
+    dtype (the result's piece, decay, update, mask).
+    Measured on torch 2.13 CPU (tests/test_planner.py, tracked tensor bytes)."""
+    compute = _compute_dtype(param_dtype).itemsize
+    ns = ns_dtype(param_dtype).itemsize
+    stacks: dict[tuple, int] = defaultdict(int)
+    for s in shapes:
+        stacks[tuple(s[-2:])] += math.prod(s[:-2])
+    worst = 0
+    for (a, b), count in stacks.items():
+        n = max(1, min(count, CHUNK_NUMEL // (a * b)))
+        largest = max(min(math.prod(s), max(CHUNK_NUMEL, a * b)) for s in shapes if tuple(s[-2:]) == (a, b))
+        worst = max(worst, n * (3 * a * b + min(a, b) ** 2) * ns, n * a * b * ns + 4 * largest * compute)
+    return worst

@@ -1,0 +1,126 @@
+"""SkewAdam's orthogonal tier under FSDP2 and DDP, checked against one process on the global batch.
+
+Run by ``test_orthogonal_distributed.py`` as ``torchrun --standalone --nproc_per_node=2 orthogonal_worker.py OUT_DIR
+IMPL`` (CPU, gloo; every SkewAdam on kernel IMPL, the one-process references too, for the fused groups), with the reference MoE and the helpers of ``worker.py`` (float64, odd sizes, batch-additive loss). The
+orthogonalisation needs whole matrices: a sharded matrix's update is all-gathered, orthogonalised and cut back to the
+rank's shard; a bank sharded on its experts needs nothing. Rank 0 writes ``OUT_DIR/results.json`` as worker.py does.
+
+Layouts, on 2 ranks: FSDP2 ``Shard(0)`` everywhere (uneven: 3 experts, vocab 67), torchtitan's (experts ``Shard(1)``
+with one expert, attention ``Shard(1)``), int8 momentum under ``Shard(0)``, DDP; a negative control (no gather) and
+Adafactor's options refused on DTensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import worker  # the reference model and data helpers (and its float64 expert dispatch)
+from skewadam import SkewAdam, plan
+from skewadam.groups import param_groups
+
+W = worker.W
+ARM = "skewadam-orthogonal-experts"
+
+
+def build_opt(model, momentum_dtype: str = "fp32", **options) -> SkewAdam:
+    groups = param_groups(model, weight_decay=0.1, orthogonal="experts", log=False,
+                          orthogonal_options={"momentum_dtype": momentum_dtype})
+    return SkewAdam(groups, lr=worker.LR, **options)
+
+
+def reference(cfg, data, momentum_dtype: str = "fp32"):
+    model = worker.build(cfg)
+    opt = build_opt(model, momentum_dtype)
+    for idx, tgt in data:
+        model(idx, tgt).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model, worker.snapshot(model.named_parameters(), opt)
+
+
+def check_fsdp2(n_experts: int, placement_fn=None, momentum_dtype: str = "fp32", gather: bool = True) -> dict:
+    cfg = worker.config(n_experts)
+    data = worker.batches()
+    model = worker.fsdp_model(cfg, placement_fn)
+    opt = build_opt(model, momentum_dtype)
+    if not gather:  # negative control: orthogonalise each shard on its own
+        from skewadam.distributed import DTensorReducer
+
+        opt._reducer = DTensorReducer()
+        opt._reducer.gathers = lambda param, bank: False
+    worker.train(worker.backward(model), opt, data)
+    ref_model, ref = reference(cfg, data, momentum_dtype)
+    out = {"max_diff": worker.max_diff(ref, worker.snapshot(model.named_parameters(), opt))}
+    if gather:
+        orth = {n for g in opt.param_groups if g["update"] == "orthogonal" for n in g["param_names"]}
+        out["gathered_bytes_per_step"] = opt._reducer.gathered_bytes / len(data)
+        # what the math needs: the full update of each orthogonal matrix whose matrix dims a mesh dim shards, less
+        # this rank's shard (float64)
+        named = dict(model.named_parameters())
+        out["expected_gathered_bytes"] = sum(
+            (p.numel() - p.to_local().numel()) * 8 for n, p in named.items()
+            if n in orth and opt._reducer.gathers(p, p.ndim == 3))
+        out["planned_gather_bytes_fp32"] = plan(ref_model, optimizers=[ARM], shards=W)[ARM].gather_bytes
+        out["orthogonal"] = sorted(orth)
+    return out
+
+
+def check_ddp() -> dict:
+    cfg = worker.config(3)
+    data = worker.batches()
+    model = DDP(worker.build(cfg))
+    opt = build_opt(model.module)
+    worker.train(lambda idx, tgt: model(idx, tgt).loss.backward(), opt, data)
+    _, ref = reference(cfg, data)
+    return {"max_diff": worker.max_diff(ref, worker.snapshot(model.module.named_parameters(), opt)),
+            "reducer": opt._reducer is not None}
+
+
+def check_adafactor_options_refused() -> dict:
+    model = worker.fsdp_model(worker.config(3))
+    opt = SkewAdam(param_groups(model, log=False), lr=worker.LR, relative_step=True)
+    model(*worker.local(worker.batches(1)[0])).loss.backward()
+    try:
+        opt.step()
+        return {"refused": "no"}
+    except ValueError as e:
+        return {"refused": str(e)}
+
+
+def main(out_dir: Path, impl: str) -> None:
+    os.environ["SKEWADAM_IMPL"] = impl  # every SkewAdam below, the one-process references too
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    worker.MESH = init_device_mesh("cpu", (W,))
+    checks = {
+        "fsdp2_shard0_uneven": lambda: check_fsdp2(3),
+        "fsdp2_torchtitan_shard1": lambda: check_fsdp2(1, worker.torchtitan_placement),
+        "fsdp2_int8_momentum": lambda: check_fsdp2(3, momentum_dtype="int8"),
+        "fsdp2_negative_control": lambda: check_fsdp2(3, gather=False),
+        "ddp": check_ddp,
+        "adafactor_options_refused": check_adafactor_options_refused,
+    }
+    results = {}
+    for name, fn in checks.items():
+        try:
+            results[name] = fn()
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+    gathered = [None] * W
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        merged = {name: {f"rank{r}": gathered[r][name] for r in range(W)} for name in results}
+        (out_dir / "results.json").write_text(json.dumps(merged, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2])
