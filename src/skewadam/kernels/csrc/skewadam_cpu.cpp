@@ -55,8 +55,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
@@ -169,11 +171,13 @@ struct Rounder {
 
 inline Rounder rounder(int64_t first, uint32_t key) { return {uint32_t(first >> 1), uint32_t(first & 1), key}; }
 
-// x + bits, truncated to bf16 (NaN as c10::BFloat16 writes it).
-inline uint16_t add_truncate(float x, uint32_t bits) {
+// x + bits, truncated to bf16 (NaN as c10::BFloat16 writes it), in the high half of a 32-bit word.
+inline uint32_t add_truncate_hi(float x, uint32_t bits) {
   const uint32_t t = (__builtin_bit_cast(uint32_t, x) + bits) & 0xFFFF0000u;
-  return (t & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : uint16_t(t >> 16);
+  return (t & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : t;
 }
+
+inline uint16_t add_truncate(float x, uint32_t bits) { return uint16_t(add_truncate_hi(x, bits) >> 16); }
 
 // Element j of a run, rounded.
 inline uint16_t round_bf16(float x, uint32_t j, const Rounder& r) {
@@ -182,12 +186,37 @@ inline uint16_t round_bf16(float x, uint32_t j, const Rounder& r) {
   return add_truncate(x, (jj & 1u) ? (h >> 16) : (h & 0xFFFFu));
 }
 
+// Elements p[0] and p[1] in the math dtype. Two bf16 are one 32-bit word (element 0 in its low half), split by a
+// shift and a mask: a SIMD lane holds a pair, and reading bf16 pairs needs no shuffle.
+static_assert(std::endian::native == std::endian::little, "bf16 pairs are read as little-endian 32-bit words");
+template <class E>
+inline std::pair<typename E::T, typename E::T> load_pair(const typename E::raw* p) {
+  if constexpr (std::is_same_v<typename E::raw, uint16_t>) {
+    uint32_t w;
+    std::memcpy(&w, p, sizeof w);
+    return {__builtin_bit_cast(float, w << 16), __builtin_bit_cast(float, w & 0xFFFF0000u)};
+  } else {
+    return {E::load(p[0]), E::load(p[1])};
+  }
+}
+
+// f(0), ..., f(N - 1), unrolled in the source: GCC meets a loop over a few runs inside a SIMD loop by vectorising
+// across the runs (4 lanes, with scalar loads and stores) instead of along them.
+template <int N, class F>
+inline void unrolled(const F& f) {
+  [&]<int... S>(std::integer_sequence<int, S...>) { (f(S), ...); }(std::make_integer_sequence<int, N>{});
+}
+
 // p[s * stride + j] = value(s, j) for j < n and NS runs, the runs' first elements being rounders r[s] (bf16: rounded
-// stochastically). Runs that start at an even index and hold an even count take one hash per pair of elements (the
-// lanes are pairs: ~20% faster here than one hash per element); others one per element. Runs hold < 2^31 elements,
-// so the index arithmetic stays in 32-bit lanes, which vectorise the hash best.
-template <class E, int NS, class F>
-inline void write_runs(typename E::raw* __restrict p, int64_t stride, int64_t n, const Rounder* r, const F& value) {
+// stochastically). Runs that start at an even index and hold an even count take one hash per pair of elements,
+// pair(s, k) giving elements 2k and 2k + 1 (load_pair's lanes: the pair's hash, its two values and its stored word
+// share one 32-bit lane, so the loop has no shuffle); others one hash per element. Runs hold < 2^31 elements, so
+// the index arithmetic stays in 32-bit lanes, which vectorise the hash best. Always inlined: called, it reaches
+// value and pair through their closures, whose pointers a 32-bit store might alias, so GCC reloads them per element
+// and gathers (3x slower).
+template <class E, int NS, class F, class F2>
+[[gnu::always_inline]] inline void write_runs(typename E::raw* __restrict p, int64_t stride, int64_t n, const Rounder* r, const F& value,
+                       const F2& pair) {
   const uint32_t n32 = uint32_t(n);
   if constexpr (!std::is_same_v<typename E::raw, uint16_t>) {
 #pragma omp simd
@@ -195,16 +224,20 @@ inline void write_runs(typename E::raw* __restrict p, int64_t stride, int64_t n,
       for (int s = 0; s < NS; ++s) p[s * stride + j] = value(s, j);
   } else {
     bool pairs = n32 % 2 == 0;
-    for (int s = 0; s < NS; ++s) pairs = pairs && r[s].odd == 0;
+    uint32_t h0[NS];  // the hash input of run s's pair k is h0[s] + k * kGolden
+    for (int s = 0; s < NS; ++s) {
+      pairs = pairs && r[s].odd == 0;
+      h0[s] = r[s].pair0 * kGolden + r[s].key;
+    }
     if (pairs) {
 #pragma omp simd
       for (uint32_t k = 0; k < n32 / 2; ++k)
-        for (int s = 0; s < NS; ++s) {
-          const float x0 = value(s, 2 * k), x1 = value(s, 2 * k + 1);
-          const uint32_t h = mix32((r[s].pair0 + k) * kGolden + r[s].key);
-          p[s * stride + 2 * k] = add_truncate(x0, h & 0xFFFFu);
-          p[s * stride + 2 * k + 1] = add_truncate(x1, h >> 16);
-        }
+        unrolled<NS>([&](int s) {
+          const auto [x0, x1] = pair(s, k);
+          const uint32_t h = mix32(h0[s] + k * kGolden);
+          const uint32_t w = (add_truncate_hi(x0, h & 0xFFFFu) >> 16) | add_truncate_hi(x1, h >> 16);
+          std::memcpy(p + s * stride + 2 * k, &w, sizeof w);
+        });
     } else {
 #pragma omp simd
       for (uint32_t j = 0; j < n32; ++j)
@@ -791,7 +824,8 @@ void update_factored(const Param& q, const Stats& s, const Hyper& h, int64_t m_b
 // object and its storage pointer `ptr()`, which the pass takes as a __restrict parameter (so the compiler knows the
 // momentum's stores alias nothing else it reads) and hands back to `next` / `src` with element i = s * stride + j:
 //   next(ptr, i, s, j, x): element i moved towards the gradient x by the EMA, stored, returned as stored (as pass 3
-//                          will read it);  src(ptr, i, s, j): u's source in pass 3.
+//                          will read it);  src(ptr, i, s, j): u's source in pass 3;  src_pair(ptr, i): elements
+//                          i and i + 1's (i even in the run).
 // A chunked codec's spans are one run inside one int8 block.
 
 template <class E>
@@ -805,6 +839,7 @@ struct NoMom {  // no first moment: u's source is the gradient
     const raw* ptr() const { return p; }
     T next(const raw*, int64_t, int, int64_t, T x) const { return x; }
     T src(const raw* __restrict g, int64_t i, int, int64_t) const { return E::load(g[i]); }
+    std::pair<T, T> src_pair(const raw* __restrict g, int64_t i) const { return load_pair<E>(g + i); }
   };
   template <int NS>
   Span update_span(int64_t e, int64_t, int64_t) const { return {g + e}; }
@@ -824,6 +859,7 @@ struct PlainMom {  // the statistics dtype
     T* ptr() const { return p; }
     T next(T* __restrict m, int64_t i, int, int64_t, T x) const { return m[i] = ema(m[i], x); }
     T src(T* __restrict m, int64_t i, int, int64_t) const { return m[i]; }
+    std::pair<T, T> src_pair(T* __restrict m, int64_t i) const { return load_pair<Elem<T>>(m + i); }
   };
   template <int NS>
   Span update_span(int64_t e, int64_t, int64_t) const { return {m + e, ema}; }
@@ -848,6 +884,7 @@ struct BF16Mom {  // bf16 with unbiased stochastic rounding (fp32 statistics): r
       return BF16::load(m[i]);
     }
     float src(uint16_t* __restrict m, int64_t i, int, int64_t) const { return BF16::load(m[i]); }
+    std::pair<float, float> src_pair(uint16_t* __restrict m, int64_t i) const { return load_pair<BF16>(m + i); }
   };
   template <int NS>
   Span<NS> update_span(int64_t e, int64_t stride, int64_t) const {
@@ -896,6 +933,9 @@ struct Int8Mom {  // int8 codes, one fp32 scale (the block's absmax) per kQBlock
     T sc;
     const int8_t* ptr() const { return p; }
     T src(const int8_t* __restrict q, int64_t i, int, int64_t) const { return decode_int8(q[i], sc); }
+    std::pair<T, T> src_pair(const int8_t* __restrict q, int64_t i) const {
+      return {decode_int8(q[i], sc), decode_int8(q[i + 1], sc)};
+    }
   };
   // The block's new values (decode, EMA), its scale, its codes; buf = the codes decoded.
   template <int NS>
@@ -994,10 +1034,22 @@ template <class E, int NS, class Sp, class Dir>
 inline void p3_span(typename E::raw* __restrict p, decltype(std::declval<const Sp&>().ptr()) __restrict m,
                     typename Dir::Ptr __restrict d, int64_t stride, int64_t n, const Sp sp, const Dir dir,
                     typename E::T decay, typename E::T nlr, const Rounder* rnd) {
-  write_runs<E, NS>(p, stride, n, rnd, [&](int s, uint32_t j) {
-    const int64_t i = s * stride + j;
-    return madd(nlr, dir.u(d, s, j, i, sp.src(m, i, s, j)), E::load(p[i]) * decay);
-  });
+  using T = typename E::T;
+  const auto next = [&](int s, int64_t j, int64_t i, T src, T old) {
+    return madd(nlr, dir.u(d, s, j, i, src), old * decay);
+  };
+  write_runs<E, NS>(
+      p, stride, n, rnd,
+      [&](int s, uint32_t j) {
+        const int64_t i = s * stride + j;
+        return next(s, j, i, sp.src(m, i, s, j), E::load(p[i]));
+      },
+      [&](int s, uint32_t k) {
+        const int64_t j = 2 * int64_t(k), i = s * stride + j;
+        const auto [s0, s1] = sp.src_pair(m, i);
+        const auto [p0, p1] = load_pair<E>(p + i);
+        return std::pair{next(s, j, i, s0, p0), next(s, j + 1, i + 1, s1, p1)};
+      });
 }
 
 // Block b of a factored parameter as spans: f(ns, e, stride, n, m, i, qr, c0) for NS rows i, i + qr, ... of matrix m,
@@ -1501,7 +1553,9 @@ Tensor stochastic_round_bf16(const Tensor& x, int64_t key) {
   run_items((n + kBlock - 1) / kBlock, n, [&](int64_t b) {
     const int64_t e0 = b * kBlock;
     const Rounder r = rounder(e0, k);
-    write_runs<BF16, 1>(o + e0, 0, std::min(kBlock, n - e0), &r, [&](int, uint32_t j) { return s[e0 + j]; });
+    write_runs<BF16, 1>(
+        o + e0, 0, std::min(kBlock, n - e0), &r, [&](int, uint32_t j) { return s[e0 + j]; },
+        [&](int, uint32_t k) { return load_pair<Elem<float>>(s + e0 + 2 * k); });
   });
   return out;
 }
