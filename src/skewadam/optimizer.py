@@ -33,14 +33,23 @@ __all__ = ["SkewAdam"]
 Reducer = Callable[[list[tuple[Tensor, list[tuple[Tensor, tuple[int, ...]]]]]], None]
 
 
+#: Types that are never DTensors: checked first, since ``isinstance(t, DTensor)`` costs ~0.3 us (its metaclass), ten
+#: times per parameter per step.
+_PLAIN = (Tensor, torch.nn.Parameter, type(None))
+
+
+def _is_dtensor(t: Optional[Tensor]) -> bool:
+    return type(t) not in _PLAIN and isinstance(t, DTensor)
+
+
 def _local(t: Optional[Tensor]) -> Optional[Tensor]:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if _is_dtensor(t) else t
 
 
 def _rounding_stream(p: Tensor, index: int, momentum_dtype: str) -> int:
     """The key index of ``p``'s stochastic rounding; a shard's own stream for DTensor shards that round (bf16
     weights or bf16 momentum)."""
-    if isinstance(p, DTensor) and (p.dtype == torch.bfloat16 or momentum_dtype == "bf16"):
+    if _is_dtensor(p) and (p.dtype == torch.bfloat16 or momentum_dtype == "bf16"):
         from .distributed import rounding_stream
 
         return rounding_stream(p, index)
@@ -354,7 +363,7 @@ class SkewAdam(Optimizer):
                     f"SkewAdam does not support sparse gradients (param group {index}, "
                     f"tier {group['tier']!r}); use a dense embedding (sparse=False)"
                 )
-            if isinstance(p, DTensor):
+            if _is_dtensor(p):
                 from .distributed import check_grad
 
                 check_grad(p)
@@ -404,7 +413,7 @@ class SkewAdam(Optimizer):
                 outside.append((group, *w))
             elif w is not None:
                 work.append(w)
-        if self._reducer is None and any(isinstance(p, DTensor) for params, _ in work + [w[1:] for w in outside]
+        if self._reducer is None and any(_is_dtensor(p) for params, _ in work + [w[1:] for w in outside]
                                          for p in params):
             from .distributed import DTensorReducer
 
