@@ -12,18 +12,16 @@ Adafactor's options refused on DTensors.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import worker  # the reference model and data helpers (and its float64 expert dispatch)
+from checks import run_checks
 from skewadam import SkewAdam, plan
 from skewadam.groups import param_groups
 
@@ -98,28 +96,19 @@ def check_adafactor_options_refused() -> dict:
 
 def main(out_dir: Path, impl: str) -> None:
     os.environ["SKEWADAM_IMPL"] = impl  # every SkewAdam below, the one-process references too
-    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
-    worker.MESH = init_device_mesh("cpu", (W,))
-    checks = {
-        "fsdp2_shard0_uneven": lambda: check_fsdp2(3),
-        "fsdp2_torchtitan_shard1": lambda: check_fsdp2(1, worker.torchtitan_placement),
-        "fsdp2_int8_momentum": lambda: check_fsdp2(3, momentum_dtype="int8"),
-        "fsdp2_negative_control": lambda: check_fsdp2(3, gather=False),
-        "ddp": check_ddp,
-        "adafactor_options_refused": check_adafactor_options_refused,
-    }
-    results = {}
-    for name, fn in checks.items():
-        try:
-            results[name] = fn()
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-    gathered = [None] * W
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        merged = {name: {f"rank{r}": gathered[r][name] for r in range(W)} for name in results}
-        (out_dir / "results.json").write_text(json.dumps(merged, indent=1))
-    dist.destroy_process_group()
+
+    def named_checks() -> dict:
+        worker.MESH = init_device_mesh("cpu", (W,))
+        return {
+            "fsdp2_shard0_uneven": lambda: check_fsdp2(3),
+            "fsdp2_torchtitan_shard1": lambda: check_fsdp2(1, worker.torchtitan_placement),
+            "fsdp2_int8_momentum": lambda: check_fsdp2(3, momentum_dtype="int8"),
+            "fsdp2_negative_control": lambda: check_fsdp2(3, gather=False),
+            "ddp": check_ddp,
+            "adafactor_options_refused": check_adafactor_options_refused,
+        }
+
+    run_checks(named_checks, out_dir, timeout=timedelta(seconds=180))
 
 
 if __name__ == "__main__":

@@ -20,9 +20,7 @@ resumed from it must end bitwise equal to the uninterrupted one. Rank 0 writes `
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -42,6 +40,7 @@ from torchtitan.distributed.fsdp import apply_fsdp_to_decoder  # noqa: E402
 from torchtitan.models.common.moe import GroupedExperts  # noqa: E402
 from torchtitan_cases import BATCH, batches, tiny_qwen3_moe  # noqa: E402
 
+from checks import run_checks  # noqa: E402
 from skewadam import kernels  # noqa: E402
 from skewadam.integrations.torchtitan import SkewAdamOptimizers  # noqa: E402
 
@@ -189,25 +188,16 @@ def check_dcp_resume(ckpt_dir: Path, k1: int = 2, k2: int = 2) -> dict:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    dist.init_process_group("gloo")
-    torch.manual_seed(0)
-    checks = {
-        "ep_shard0": lambda: check_layout(4, ep=2),
-        "fsdp_shard1": lambda: check_layout(1, ep=1),
-        "dcp_resume": lambda: check_dcp_resume(out_dir / "dcp"),
-    }
-    results = {}
-    for name, fn in checks.items():
-        try:
-            results[name] = fn()
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-    gathered = [None] * W
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        merged = {name: {f"rank{r}": gathered[r][name] for r in range(W)} for name in results}
-        (out_dir / "results.json").write_text(json.dumps(merged, indent=1))
-    dist.destroy_process_group()
+
+    def named_checks() -> dict:
+        torch.manual_seed(0)
+        return {
+            "ep_shard0": lambda: check_layout(4, ep=2),
+            "fsdp_shard1": lambda: check_layout(1, ep=1),
+            "dcp_resume": lambda: check_dcp_resume(out_dir / "dcp"),
+        }
+
+    run_checks(named_checks, out_dir)
 
 
 if __name__ == "__main__":

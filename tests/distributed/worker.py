@@ -5,8 +5,8 @@ gloo), once per kernel: IMPL (``eager`` or ``cpp``) is the kernel every SkewAdam
 one-process references included. Every check trains the reference MoE (`skewadam.models`, float64, tiny) or the toy
 of issue 13 with SkewAdam groups per tier for a few steps and returns figures (max abs difference of parameters and
 optimizer state from one process on the global batch, reducer collectives and bytes per step, ...). Rank 0 writes
-``OUT_DIR/results.json``: ``{check: {figure: value} | {"error": traceback}}``; the pytest side asserts on it.
-Exceptions are recorded per check, so one failure does not hide others.
+``OUT_DIR/results.json`` (`checks.run_checks`): ``{check: {"rank0": figures, "rank1": figures}}``, a check that
+raised recording ``{"error": traceback}`` (one failure does not hide others); the pytest side asserts on it.
 
 Layouts, on 2 ranks:
 - FSDP2 (`fully_shard`): dim-0 shards with uneven sizes (vocab 67, 3 experts, 9 positions) and EMPTY shards (a single
@@ -29,10 +29,8 @@ Layouts, on 2 ranks:
 from __future__ import annotations
 
 import copy
-import json
 import os
 import sys
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -49,6 +47,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import skewadam.models
+from checks import run_checks
 from skewadam import SkewAdam
 from skewadam.distributed import DTensorReducer, new_state_dtensor
 from skewadam.models import MoETransformer, get_config
@@ -520,12 +519,16 @@ def check_refusals() -> dict:
 
 
 def main(out_dir: Path, impl: str) -> None:
-    global MESH, LAYOUTS
     os.environ["SKEWADAM_IMPL"] = impl  # every SkewAdam below, the one-process references too
-    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    run_checks(lambda: named_checks(out_dir), out_dir, only=sys.argv[3:], timeout=timedelta(seconds=180))
+
+
+def named_checks(out_dir: Path) -> dict:
+    """Every check by name (after the process group exists: the meshes)."""
+    global MESH, LAYOUTS
     MESH = init_device_mesh("cpu", (W,))
     LAYOUTS = ep_layouts()
-    checks = {
+    return {
         "fsdp2_uneven": lambda: check_fsdp2(3),
         "fsdp2_empty_shards": lambda: check_fsdp2(1),
         "fsdp2_torchtitan_shard1": lambda: check_fsdp2(1, torchtitan_placement),
@@ -546,21 +549,6 @@ def main(out_dir: Path, impl: str) -> None:
         "refusals": check_refusals,
         "rounding_streams": check_rounding_streams,
     }
-    only = set(sys.argv[3:])
-    results = {}
-    for name, fn in checks.items():
-        if only and name not in only:
-            continue
-        try:
-            results[name] = fn()
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-    gathered = [None] * W
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        merged = {name: {"rank0": gathered[0][name], "rank1": gathered[1][name]} for name in results}
-        (out_dir / "results.json").write_text(json.dumps(merged, indent=1))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
