@@ -86,6 +86,67 @@ def test_tensor_hash_matches_scalar_mix32():
     assert rounding_key(0, 1, 2) != rounding_key(0, 2, 1) != rounding_key(1, 1, 2)
 
 
+
+# ------------------------------------------------------------------------------------- NaN and inf, every kernel
+def _rounder(kernel: str):
+    """``round(x, key)`` of one kernel: eager (this module), the C++ kernel where it builds, Triton on a GPU or in its
+    interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1`` without CUDA, as tests/test_triton.py runs it)."""
+    if kernel == "eager":
+        return stochastic_round_bf16
+    if kernel == "cpp":
+        from skewadam.kernels import cpu
+
+        if not cpu.available():
+            pytest.skip("the C++ CPU kernel does not build here")
+        return cpu.stochastic_round_bf16
+    pytest.importorskip("triton")
+    from skewadam.kernels import triton as tk
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not tk.available(device):
+        pytest.skip("no GPU, and triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it)")
+    return lambda x, key: tk.stochastic_round_bf16(x.to(device), key).cpu()
+
+
+# fp32 bit pattern: the bf16 patterns it may round to (every draw of the random bits lands in the set)
+SPECIAL = {
+    0x7FC00000: {0x7FC0},  # NaN
+    0xFFC00000: {0x7FC0},  # -NaN (x86's default NaN): the sign is dropped, as c10::BFloat16 does
+    0x7FA5A5A5: {0x7FC0},  # a payload
+    0x7F800001: {0x7FC0},  # a payload in the low half only: the add alone could truncate it to inf
+    0xFF80FFFF: {0x7FC0},  # the same, negative
+    0x7FFFFFFF: {0x7FC0},  # all ones: the add alone could carry it past the sign bit, to -0
+    0xFFFFFFFF: {0x7FC0},  # -NaN, all ones: the add alone could wrap it to +0
+    0x7F800000: {0x7F80},  # inf
+    0xFF800000: {0xFF80},  # -inf
+    0x7F7FFFFF: {0x7F7F, 0x7F80},  # the largest fp32: the largest bf16, or (almost always) a carry into inf
+    0xFF7FFFFF: {0xFF7F, 0xFF80},
+    0x7F7F8000: {0x7F7F, 0x7F80},  # halfway between the largest bf16 and inf
+}
+COPIES = 512  # draws of each value
+
+
+def _bf16_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+@pytest.mark.parametrize("kernel", ["eager", "cpp", "triton"])
+@pytest.mark.parametrize("key", [0, 0xDEADBEEF, rounding_key(7, 3, 11)])
+def test_nan_rounds_to_0x7fc0_and_inf_stays_inf_on_every_kernel(kernel, key):
+    """Rule: a NaN, whatever its sign and payload, rounds to c10::BFloat16's NaN 0x7FC0 (not to inf or zero, where
+    adding the random bits to its pattern would carry); inf stays inf; the largest finite values round to one of their
+    two neighbours, inf above; every kernel writes eager's bits."""
+    x_fp32 = torch.tensor(list(SPECIAL), dtype=torch.int64).to(torch.int32).view(torch.float32).repeat(COPIES)
+    got = _bf16_bits(_rounder(kernel)(x_fp32, key)).view(COPIES, len(SPECIAL))
+    for j, (pattern, allowed) in enumerate(SPECIAL.items()):
+        seen = set(got[:, j].tolist())
+        assert seen <= allowed, (kernel, hex(pattern), sorted(map(hex, seen)))
+        assert max(allowed) in seen, (kernel, hex(pattern))  # NaN, inf, and the carries into inf do happen
+    assert set(got[:, list(SPECIAL).index(0x7F7F8000)].tolist()) == SPECIAL[0x7F7F8000]  # p = 1/2 each
+    if kernel != "eager":
+        assert torch.equal(got, _bf16_bits(stochastic_round_bf16(x_fp32, key)).view(COPIES, len(SPECIAL)))
+
+
 # ------------------------------------------------------------------------------------------------ in the optimizer
 @pytest.mark.parametrize("tier", ["backbone", "expert", "router"])
 def test_state_of_bf16_params_is_fp32(tier):

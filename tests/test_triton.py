@@ -256,9 +256,7 @@ def test_bf16_rounding_draws_rounding_py_s_bits(key, offset):
     x[:7] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, -3e38, float("nan")])
     got = tk.stochastic_round_bf16(x.to(DEVICE), key, offset).cpu()
     want = rounding.stochastic_round_bf16(x, key, offset)
-    assert torch.equal(got[7:].view(torch.int16), want[7:].view(torch.int16))
-    assert torch.equal(got[:6].view(torch.int16), want[:6].view(torch.int16))
-    assert got[6].isnan()  # NaN's payload: 0x7FC0 here (c10::BFloat16's), eager's vectorised cast writes 0xFFFF
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # NaN included: 0x7FC0 on both
 
 
 # ---------------------------------------------------------------------------------------------- paths and skips

@@ -2,7 +2,8 @@
 
 A bf16 number is the top 16 bits of an fp32 one. Adding a uniform integer ``r`` in ``[0, 2^16)`` to the fp32 bit
 pattern and truncating the low 16 bits rounds the magnitude up with probability ``low16 / 2^16``, which makes the
-rounding exactly unbiased: ``E[round(x)] = x`` (carries into the exponent are handled by the integer add).
+rounding exactly unbiased: ``E[round(x)] = x`` (carries into the exponent are handled by the integer add). A NaN
+becomes 0x7FC0 whatever its sign and payload (the add alone could carry a NaN into inf, or past the sign bit to zero).
 
 The random bits are a pure function of ``(key, element index)``: one 32-bit hash of ``(key, index // 2)`` serves two
 neighbouring elements (low half for even, high half for odd indices). ``key`` mixes the seed, the parameter's index
@@ -25,6 +26,7 @@ _M32 = 0xFFFFFFFF
 _MUL1 = 0x7FEB352D  # multipliers of the "lowbias32" family, both < 2^31
 _MUL2 = 0x2C1B3C6D
 _GOLDEN = 0x61C88647  # 2^32 - floor(2^32 / phi)
+_NAN_BF16 = 0x7FC0  # every NaN, as c10::BFloat16 writes it
 
 Key = Union[int, Tensor]
 
@@ -63,10 +65,11 @@ def stochastic_round_bf16(x: torch.Tensor, key: Key, offset: int = 0) -> torch.T
         >>> x = torch.full((100_000,), 1.0 + 2**-10)
         >>> stochastic_round_bf16(x, key=1).float().mean()  # ~ 1.0009766, though every output is 1.0 or 1.0078125
     """
-    n = x.numel()
+    n, shape = x.numel(), x.shape
     first, skip = offset >> 1, offset & 1
     pair = torch.arange(first, (offset + n + 1) >> 1, device=x.device, dtype=torch.int64)
     h = _mix32_(pair.mul_(_GOLDEN).add_(key).bitwise_and_(_M32))
     r = torch.stack((h & 0xFFFF, h >> 16), dim=-1).view(-1)[skip : skip + n].to(torch.int32)
-    bits = x.contiguous().view(torch.int32).view(-1) + r
-    return bits.bitwise_and_(-65536).view(torch.float32).view(x.shape).to(torch.bfloat16)
+    x = x.contiguous().view(-1)
+    hi = (x.view(torch.int32) + r).bitwise_right_shift_(16).to(torch.int16)  # the high half: the bf16 bits
+    return torch.where(x.isnan(), _NAN_BF16, hi).view(torch.bfloat16).view(shape)

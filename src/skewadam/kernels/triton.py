@@ -207,12 +207,12 @@ def _mix32(x):
 @triton.jit
 def _round_bf16(x, idx, key):
     """fp32 ``x`` rounded to bf16 with the bits `rounding.stochastic_round_bf16` draws for element ``idx`` (int64)
-    under ``key`` (uint32): one hash of (key, idx // 2), low half for even and high half for odd indices; NaN as
-    c10::BFloat16 writes it (0x7FC0)."""
+    under ``key`` (uint32): one hash of (key, idx // 2), low half for even and high half for odd indices; a NaN as
+    c10::BFloat16 writes it (0x7FC0), whatever its sign and payload."""
     h = _mix32((idx >> 1).to(tl.uint32) * _GOLDEN + key)
     r = tl.where((idx & 1) == 1, h >> 16, h & 0xFFFF)
-    t = (x.to(tl.uint32, bitcast=True) + r) & 0xFFFF0000
-    t = tl.where((t & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, t)
+    b = x.to(tl.uint32, bitcast=True)
+    t = tl.where((b & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, (b + r) & 0xFFFF0000)
     return (t >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 

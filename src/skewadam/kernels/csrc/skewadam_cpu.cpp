@@ -171,10 +171,11 @@ struct Rounder {
 
 inline Rounder rounder(int64_t first, uint32_t key) { return {uint32_t(first >> 1), uint32_t(first & 1), key}; }
 
-// x + bits, truncated to bf16 (NaN as c10::BFloat16 writes it), in the high half of a 32-bit word.
+// x + bits, truncated to bf16, in the high half of a 32-bit word; a NaN x as c10::BFloat16 writes NaN, whatever its
+// sign and payload (the add alone could carry it into inf, or past the sign bit to zero).
 inline uint32_t add_truncate_hi(float x, uint32_t bits) {
-  const uint32_t t = (__builtin_bit_cast(uint32_t, x) + bits) & 0xFFFF0000u;
-  return (t & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : t;
+  const uint32_t b = __builtin_bit_cast(uint32_t, x);
+  return (b & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : (b + bits) & 0xFFFF0000u;
 }
 
 inline uint16_t add_truncate(float x, uint32_t bits) { return uint16_t(add_truncate_hi(x, bits) >> 16); }
