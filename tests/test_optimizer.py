@@ -601,3 +601,36 @@ def test_nonfinite_grad_is_applied_when_skipping_is_off():
     assert opt.skipped_steps == 0
     assert opt.state[params[2]]["step"].item() == 1 and params[2].isnan().any()
     assert torch.isfinite(params[0]).all() and opt.state[params[0]]["step"].item() == 1
+
+
+def test_kernel_records_follow_the_group_and_the_parameter_after_a_step():
+    """What a record takes from its group and parameter (name, shape, bank flag, rounding stream) is kept across
+    steps and rebuilt when any of them changes: the params list reordered in place, param_names set, the bank key
+    changed, a parameter's data replaced by another shape."""
+    a, b = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(2, 4, 3))
+    opt = SkewAdam([{"params": [a, b], "tier": "expert"}])
+
+    def records():
+        for p in (a, b):
+            p.grad = torch.randn_like(p)
+        return opt._init_group(opt.param_groups[0], 0, 0)[1].params
+
+    opt.step()
+    pts = records()
+    assert [(pt.param is p, pt.shape, pt.bank, pt.stream) for pt, p in zip(pts, (a, b))] == [
+        (True, (4, 3), False, 0), (True, (2, 4, 3), True, 1)]
+    assert pts[0].name == "param_groups[0]['params'][0]"
+    opt.param_groups[0]["params"].reverse()
+    pts = records()
+    assert [(pt.param is p, pt.bank, pt.stream) for pt, p in zip(pts, (b, a))] == [(True, True, 0), (True, False, 1)]
+    opt.param_groups[0]["param_names"] = ["bank", "matrix"]
+    assert [pt.name for pt in records()] == ["param_groups[0]['params'][0] ('bank')",
+                                             "param_groups[0]['params'][1] ('matrix')"]
+    opt.param_groups[0]["bank"] = False
+    assert [pt.bank for pt in records()] == [False, False]
+    opt.param_groups[0]["bank"] = None
+    opt.state.clear()
+    b.data = torch.randn(6, 5)
+    records()
+    opt.step()
+    assert [(pt.shape, pt.bank) for pt in records()] == [((6, 5), False), ((4, 3), False)]

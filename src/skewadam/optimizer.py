@@ -33,9 +33,10 @@ __all__ = ["SkewAdam"]
 Reducer = Callable[[list[tuple[Tensor, list[tuple[Tensor, tuple[int, ...]]]]]], None]
 
 
-#: Types that are never DTensors: checked first, since ``isinstance(t, DTensor)`` costs ~0.3 us (its metaclass), ten
-#: times per parameter per step.
+#: Types that are never DTensors: checked first, since ``isinstance(t, DTensor)`` costs ~0.3 us (its metaclass), a
+#: few times per parameter per step.
 _PLAIN = (Tensor, torch.nn.Parameter, type(None))
+_STATE_FIELDS = ParamTensors._fields[3:8]  # the records' optional state (exp_avg ... col_var): state dict keys
 
 
 def _is_dtensor(t: Optional[Tensor]) -> bool:
@@ -112,12 +113,11 @@ class SkewAdam(Optimizer):
         tier: default tier of groups that name none. Default ``"backbone"``.
         use_momentum, use_factored, bank: per-group overrides of the tier's state (``None`` = tier default).
         experts (group key only): the number of experts each tensor of an ``expert`` group stacks along dim 0, for
-            flattened banks ``[E*D, F]`` (`skewadam.classify.flattened_experts`; `param_groups` sets it). Validated
-            (dim 0 must divide by it) but not yet applied: such a tensor is still factored and clipped as one matrix,
-            with a warning; per-expert statistics come with the kernels' support.
+            flattened banks ``[E*D, F]`` (`skewadam.classify.flattened_experts`; `param_groups` sets it): stepped as
+            the bank ``[E, D, F]`` (a view), each expert with its own statistics, clip and step count.
         momentum_dtype: storage of the first moment: ``"fp32"`` (the statistics dtype), ``"bf16"`` (stochastically
             rounded) or ``"int8"`` (block-wise, 256 per fp32 scale; tensors with < 2 dims stay fp32); see
-            `skewadam.kernels.quant`. Every kernel (eager and C++) handles it, with the same stored bytes.
+            `skewadam.kernels.quant`. Every kernel (eager, C++, Triton) handles it, with the same stored bytes.
         seed: seed of the stochastic rounding of bf16 parameters (and bf16 momentum).
         skip_nonfinite: if any gradient holds inf/NaN, skip the whole step (weights and state untouched) and count
             it in ``skipped_steps``, as AMP's GradScaler does. On by default: costs one host sync per step on GPU
@@ -354,32 +354,36 @@ class SkewAdam(Optimizer):
         ``first_id`` is the optimizer-wide index of the group's first parameter (its rounding stream);
         ``device_steps``: the kernel keeps step counts on the parameters' device (`_state_of`)."""
         params, tensors = [], []
-        names = group.get("param_names")
+        names, experts, tier, bank = group.get("param_names"), group.get("experts"), group["tier"], group["bank"]
+        key = (id(group["params"]), len(group["params"]), first_id, id(names), tier, bank, group["momentum_dtype"],
+               experts)
+        cached = self.__dict__.setdefault("_records", {}).get(index)  # what a record takes from p and its group
+        if cached is None or cached[0] != key:
+            cached = self._records[index] = (key, [None] * len(group["params"]))
         for i, p in enumerate(group["params"]):
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
                 continue
-            if p.grad.is_sparse:
-                raise TypeError(
-                    f"SkewAdam does not support sparse gradients (param group {index}, "
-                    f"tier {group['tier']!r}); use a dense embedding (sparse=False)"
-                )
-            if _is_dtensor(p):
+            if grad.is_sparse:
+                raise TypeError(f"SkewAdam does not support sparse gradients (param group {index}, tier {tier!r}); "
+                                "use a dense embedding (sparse=False)")
+            fixed = cached[1][i]  # (id(p), its shape, dtype, bank flag, rounding stream, name), kept while they hold
+            if fixed is None or fixed[0] != id(p) or fixed[1] != p.shape or fixed[2] is not p.dtype:
+                fixed = cached[1][i] = (id(p), p.shape, p.dtype, experts is not None or is_bank(p.ndim, tier, bank),
+                                        _rounding_stream(p, first_id + i, group["momentum_dtype"]),
+                                        f"param_groups[{index}]['params'][{i}]" + (f" ({names[i]!r})" if names else ""))
+            state = self._state_of(p, group, device_steps)
+            local = (p, grad, state["step"], *map(state.get, _STATE_FIELDS))
+            if _is_dtensor(p):  # the kernels step the local shards (their state is sharded as p is)
                 from .distributed import check_grad
 
                 check_grad(p)
-            name = f"param_groups[{index}]['params'][{i}]" + (f" ({names[i]!r})" if names else "")
-            state = self._state_of(p, group, device_steps)
-            param, grad, shape = _local(p), _local(p.grad), p.shape
-            experts = group.get("experts")
+                local = tuple(map(_local, local))
+            param, grad, shape = local[0], local[1], fixed[1]
             if experts is not None:  # a flattened bank [E*D, ...]: the kernels step its view [E, D, ...]
-                param, grad, shape = _bank_view(p, experts, name)
+                param, grad, shape = _bank_view(p, experts, fixed[5])
             params.append(p)
-            tensors.append(ParamTensors(
-                param, grad, _local(state["step"]), _local(state.get("exp_avg")),
-                _local(state.get("exp_avg_scale")), _local(state.get("exp_avg_sq")), _local(state.get("row_var")),
-                _local(state.get("col_var")), shape, experts is not None or is_bank(p.ndim, group["tier"], group["bank"]),
-                _rounding_stream(p, first_id + i, group["momentum_dtype"]), name,
-            ))
+            tensors.append(ParamTensors(param, grad, *local[2:], shape, *fixed[3:]))
         if not params:
             return None
         b1, b2 = group["betas"]
@@ -420,7 +424,8 @@ class SkewAdam(Optimizer):
             self._reducer = DTensorReducer()
         check = self.skip_nonfinite
         if outside:
-            if check and not bool(self._grads_finite(outside, work)):  # both kinds skip a step together
+            grads = [pt.grad for group in [w[2] for w in outside] + [w[1] for w in work] for pt in group.params]
+            if check and not bool(steppers.grads_finite(grads, self._reducer)):  # both kinds skip a step together
                 self.skipped_steps += 1
                 return loss
             check = False
@@ -446,14 +451,6 @@ class SkewAdam(Optimizer):
         for group, mo in zip(groups, moments):
             impl.apply_updates_(group, mo, skip=skip)
         return loss
-
-    def _grads_finite(self, outside: list[tuple[dict, list[Tensor], Group]],
-                      work: list[tuple[list[Tensor], Group]]) -> Tensor:
-        """Whether every gradient, of `skewadam.steppers`' groups and the kernels', is finite (on every rank)."""
-        grads = [pt.grad for group in [w[2] for w in outside] + [w[1] for w in work] for pt in group.params]
-        finite = torch.stack([g.isfinite().all() for g in grads]).all() if grads else torch.ones((), dtype=torch.bool)
-        agree = getattr(self._reducer, "all_finite", None)
-        return agree(finite) if agree is not None else finite
 
     def __repr__(self) -> str:
         lines = [self.__class__.__name__ + " ("]

@@ -33,13 +33,22 @@ try:
 except ImportError:  # pragma: no cover
     DTensor = ()  # type: ignore[assignment,misc]
 
-__all__ = ["RELATIVE_STEP_EPS", "outside_kernels", "step_"]
+__all__ = ["RELATIVE_STEP_EPS", "outside_kernels", "grads_finite", "step_"]
 
 RELATIVE_STEP_EPS = 1e-3  # Adafactor's eps2: the floor of the parameter RMS that scales a relative step
+
 
 def outside_kernels(group: dict) -> bool:
     """Whether ``group`` is stepped here rather than by the fused kernels."""
     return group["update"] == "orthogonal" or group["relative_step"] or group["beta2_decay"] is not None
+
+
+def grads_finite(grads: Sequence[Tensor], reducer: Any = None) -> Tensor:
+    """Whether every gradient is finite, as a 0-d bool tensor (no host sync); on every rank when ``reducer`` can
+    tell (`skewadam.distributed.DTensorReducer.all_finite`), so all ranks skip a step together."""
+    finite = torch.stack([g.isfinite().all() for g in grads]).all() if grads else torch.ones((), dtype=torch.bool)
+    agree = getattr(reducer, "all_finite", None)
+    return agree(finite) if agree is not None else finite
 
 
 def step_(work: Sequence[tuple[dict, list[Tensor], Group]], reducer: Any, impl: Any) -> None:

@@ -26,6 +26,7 @@ to the eager path with a one-line warning when it cannot (no compiler, no ninja)
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import platform
 import sys
@@ -50,9 +51,21 @@ SKIP_ON_HOST = True  # ``skip`` is a CPU tensor, read by the kernel (free on the
 _SOURCE = Path(__file__).with_name("csrc") / "skewadam_cpu.cpp"
 
 
+#: Elements per work item (a run of rows of one matrix, or of elements of one unit).
+BLOCK = 1 << 15
+#: Rows per block at least: bounds pass 1's column partials of a matrix at 1/64 of its elements.
+MIN_BLOCK_ROWS = 64
+#: `step_` does a unit whole on one thread (passes 2 and 3 back to back, its gradient in a core's L2 cache) when its
+#: pass-3 source (momentum, else gradient) takes at most this many bytes: 1.25 MiB.
+FUSE_BYTES = 5 << 18
+
+
 def _defines() -> list[str]:
     """The constants the kernel shares with the Python modules that define them, as -D flags (hashed into the build)."""
     return [
+        f"-DSKEWADAM_BLOCK={BLOCK}",
+        f"-DSKEWADAM_MIN_BLOCK_ROWS={MIN_BLOCK_ROWS}",
+        f"-DSKEWADAM_FUSE_BYTES={FUSE_BYTES}",
         f"-DSKEWADAM_QBLOCK={quant.BLOCK}",
         f"-DSKEWADAM_QMAX={float(quant.QMAX).hex()}",
         f"-DSKEWADAM_MOMENTUM_STREAM={quant.MOMENTUM_STREAM:#x}u",
@@ -226,7 +239,8 @@ def step_(groups: Sequence[Group], *, skip_nonfinite: bool) -> Tensor:
     """The whole step of one process (no reduction seam), in one call: passes 1-3 of every group.
 
     Bitwise equal to `grad_stats`, `update_moments_` and `apply_updates_` run in turn, but the statistics never become
-    tensors, and passes 2 and 3 run back to back on each unit that fits in a core's L2 cache.
+    tensors, and passes 2 and 3 run back to back on each unit that fits in a core's L2 cache (whose row and column
+    sums pass 1 keeps, so the gradient is read from memory twice, not three times).
 
     Returns:
         A 0-d bool tensor: True, having written nothing, if ``skip_nonfinite`` and some gradient holds inf or NaN.
@@ -240,6 +254,28 @@ def stochastic_round_bf16(x: Tensor, key: int) -> Tensor:
 
 
 def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dtype: torch.dtype) -> int:
-    """No tensor-sized scratch: the kernel's scratch is row/column-sized (0.02-0.04 MiB per step measured), not
-    counted."""
-    return 0
+    """Bytes `step_` allocates for parameters ``[(shape, bank), ...]``, an upper bound (the state is not known here):
+    the row and column statistics pass 1 keeps for the factored parameters whose units it fuses (every tensor whose
+    units are matrices and would fit `FUSE_BYTES` at one byte per element), per matrix ``[R, C]`` ``2 + 2R + 2C``
+    values in the statistics dtype, plus ``C`` per block of rows when it has several, each parameter's 64-byte
+    aligned; and the statistics of one batch of split units (fp64 slots: the larger of 1/16 of the largest unit's
+    elements, `BLOCK`, and one unit's statistics); 64 bytes for the result and empty buffers. Not counted: row- and
+    unit-sized scratch outside torch's allocator (~0.02 MiB per step measured) and contiguous copies of
+    non-contiguous tensors."""
+    itemsize = (torch.float32 if param_dtype == torch.bfloat16 else param_dtype).itemsize
+    kept, split, largest = 0, 0, 0
+    for shape, bank in tensors:
+        shape = tuple(int(s) for s in shape)
+        unit = shape[1:] if bank else shape
+        numel = math.prod(unit)
+        largest = max(largest, numel)
+        if len(unit) < 2:
+            continue
+        R, C = shape[-2:]
+        blocks = -(-R // max(1, min(R, max(MIN_BLOCK_ROWS, BLOCK // max(C, 1)))))
+        per_matrix = 2 + 2 * R + 2 * C + (blocks * C if blocks > 1 else 0)
+        if numel <= FUSE_BYTES:
+            kept += -(-math.prod(shape[:-2]) * per_matrix * itemsize // 64) * 64
+        if numel * 8 > FUSE_BYTES:  # too large to fuse with some momentum: split
+            split = max(split, math.prod(unit[:-2]) * per_matrix)
+    return kept + (8 * max(largest // 16, BLOCK, split) if split else 0) + (64 if tensors else 0)

@@ -14,12 +14,12 @@
 //   * Each block writes its partial sums to its own slot, and the slots are added in block order: results are
 //     bitwise the same whatever the number of threads, and the same on the three-pass and single-process paths.
 //   * Three passes (grad_stats, update_moments, apply_updates) with tensors in between, for the distributed seam.
-//   * `step`, for one process (nothing to reduce between passes), in one call: pass 1 is only each unit's sum of
-//     g^2 (the non-finite check, the banks' idle slices); then a unit (bank slice or whole tensor) whose gradient
-//     or momentum fits in a core's L2 cache is one work item: its row and column statistics, the EMAs, pass 2, its
-//     clip, pass 3. Its gradient is read from memory once for all of them, so an expert parameter costs 16 bytes of
-//     memory traffic in fp32 (g twice, p read and written) against fused AdamW's 28. Larger units are spread over
-//     the threads in rounds.
+//   * `step`, for one process (nothing to reduce between passes), in one call: pass 1 is each unit's sum of g^2
+//     (the non-finite check, the banks' idle slices), and for a factored parameter whose units fit a core's L2
+//     cache also its row and column sums (grad_stats' pass 1, kept for the step); then such a unit (bank slice or
+//     whole tensor) is one work item: the EMAs, pass 2, its clip, pass 3, its gradient read from memory once for
+//     passes 2 and 3. An expert parameter costs 16 bytes of memory traffic in fp32 (g twice, p read and written)
+//     against fused AdamW's 28, 8 in bf16 against 14. Larger units are spread over the threads in rounds.
 //
 // One definition per pass: a pass walks a block as *spans* (NS runs of n elements, `stride` apart), and pass 2 is
 // p2_span, pass 3 p3_span, each a template over the first moment's codec (NoMom, PlainMom, BF16Mom, Int8Mom: how u's
@@ -34,12 +34,14 @@
 // statistic is an error, never an out-of-bounds access.
 //
 // Constants come from the Python modules that define them, as -D flags that cpu.py builds (and hashes into the build's
-// name): quant.BLOCK, quant.QMAX and quant.MOMENTUM_STREAM, rounding.py's hash multipliers, types.ROW_MEAN_FLOOR.
+// name): quant.BLOCK, quant.QMAX and quant.MOMENTUM_STREAM, rounding.py's hash multipliers, types.ROW_MEAN_FLOOR, and
+// cpu.py's own BLOCK, MIN_BLOCK_ROWS and FUSE_BYTES (which its step_transient_bytes sizes the kept statistics with).
 //
 // Transient memory: no buffer of the size of a parameter (except a contiguous copy of a non-contiguous one). The
-// three-pass path returns the small statistics as tensors (rows, columns, one value per unit); `step` keeps per
-// thread the statistics of one unit, per unit and per block a few numbers, and for split units at most 1/16 of the
-// largest unit's elements.
+// three-pass path returns the small statistics as tensors (rows, columns, one value per unit); `step` keeps the row
+// and column statistics of the factored parameters whose units it fuses (Stats::size values in the math dtype per
+// parameter: cpu.step_transient_bytes), per unit and per block a few numbers, and for split units at most 1/16 of
+// the largest unit's elements.
 //
 // Stochastic rounding: bit-identical to skewadam/kernels/rounding.py (same hash, key and element index).
 // Compact first moment (bf16, or int8 with an fp32 scale per kQBlock values along the last dim): decoded, updated and
@@ -80,15 +82,16 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-constexpr int64_t kBlock = int64_t(1) << 15;        // target elements per work item
-constexpr int64_t kMinBlockRows = 64;                // bounds pass 1's column partials at numel / 64 per tensor
-constexpr int64_t kFuseBytes = int64_t(5) << 18;     // 1.25 MiB: a unit whose pass-3 source fits a core's L2 is fused
+constexpr int64_t kBlock = SKEWADAM_BLOCK;           // cpu.BLOCK: target elements per work item
+constexpr int64_t kMinBlockRows = SKEWADAM_MIN_BLOCK_ROWS;  // cpu.MIN_BLOCK_ROWS: bounds pass 1's column partials
+constexpr int64_t kFuseBytes = SKEWADAM_FUSE_BYTES;  // cpu.FUSE_BYTES: a unit whose pass-3 source fits a core's L2
 constexpr int64_t kSerialBelow = int64_t(1) << 18;   // elements: less work than this runs on one thread
 constexpr int64_t kQBlock = SKEWADAM_QBLOCK;         // quant.BLOCK: int8 momentum values per scale (last dim)
 constexpr double kQMax = SKEWADAM_QMAX;              // quant.QMAX: the int8 grid's largest code
 constexpr uint32_t kMomentumStream = SKEWADAM_MOMENTUM_STREAM;  // quant.MOMENTUM_STREAM: bf16 momentum's bits
 constexpr double kRowMeanFloor = SKEWADAM_ROW_MEAN_FLOOR;       // types.ROW_MEAN_FLOOR
 static_assert(kQBlock > 0 && kQBlock <= 4096 && kQMax > 0 && kQMax <= 127, "quant.BLOCK / QMAX out of range");
+static_assert(kBlock > 0 && kMinBlockRows > 0 && kFuseBytes > 0, "cpu.BLOCK / MIN_BLOCK_ROWS / FUSE_BYTES out of range");
 enum MomFmt : int { kMomPlain = 0, kMomBF16 = 1, kMomInt8 = 2 };  // first moment in the math dtype, bf16 or int8
 
 // ------------------------------------------------------------------------------------------------ elements
@@ -262,6 +265,16 @@ inline T lanes_sum(const T* a) {
   for (int k = 0; k < 8; ++k) b[k] = a[k] + a[k + 8];
   for (int k = 0; k < 4; ++k) c[k] = b[k] + b[k + 4];
   return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+// x[0] + ... + x[N - 1] as a fixed tree of halves. A loop that adds its NS runs' terms to a lane this way carries
+// one add per iteration from one to the next, not NS dependent ones (which bound the loop by the adder's latency).
+template <int N, class T>
+inline T tree_sum(const T* x) {
+  if constexpr (N == 1)
+    return x[0];
+  else
+    return tree_sum<N / 2>(x) + tree_sum<N - N / 2>(x + N / 2);
 }
 
 // body(j, k) for j < n, element j accumulating into lane k = j % kLanes; whole groups of kLanes vectorised.
@@ -674,10 +687,12 @@ template <class E, int NS>
 inline void p1_run(const typename E::raw* __restrict g, int64_t stride, int64_t n, typename E::T* __restrict acc) {
   using T = typename E::T;
   for_lanes(n, [&](int64_t jk, int k) {
+    T sq[NS];
     for (int s = 0; s < NS; ++s) {
       const T x = E::load(g[s * stride + jk]);
-      acc[k] = madd(x, x, acc[k]);
+      sq[s] = x * x;
     }
+    acc[k] += tree_sum<NS>(sq);
   });
 }
 
@@ -1020,13 +1035,15 @@ template <class E, int NS, class Sp, class Dir>
                     typename E::T* __restrict acc) {
   using T = typename E::T;
   for_lanes(n, [&](int64_t j, int k) {
+    T sq[NS];
     for (int s = 0; s < NS; ++s) {
       const int64_t i = s * stride + j;
       const T x = E::load(g[i]);
       dir.moment(d, i, x);
       const T u = dir.u(d, s, j, i, sp.next(m, i, s, j, x));
-      acc[k] = madd(u, u, acc[k]);
+      sq[s] = u * u;
     }
+    acc[k] += tree_sum<NS>(sq);
   });
 }
 
@@ -1176,20 +1193,37 @@ double clip_of(T u_sumsq, double n) {
 }
 
 // ------------------------------------------------------------------------------------------------ one process
+// Whether `step` does a unit of q whole on one thread: its pass-3 source (momentum, else gradient) fits a core's L2.
+bool fuses(const Param& q) {
+  const int64_t m_bytes = q.mfmt == kMomPlain ? c10::elementSize(math_dtype(q.dtype)) : q.mfmt == kMomBF16 ? 2 : 1;
+  return q.geo.unit_numel * (q.has_m ? m_bytes : int64_t(c10::elementSize(q.dtype))) <= kFuseBytes;
+}
+
+// Unit u's sum of g^2 from its matrices' rc, as grad_stats adds them.
+template <class T>
+T mats_sum(const Param& q, const Stats& s, int64_t u) {
+  double sum = 0;
+  for (int64_t m = u * q.geo.mats_per_unit; m < (u + 1) * q.geo.mats_per_unit; ++m) sum += double(*s.at<T>(s.rc, m, 1));
+  return T(sum);
+}
+
 // Passes 2 and 3 of one unit, done whole by one thread: the factored statistics of its matrices (pass 1's rows and
-// columns, then the EMAs), pass 2 on its blocks, its clip, pass 3. Its gradient (or momentum) is read from memory
-// once; the next reads hit the core's cache. `scratch` holds Stats::size(geo, mats_per_unit) elements of T.
+// columns, unless pass 1 left them in q.st; then the EMAs), pass 2 on its blocks, its clip, pass 3. Its gradient (or
+// momentum) is read from memory once here; the next reads hit the core's cache. `scratch` holds
+// Stats::size(geo, mats_per_unit) elements of T.
 template <class E>
 void fused_unit(Param& q, const Hyper& h, int64_t u, typename E::T* scratch) {
   using T = typename E::T;
   const Geo& G = q.geo;
   const int64_t b0 = u * G.blocks_per_unit, b1 = b0 + G.blocks_per_unit;
-  Stats s;
+  Stats s = q.st;
   if (G.factored) {
     const int64_t m0 = u * G.mats_per_unit;
-    s = Stats::carve(scratch, G, m0, G.mats_per_unit);
-    for (int64_t b = b0; b < b1; ++b) p1_block<E>(q, s, b);
-    p1_finish<T>(q, s, m0, m0 + G.mats_per_unit);
+    if (!s.rc) {
+      s = Stats::carve(scratch, G, m0, G.mats_per_unit);
+      for (int64_t b = b0; b < b1; ++b) p1_block<E>(q, s, b);
+      p1_finish<T>(q, s, m0, m0 + G.mats_per_unit);
+    }
     update_factored<T>(q, s, h, m0, m0 + G.mats_per_unit);
   }
   for (int64_t b = b0; b < b1; ++b) q.partial[b] = p2_block<E>(q, s, h, b);
@@ -1276,7 +1310,8 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
   std::vector<Param> qs;
   std::vector<const Hyper*> hs;
   std::vector<std::pair<int32_t, int64_t>> blocks;
-  int64_t elements = 0;
+  std::vector<int64_t> stats_at;  // per parameter: byte offset of its pass-1 statistics in `stats`, or -1
+  int64_t elements = 0, stats_size = 0;
   for (const GroupRec& group : groups) hypers.push_back(hyper_of(group));
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     for (const ParamRec& r : std::get<0>(groups[gi])) {
@@ -1288,19 +1323,39 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
       hs.push_back(&hypers[gi]);
       for (int64_t b = 0; b < q.geo.blocks(); ++b) blocks.emplace_back(int32_t(qs.size() - 1), b);
       elements += q.geo.numel;
+      stats_at.push_back(-1);
+      if (q.geo.factored && fuses(q)) {  // at a 64-byte boundary, in T (the math dtype)
+        stats_at.back() = (stats_size + 63) / 64 * 64;
+        stats_size = stats_at.back() + Stats::size(q.geo, q.geo.M) * int64_t(c10::elementSize(math_dtype(q.dtype)));
+      }
     }
   }
-  // pass 1: per-unit sums of g^2
+  // pass 1: per-unit sums of g^2; a factored parameter whose units are fused also keeps its row and column sums
+  // (pass 1 of the three-pass path: the fused units then read the gradient from memory once, not twice)
+  Tensor stats = at::empty({std::max<int64_t>(stats_size, 1)}, at::TensorOptions().dtype(at::kByte));
+  for (size_t i = 0; i < qs.size(); ++i)
+    if (stats_at[i] >= 0)
+      with_elem(qs[i], [&](auto e) {
+        using T = typename decltype(e)::T;
+        qs[i].st = Stats::carve(reinterpret_cast<T*>(stats.data_ptr<uint8_t>() + stats_at[i]), qs[i].geo, 0,
+                                qs[i].geo.M);
+      });
   run_items(int64_t(blocks.size()), elements, [&](int64_t k) {
     const auto [i, b] = blocks[k];
-    with_elem(qs[i], [&](auto e) { qs[i].partial[b] = sumsq_block<decltype(e)>(qs[i], b); });
+    with_elem(qs[i], [&](auto e) {
+      if (qs[i].st.rc)
+        p1_block<decltype(e)>(qs[i], qs[i].st, b);
+      else
+        qs[i].partial[b] = sumsq_block<decltype(e)>(qs[i], b);
+    });
   });
   bool finite = true;
   for (Param& q : qs)
     with_elem(q, [&](auto e) {
       using T = typename decltype(e)::T;
+      if (q.st.rc) p1_finish<T>(q, q.st, 0, q.geo.M);
       for (int64_t u = 0; u < q.geo.units; ++u) {
-        at_<T>(q.sumsq)[u] = unit_sum<T>(q, u);
+        at_<T>(q.sumsq)[u] = q.st.rc ? mats_sum<T>(q, q.st, u) : unit_sum<T>(q, u);
         finite = finite && std::isfinite(at_<T>(q.sumsq)[u]);
       }
     });
@@ -1313,15 +1368,13 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
     Param& q = qs[i];
     const Geo& G = q.geo;
     with_elem(q, [&](auto e) { count_steps<typename decltype(e)::T>(q, *hs[i]); });
-    const int64_t m_bytes = q.mfmt == kMomPlain ? c10::elementSize(math_dtype(q.dtype)) : q.mfmt == kMomBF16 ? 2 : 1;
-    const int64_t src_bytes = G.unit_numel * (q.has_m ? m_bytes : int64_t(c10::elementSize(q.dtype)));
     largest = std::max(largest, G.unit_numel);
     for (int64_t u = 0; u < G.units; ++u) {
       if (!q.active[u] || G.blocks_per_unit == 0) continue;
-      if (src_bytes <= kFuseBytes) {
+      if (fuses(q)) {
         fused.emplace_back(int32_t(i), u);
         fused_elements += G.unit_numel;
-        if (G.factored) scratch_per_thread = std::max(scratch_per_thread, Stats::size(G, G.mats_per_unit));
+        if (G.factored && !q.st.rc) scratch_per_thread = std::max(scratch_per_thread, Stats::size(G, G.mats_per_unit));
       } else {
         split.emplace_back(int32_t(i), u);
       }
@@ -1396,11 +1449,7 @@ std::vector<StatsRec> grad_stats(const GroupRec& group) {
         return;
       }
       p1_finish<T>(q, q.st, 0, G.M);
-      for (int64_t u = 0; u < G.units; ++u) {
-        double s = 0;
-        for (int64_t m = u * G.mats_per_unit; m < (u + 1) * G.mats_per_unit; ++m) s += double(at_<T>(q.st.rc)[m]);
-        at_<T>(q.sumsq)[u] = T(s);
-      }
+      for (int64_t u = 0; u < G.units; ++u) at_<T>(q.sumsq)[u] = mats_sum<T>(q, q.st, u);
     });
   return out;
 }
