@@ -270,7 +270,8 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
     return Arm(name, label, make, state, transient, master=False, tier_options=tier_options, variant_of=variant_of,
                kernels=True, lr=lr, orthogonal=orthogonal, orthogonal_lr=orthogonal_lr,
                temporaries="as its kernel counts them (`step_transient_bytes` of skewadam.kernels.eager: a few fp32 "
-               "copies of the largest chunk of whole bank slices; of skewadam.kernels.cpu: none; of "
+               "copies of the largest chunk of whole bank slices; of skewadam.kernels.cpu: the row and column "
+               "statistics of the units it fuses and of one batch of split units; of "
                "skewadam.kernels.orthogonal: the stacked Newton-Schulz iterates), the larger of the two")
 
 
@@ -308,7 +309,7 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
     _skewadam("skewadam-orthogonal", "SkewAdam, hidden matrices orthogonal (Muon's update, fp32 momentum)",
               orthogonal=True, lr=1e-2),
     _skewadam("skewadam-orthogonal-experts", "SkewAdam, hidden matrices and expert banks (per expert) orthogonal",
-              orthogonal="experts"),
+              orthogonal="experts", lr=3e-2),
     *(_skewadam(f"skewadam-orthogonal-lr{k:g}x", f"skewadam-orthogonal, orthogonal groups at {k:g}x the lr",
                 orthogonal=True, orthogonal_lr=k) for k in (3.0, 10.0)),
     _skewadam("skewadam-relative-step", "SkewAdam, update x max(1e-3, rms(p)) (Adafactor's relative step)",
