@@ -1207,28 +1207,18 @@ T mats_sum(const Param& q, const Stats& s, int64_t u) {
   return T(sum);
 }
 
-// Passes 2 and 3 of one unit, done whole by one thread: the factored statistics of its matrices (pass 1's rows and
-// columns, unless pass 1 left them in q.st; then the EMAs), pass 2 on its blocks, its clip, pass 3. Its gradient (or
-// momentum) is read from memory once here; the next reads hit the core's cache. `scratch` holds
-// Stats::size(geo, mats_per_unit) elements of T.
+// Passes 2 and 3 of one unit, done whole by one thread: the EMAs of its matrices' factored statistics (from the row
+// and column sums pass 1 left in q.st), pass 2 on its blocks, its clip, pass 3. Its gradient (or momentum) is read
+// from memory once here; the next reads hit the core's cache.
 template <class E>
-void fused_unit(Param& q, const Hyper& h, int64_t u, typename E::T* scratch) {
+void fused_unit(Param& q, const Hyper& h, int64_t u) {
   using T = typename E::T;
   const Geo& G = q.geo;
   const int64_t b0 = u * G.blocks_per_unit, b1 = b0 + G.blocks_per_unit;
-  Stats s = q.st;
-  if (G.factored) {
-    const int64_t m0 = u * G.mats_per_unit;
-    if (!s.rc) {
-      s = Stats::carve(scratch, G, m0, G.mats_per_unit);
-      for (int64_t b = b0; b < b1; ++b) p1_block<E>(q, s, b);
-      p1_finish<T>(q, s, m0, m0 + G.mats_per_unit);
-    }
-    update_factored<T>(q, s, h, m0, m0 + G.mats_per_unit);
-  }
-  for (int64_t b = b0; b < b1; ++b) q.partial[b] = p2_block<E>(q, s, h, b);
+  if (G.factored) update_factored<T>(q, q.st, h, u * G.mats_per_unit, (u + 1) * G.mats_per_unit);
+  for (int64_t b = b0; b < b1; ++b) q.partial[b] = p2_block<E>(q, q.st, h, b);
   q.clip[u] = clip_of(unit_sum<T>(q, u), G.ng);
-  for (int64_t b = b0; b < b1; ++b) p3_block<E>(q, s, h, b);
+  for (int64_t b = b0; b < b1; ++b) p3_block<E>(q, q.st, h, b);
 }
 
 // Units too large for one core's cache, their blocks spread over the threads in three rounds (statistics, pass 2,
@@ -1299,10 +1289,10 @@ void split_units(std::vector<Param>& qs, const std::vector<const Hyper*>& hs,
 
 // ------------------------------------------------------------------------------------------------ Python API
 // The three passes for one process: nothing crosses a reduction seam, so no statistic becomes a tensor. Pass 1 is
-// only the per-unit sum of g^2 (for the non-finite check and the banks' idle slices); each unit's row and column
-// statistics are computed in pass 2, next to their use. Bitwise equal to grad_stats + update_moments +
-// apply_updates. Returns a 0-d bool tensor: true, having written nothing, when skip_nonfinite and some gradient
-// holds inf or NaN.
+// the per-unit sum of g^2 (for the non-finite check and the banks' idle slices) and, for factored parameters whose
+// units are fused, their row and column sums, kept for passes 2 and 3 (done per unit, back to back). Bitwise equal
+// to grad_stats + update_moments + apply_updates. Returns a 0-d bool tensor: true, having written nothing, when
+// skip_nonfinite and some gradient holds inf or NaN.
 Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
   Contig ct;
   std::vector<Hyper> hypers;
@@ -1363,7 +1353,7 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
   if (skipped) return at::scalar_tensor(true, at::TensorOptions().dtype(at::kBool));
   // passes 2 and 3: units that fit a core's L2 cache whole, by one thread each; larger ones split
   std::vector<std::pair<int32_t, int64_t>> fused, split;
-  int64_t fused_elements = 0, scratch_per_thread = 0, largest = 1;
+  int64_t fused_elements = 0, largest = 1;
   for (size_t i = 0; i < qs.size(); ++i) {
     Param& q = qs[i];
     const Geo& G = q.geo;
@@ -1371,25 +1361,18 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
     largest = std::max(largest, G.unit_numel);
     for (int64_t u = 0; u < G.units; ++u) {
       if (!q.active[u] || G.blocks_per_unit == 0) continue;
-      if (fuses(q)) {
+      if (fuses(q)) {  // a factored one's row and column sums are in q.st (pass 1)
         fused.emplace_back(int32_t(i), u);
         fused_elements += G.unit_numel;
-        if (G.factored && !q.st.rc) scratch_per_thread = std::max(scratch_per_thread, Stats::size(G, G.mats_per_unit));
       } else {
         split.emplace_back(int32_t(i), u);
       }
     }
   }
   std::reverse(fused.begin(), fused.end());  // pass 1 ended with the last parameters: likeliest still in cache
-  const int64_t nt = std::max(1, at::get_num_threads());
-  Tensor scratch = at::empty({std::max<int64_t>(nt * scratch_per_thread, 1)}, at::TensorOptions().dtype(at::kDouble));
   run_items(int64_t(fused.size()), fused_elements, [&](int64_t k) {
     const auto [i, u] = fused[k];
-    double* mine = scratch.data_ptr<double>() + at::get_thread_num() * scratch_per_thread;
-    with_elem(qs[i], [&](auto e) {
-      using E = decltype(e);
-      fused_unit<E>(qs[i], *hs[i], u, reinterpret_cast<typename E::T*>(mine));
-    });
+    with_elem(qs[i], [&](auto e) { fused_unit<decltype(e)>(qs[i], *hs[i], u); });
   });
   split_units(qs, hs, split, std::max<int64_t>(largest / 16, kBlock));  // <= 1/8 of an fp32 copy of the largest unit
   ct.finish();
