@@ -424,8 +424,8 @@ class SkewAdam(Optimizer):
             self._reducer = DTensorReducer()
         check = self.skip_nonfinite
         if outside:
-            grads = [pt.grad for group in [w[2] for w in outside] + [w[1] for w in work] for pt in group.params]
-            if check and not bool(steppers.grads_finite(grads, self._reducer)):  # both kinds skip a step together
+            records = [w[2] for w in outside] + [w[1] for w in work]  # both kinds skip a step together
+            if check and not bool(steppers.grads_finite([pt.grad for r in records for pt in r.params], self._reducer)):
                 self.skipped_steps += 1
                 return loss
             check = False

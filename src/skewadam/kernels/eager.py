@@ -47,7 +47,8 @@ from .types import (ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, all
                     stat_dims, unit_dims, unit_numel)
 
 __all__ = ["GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "step_", "unit_dims",
-           "stat_dims", "chunk_slices", "ema", "CHUNK_NUMEL", "BLOCK_NUMEL", "SKIP_ON_HOST", "step_transient_bytes"]
+           "stat_dims", "chunk_slices", "ema", "step_key", "CHUNK_NUMEL", "BLOCK_NUMEL", "SKIP_ON_HOST",
+           "step_transient_bytes"]
 
 CHUNK_NUMEL = 1 << 24  # 64 MiB of fp32: tensors above this are processed a chunk of whole dim-0 slices at a time
 BLOCK_NUMEL = 1 << 20  # sums are taken per block of whole dim-0 slices of about this many elements
@@ -145,9 +146,11 @@ def _dtype(pt: ParamTensors) -> torch.dtype:
     return (pt.row_var if pt.row_var is not None else pt.exp_avg_sq).dtype
 
 
-def _key(seed: int, pt: ParamTensors):
-    """The rounding key of this step: a bank's from its step counts on its device, a tensor's from its host count."""
-    step = pt.step.sum(dtype=torch.int64) if pt.bank else int(pt.step.item())
+def step_key(seed: int, pt: ParamTensors):
+    """The rounding key of this step, from the step counts after it: on their device where they live beside the
+    parameter (a bank's; any under the Triton kernel), with no host sync; else from the host count."""
+    on_host = not pt.bank and pt.step.device.type == "cpu"
+    step = int(pt.step.item()) if on_host else pt.step.sum(dtype=torch.int64)
     return rounding_key(seed, pt.stream, step)
 
 
@@ -256,7 +259,7 @@ def _update_moments(pt: ParamTensors, st: GradStats, group: Group) -> Moments:
             cinv = pt.col_var.rsqrt()
     key = 0  # only a bf16 first moment draws rounding bits
     if m is not None and m.dtype == torch.bfloat16 and dtype != torch.bfloat16:
-        key = _key(group.seed, pt)
+        key = step_key(group.seed, pt)
     n0, per_slice = _slices(g.shape)
     per_block = _block_slices(g.shape)
     sums = []
@@ -318,7 +321,7 @@ def _apply_updates(pt: ParamTensors, mo: Moments, *, lr: Scalar, decay: Optional
         lr = lr.to(dtype)
         decay = decay.to(dtype) if decay is not None else None
     cc = mo.corr * (mo.u_sumsq / n_unit).sqrt_().clamp_(min=1.0).reciprocal_()  # corr / max(1, rms(u))
-    key = _key(seed, pt) if p.dtype == torch.bfloat16 else 0
+    key = step_key(seed, pt) if p.dtype == torch.bfloat16 else 0
     n0, per_slice = _slices(p.shape)
     for sl in _chunks(p.shape):
         _apply_chunk(*(_at(t, sl, n0) for t in (p, pt.grad, pt.exp_avg, pt.exp_avg_scale, pt.exp_avg_sq, mo.rinv,

@@ -40,7 +40,8 @@ from torch import Tensor
 
 from ..state import num_blocks
 from .quant import load_momentum, store_momentum_
-from .rounding import rounding_key, stochastic_round_bf16
+from .eager import step_key
+from .rounding import stochastic_round_bf16
 from .types import Group, ParamTensors
 
 __all__ = ["NS_COEFFICIENTS", "NS_STEPS", "NS_EPS", "CHUNK_NUMEL", "ns_dtype", "newton_schulz", "newton_schulz_",
@@ -175,8 +176,8 @@ def step_(
         pt.step.add_(active.view(-1) if pt.bank else 1)
     gathered = gathered or [False] * len(pts)
     lr = float(group.lr)
-    keys = [rounding_key(group.seed, pt.stream, int(pt.step.sum().item()))
-            if torch.bfloat16 in (pt.param.dtype, getattr(pt.exp_avg, "dtype", None)) else 0 for pt in pts]
+    keys = [step_key(group.seed, pt) if torch.bfloat16 in (pt.param.dtype, getattr(pt.exp_avg, "dtype", None)) else 0
+            for pt in pts]
     kinds: dict[tuple, list[int]] = defaultdict(list)
     for i, pt in enumerate(pts):
         kinds[(tuple(pt.shape[-2:]), ns_dtype(pt.param.dtype))].append(i)
