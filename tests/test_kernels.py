@@ -444,6 +444,37 @@ def test_every_kernel_checks_the_record_sizes_it_indexes_with(impl, field, make)
     assert torch.equal(pt.param, before)
 
 
+def test_every_kernel_explains_a_missing_gradient_in_a_record_naming_the_parameter(impl):
+    mod, group = _record(impl)
+    pt = group.params[0]
+    before = pt.param.clone()
+    with pytest.raises(ValueError, match=NAME + ": gradient of shape None"):
+        mod.step_([group._replace(params=[pt._replace(grad=None)])], skip_nonfinite=True)
+    assert torch.equal(pt.param, before)
+
+
+@needs_cpp
+@pytest.mark.parametrize("field, value, error, match", [
+    ("step", 1.0, ValueError, NAME + ": step of shape float"),  # a field types.check explains
+    ("eps_mode", 3, TypeError, "record field 'eps_mode' has the wrong type"),
+    ("stream", 2.5, TypeError, "record field 'stream' has the wrong type"),
+    ("params", "ab", TypeError, "record field 'params' has the wrong type"),
+])
+def test_cpp_refuses_a_record_field_of_another_type_naming_it(field, value, error, match):
+    """The C++ kernel converts the records itself (not through pybind's casters): a field of another type is a
+    TypeError naming the field, or types.check's ValueError naming the parameter; nothing written."""
+    mod, group = _record("cpp")
+    pt = group.params[0]
+    bad = (group._replace(**{field: value}) if field in group._fields
+           else group._replace(params=[pt._replace(**{field: value})]))
+    before = pt.param.clone()
+    with pytest.raises(error, match=match):
+        mod.step_([bad], skip_nonfinite=True)
+    with pytest.raises(error, match=match):
+        mod.grad_stats(bad)
+    assert torch.equal(pt.param, before)
+
+
 def test_every_kernel_checks_the_int8_scales_and_bank_step_counts(impl):
     mod, group = _record(impl, momentum_dtype="int8")
     pt = group.params[0]

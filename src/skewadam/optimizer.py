@@ -360,6 +360,7 @@ class SkewAdam(Optimizer):
         cached = self.__dict__.setdefault("_records", {}).get(index)  # what a record takes from p and its group
         if cached is None or cached[0] != key:
             cached = self._records[index] = (key, [None] * len(group["params"]))
+        states, make = self.state, ParamTensors._make  # _make: the record without NamedTuple.__new__'s Python call
         for i, p in enumerate(group["params"]):
             grad = p.grad
             if grad is None:
@@ -367,23 +368,25 @@ class SkewAdam(Optimizer):
             if grad.is_sparse:
                 raise TypeError(f"SkewAdam does not support sparse gradients (param group {index}, tier {tier!r}); "
                                 "use a dense embedding (sparse=False)")
-            fixed = cached[1][i]  # (id(p), its shape, dtype, bank flag, rounding stream, name), kept while they hold
+            fixed = cached[1][i]  # (id(p), shape, dtype, DTensor?, bank flag, rounding stream, name) while they hold
             if fixed is None or fixed[0] != id(p) or fixed[1] != p.shape or fixed[2] is not p.dtype:
-                fixed = cached[1][i] = (id(p), p.shape, p.dtype, experts is not None or is_bank(p.ndim, tier, bank),
+                fixed = cached[1][i] = (id(p), p.shape, p.dtype, _is_dtensor(p),
+                                        experts is not None or is_bank(p.ndim, tier, bank),
                                         _rounding_stream(p, first_id + i, group["momentum_dtype"]),
                                         f"param_groups[{index}]['params'][{i}]" + (f" ({names[i]!r})" if names else ""))
-            state = self._state_of(p, group, device_steps)
+            state = (not device_steps and states.get(p)) or self._state_of(p, group, device_steps)  # lazy init
             local = (p, grad, state["step"], *map(state.get, _STATE_FIELDS))
-            if _is_dtensor(p):  # the kernels step the local shards (their state is sharded as p is)
+            if fixed[3]:  # a DTensor: the kernels step the local shards (their state is sharded as p is)
                 from .distributed import check_grad
 
                 check_grad(p)
                 local = tuple(map(_local, local))
-            param, grad, shape = local[0], local[1], fixed[1]
+            shape = fixed[1]
             if experts is not None:  # a flattened bank [E*D, ...]: the kernels step its view [E, D, ...]
-                param, grad, shape = _bank_view(p, experts, fixed[5])
+                view, grad_view, shape = _bank_view(p, experts, fixed[6])
+                local = (view, grad_view, *local[2:])
             params.append(p)
-            tensors.append(ParamTensors(param, grad, *local[2:], shape, *fixed[3:]))
+            tensors.append(make((*local, shape, *fixed[4:])))
         if not params:
             return None
         b1, b2 = group["betas"]

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from . import quant, rounding
-from .types import ROW_MEAN_FLOOR, GradStats, Group, Moments, check, stat_dims, unit_dims
+from .types import ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, check, stat_dims, unit_dims
 
 __all__ = [
     "GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "step_", "unit_dims", "stat_dims",
@@ -207,14 +207,15 @@ def _seeded(group: Group) -> Group:
 
 
 def _call(fn: str, groups: Sequence[Group], *args):
-    """Run extension function ``fn``; a record the extension cannot even convert (pybind's TypeError: a step that is
-    a Python number, a missing gradient) is explained by `skewadam.kernels.types.check`."""
+    """Run extension function ``fn``; a record the extension cannot convert (its TypeError names the field: a step
+    that is a Python number, a missing gradient) is explained by `skewadam.kernels.types.check` where it can."""
     try:
         return getattr(_ext(), fn)(*args)
     except TypeError:
         for group in groups:
-            for pt in group.params:
-                check(pt)
+            for pt in group.params if isinstance(group.params, (list, tuple)) else ():
+                if isinstance(pt, ParamTensors):
+                    check(pt)
         raise
 
 

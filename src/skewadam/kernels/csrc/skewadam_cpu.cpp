@@ -28,7 +28,8 @@
 // passes call the same functions on the same blocks.
 //
 // Records: the Python API takes skewadam/kernels/types.py's Group, ParamTensors, GradStats and Moments (NamedTuples,
-// received as std::tuples); `fields()` lists the fields in the order read here, and cpu.py checks them against
+// as std::tuples; Group and ParamTensors converted with the C API, the per-step cost that matters at a few hundred
+// tensors); `fields()` lists the fields in the order read here, and cpu.py checks them against
 // types.py when it loads the extension. Every size the kernel indexes with is checked against the parameter first
 // (TORCH_CHECK_VALUE: a Python ValueError naming the parameter and the fix), so a mismatched gradient, state or
 // statistic is an error, never an out-of-bounds access.
@@ -177,8 +178,7 @@ inline Rounder rounder(int64_t first, uint32_t key) { return {uint32_t(first >> 
 // x + bits, truncated to bf16, in the high half of a 32-bit word; a NaN x as c10::BFloat16 writes NaN, whatever its
 // sign and payload (the add alone could carry it into inf, or past the sign bit to zero).
 inline uint32_t add_truncate_hi(float x, uint32_t bits) {
-  const uint32_t b = __builtin_bit_cast(uint32_t, x);
-  return (b & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : (b + bits) & 0xFFFF0000u;
+  return std::isnan(x) ? 0x7FC00000u : (__builtin_bit_cast(uint32_t, x) + bits) & 0xFFFF0000u;  // isnan: one compare
 }
 
 inline uint16_t add_truncate(float x, uint32_t bits) { return uint16_t(add_truncate_hi(x, bits) >> 16); }
@@ -370,6 +370,85 @@ py::dict fields() {
   d["GradStats"] = std::vector<std::string>{"sumsq", "rc_sumsq", "row", "col", "row_var_sum"};
   d["Moments"] = std::vector<std::string>{"u_sumsq", "corr", "rinv", "cinv", "active"};
   return d;
+}
+
+// The records converted field by field with the C API: pybind's generic casters take ~4 us per ParamTensors
+// (measured: 0.9 ms for the bench model's 211 tensors, about 5% of its step), this a few hundred ns. A record that
+// is not a tuple of its fields, or a field of another type, is a TypeError naming it (cpu.py then says what is wrong,
+// with types.check).
+[[noreturn]] void wrong_type(const char* field) {
+  throw py::type_error(std::string("skewadam C++ CPU kernel: record field '") + field + "' has the wrong type");
+}
+
+Tensor tensor_of(PyObject* o, const char* field) {
+  if (!THPVariable_Check(o)) wrong_type(field);
+  return THPVariable_Unpack(o);
+}
+
+OptTensor opt_tensor_of(PyObject* o, const char* field) {
+  if (o == Py_None) return std::nullopt;
+  return tensor_of(o, field);
+}
+
+int64_t int_of(PyObject* o, const char* field) {
+  if (!PyLong_Check(o)) wrong_type(field);
+  const long long v = PyLong_AsLongLong(o);
+  if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return int64_t(v);
+}
+
+double double_of(PyObject* o, const char* field) {
+  if (PyFloat_Check(o)) return PyFloat_AS_DOUBLE(o);
+  const double v = PyFloat_AsDouble(o);  // an int, or anything with __float__ (pybind's caster accepts the same)
+  if (v == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    wrong_type(field);
+  }
+  return v;
+}
+
+// A sequence's items: fn(item) for each (a list or tuple without copies).
+template <class F>
+void for_items(PyObject* seq, const char* field, const F& fn) {
+  py::object fast = py::reinterpret_steal<py::object>(PySequence_Fast(seq, ""));
+  if (!fast) {
+    PyErr_Clear();
+    wrong_type(field);
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(fast.ptr());
+  for (Py_ssize_t i = 0; i < n; ++i) fn(items[i]);
+}
+
+ParamRec param_rec_of(PyObject* r) {
+  if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != Py_ssize_t(std::tuple_size_v<ParamRec>)) wrong_type("params");
+  const auto at = [&](Py_ssize_t i) { return PyTuple_GET_ITEM(r, i); };
+  std::vector<int64_t> shape;
+  for_items(at(8), "shape", [&](PyObject* d) { shape.push_back(int_of(d, "shape")); });
+  const int bank = PyObject_IsTrue(at(9));  // as pybind's bool caster converts
+  if (bank < 0) throw py::error_already_set();
+  return {tensor_of(at(0), "param"), tensor_of(at(1), "grad"), tensor_of(at(2), "step"),
+          opt_tensor_of(at(3), "exp_avg"), opt_tensor_of(at(4), "exp_avg_scale"), opt_tensor_of(at(5), "exp_avg_sq"),
+          opt_tensor_of(at(6), "row_var"), opt_tensor_of(at(7), "col_var"), std::move(shape), bank == 1,
+          int_of(at(10), "stream"), py::reinterpret_borrow<py::object>(at(11))};
+}
+
+GroupRec group_rec_of(py::handle group) {
+  PyObject* g = group.ptr();
+  if (!PyTuple_Check(g) || PyTuple_GET_SIZE(g) != Py_ssize_t(std::tuple_size_v<GroupRec>)) wrong_type("groups");
+  const auto at = [&](Py_ssize_t i) { return PyTuple_GET_ITEM(g, i); };
+  std::vector<ParamRec> params;
+  for_items(at(0), "params", [&](PyObject* r) { params.push_back(param_rec_of(r)); });
+  if (!PyUnicode_Check(at(5))) wrong_type("eps_mode");
+  return {std::move(params), py::reinterpret_borrow<py::object>(at(1)), double_of(at(2), "beta1"),
+          double_of(at(3), "beta2"), double_of(at(4), "eps"), py::cast<std::string>(at(5)),
+          double_of(at(6), "weight_decay"), int_of(at(7), "seed")};
+}
+
+std::vector<GroupRec> group_recs_of(py::handle groups) {
+  std::vector<GroupRec> out;
+  for_items(groups.ptr(), "groups", [&](PyObject* g) { out.push_back(group_rec_of(g)); });
+  return out;
 }
 
 struct Hyper {
@@ -1006,15 +1085,19 @@ inline auto update_span(const Mom& mom, int64_t e, int64_t stride, int64_t n, T*
 
 // ------------------------------------------------------------------------------------------------ passes 2 and 3
 // The direction u of the update, given its source src (momentum or gradient) and the unit's scale c (pass 2: the bias
-// correction; pass 3: times the clip). Like the codecs, a direction's array comes in as a __restrict parameter d
-// (FactoredDir: cinv from the span's first column, indexed by column j; FullDir: v from the span's first element,
-// indexed by element i). `moment`: what pass 2 updates element-wise before forming u.
+// correction; pass 3: times the clip and -lr, so that `plus` is the new weight before rounding, base + u: one
+// multiply fewer per element than -lr * u + base). Like the codecs, a direction's array comes in as a __restrict
+// parameter d (FactoredDir: cinv from the span's first column, indexed by column j; FullDir: v from the span's first
+// element, indexed by element i). `moment`: what pass 2 updates element-wise before forming u.
 template <class T, int NS>
 struct FactoredDir {  // u = src * (rinv_i * c) * cinv_j, rs[s] = rinv_i * c for the row of run s
   using Ptr = const T*;
   T rs[NS];
   void moment(Ptr, int64_t, T) const {}
   T u(Ptr __restrict cinv, int s, int64_t j, int64_t, T src) const { return src * rs[s] * cinv[j]; }
+  T plus(Ptr __restrict cinv, int s, int64_t j, int64_t, T src, T base) const {
+    return madd(src * rs[s], cinv[j], base);
+  }
 };
 
 template <class T>
@@ -1024,6 +1107,7 @@ struct FullDir {  // u = src * c / sqrt(max(v_i, floor)); pass 2 first moves v_i
   Ema<T> ema;
   void moment(Ptr __restrict v, int64_t i, T x) const { v[i] = ema(v[i], x * x + add); }
   T u(Ptr __restrict v, int, int64_t, int64_t i, T src) const { return src * c / std::sqrt(std::max(v[i], floor)); }
+  T plus(Ptr __restrict v, int s, int64_t j, int64_t i, T src, T base) const { return u(v, s, j, i, src) + base; }
 };
 
 // Pass 2 on a span: the moments of each element, then u, its square added to acc. It stays a call (noinline): inlined
@@ -1047,15 +1131,13 @@ template <class E, int NS, class Sp, class Dir>
   });
 }
 
-// Pass 3 on a span: p = p*decay + nlr * u (bf16: rounded stochastically).
+// Pass 3 on a span: p = p*decay - lr * u (bf16: rounded stochastically); dir's scale holds -lr.
 template <class E, int NS, class Sp, class Dir>
 inline void p3_span(typename E::raw* __restrict p, decltype(std::declval<const Sp&>().ptr()) __restrict m,
                     typename Dir::Ptr __restrict d, int64_t stride, int64_t n, const Sp sp, const Dir dir,
-                    typename E::T decay, typename E::T nlr, const Rounder* rnd) {
+                    typename E::T decay, const Rounder* rnd) {
   using T = typename E::T;
-  const auto next = [&](int s, int64_t j, int64_t i, T src, T old) {
-    return madd(nlr, dir.u(d, s, j, i, src), old * decay);
-  };
+  const auto next = [&](int s, int64_t j, int64_t i, T src, T old) { return dir.plus(d, s, j, i, src, old * decay); };
   write_runs<E, NS>(
       p, stride, n, rnd,
       [&](int s, uint32_t j) {
@@ -1153,7 +1235,7 @@ void p3_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
                                          int64_t qr, int64_t c0) {
         constexpr int NS = decltype(ns)::value;
         const int64_t u = G.unit_of_mat(mt);
-        const T cc = T(q.corr[u]) * T(q.clip[u]);
+        const T cc = T(q.corr[u]) * T(q.clip[u]) * nlr;
         const T* rinv = st.at<T>(st.rinv, mt, G.R);
         FactoredDir<T, NS> dir;
         Rounder rnd[NS];
@@ -1162,17 +1244,17 @@ void p3_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
           rnd[s] = rounder(e + s * stride, q.key);
         }
         const auto sp = mom.template read_span<NS>(e, stride);
-        p3_span<E, NS>(p + e, sp.ptr(), st.at<T>(st.cinv, mt, G.C) + c0, stride, n, sp, dir, decay, nlr, rnd);
+        p3_span<E, NS>(p + e, sp.ptr(), st.at<T>(st.cinv, mt, G.C) + c0, stride, n, sp, dir, decay, rnd);
       });
     } else {
       const int64_t u = b / G.blocks_per_unit;
-      const FullDir<T> dir{T(q.corr[u]) * T(q.clip[u]), h.add_mode ? T(0) : T(h.eps), T(0), Ema<T>(h.beta2)};
+      const FullDir<T> dir{T(q.corr[u]) * T(q.clip[u]) * nlr, h.add_mode ? T(0) : T(h.eps), T(0), Ema<T>(h.beta2)};
       full_spans<kChunked>(q, b, [&](auto ns, int64_t e, int64_t stride, int64_t n) {
         constexpr int NS = decltype(ns)::value;
         Rounder rnd[NS];
         for (int s = 0; s < NS; ++s) rnd[s] = rounder(e + s * stride, q.key);
         const auto sp = mom.template read_span<NS>(e, stride);
-        p3_span<E, NS>(p + e, sp.ptr(), at_<T>(q.v) + e, stride, n, sp, dir, decay, nlr, rnd);
+        p3_span<E, NS>(p + e, sp.ptr(), at_<T>(q.v) + e, stride, n, sp, dir, decay, rnd);
       });
     }
   });
@@ -1598,12 +1680,18 @@ Tensor stochastic_round_bf16(const Tensor& x, int64_t key) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "SkewAdam's update passes on CPU (see skewadam/kernels/cpu.py)";
   m.def("fields", &fields, "the record fields this extension reads, in order (types.py's NamedTuples)");
-  m.def("step", &step, pybind11::arg("groups"), pybind11::arg("skip_nonfinite"),
+  m.def("step", [](py::handle groups, bool skip_nonfinite) { return step(group_recs_of(groups), skip_nonfinite); },
+        pybind11::arg("groups"), pybind11::arg("skip_nonfinite"),
         "passes 1-3 for one process; a 0-d bool tensor, true if skipped for a non-finite gradient");
-  m.def("grad_stats", &grad_stats, pybind11::arg("group"), "pass 1: sums of g^2");
-  m.def("update_moments", &update_moments, pybind11::arg("group"), pybind11::arg("stats"), pybind11::arg("skip"),
+  m.def("grad_stats", [](py::handle group) { return grad_stats(group_rec_of(group)); }, pybind11::arg("group"),
+        "pass 1: sums of g^2");
+  m.def("update_moments", [](py::handle group, const std::vector<StatsRec>& stats, const OptTensor& skip) {
+    return update_moments(group_rec_of(group), stats, skip);
+  }, pybind11::arg("group"), pybind11::arg("stats"), pybind11::arg("skip"),
         "pass 2: step counts, moments, per-unit sum of u^2");
-  m.def("apply_updates", &apply_updates, pybind11::arg("group"), pybind11::arg("moments"), pybind11::arg("skip"),
+  m.def("apply_updates", [](py::handle group, const std::vector<MomentsRec>& moments, const OptTensor& skip) {
+    apply_updates(group_rec_of(group), moments, skip);
+  }, pybind11::arg("group"), pybind11::arg("moments"), pybind11::arg("skip"),
         "pass 3: clip, decay, write (bf16: stochastic rounding)");
   m.def("stochastic_round_bf16", &stochastic_round_bf16, "rounding.py's stochastic rounding of fp32 to bf16");
   m.def("rounding_key", [](int64_t seed, int64_t param_index, int64_t step) {
