@@ -181,7 +181,12 @@ inline uint32_t add_truncate_hi(float x, uint32_t bits) {
   return std::isnan(x) ? 0x7FC00000u : (__builtin_bit_cast(uint32_t, x) + bits) & 0xFFFF0000u;  // isnan: one compare
 }
 
-inline uint16_t add_truncate(float x, uint32_t bits) { return uint16_t(add_truncate_hi(x, bits) >> 16); }
+// The same in the low half (no mask: the shift drops the low bits).
+inline uint32_t add_truncate_lo(float x, uint32_t bits) {
+  return std::isnan(x) ? 0x7FC0u : (__builtin_bit_cast(uint32_t, x) + bits) >> 16;
+}
+
+inline uint16_t add_truncate(float x, uint32_t bits) { return uint16_t(add_truncate_lo(x, bits)); }
 
 // Element j of a run, rounded.
 inline uint16_t round_bf16(float x, uint32_t j, const Rounder& r) {
@@ -239,7 +244,7 @@ template <class E, int NS, class F, class F2>
         unrolled<NS>([&](int s) {
           const auto [x0, x1] = pair(s, k);
           const uint32_t h = mix32(h0[s] + k * kGolden);
-          const uint32_t w = (add_truncate_hi(x0, h & 0xFFFFu) >> 16) | add_truncate_hi(x1, h >> 16);
+          const uint32_t w = add_truncate_lo(x0, h & 0xFFFFu) | add_truncate_hi(x1, h >> 16);
           std::memcpy(p + s * stride + 2 * k, &w, sizeof w);
         });
     } else {
