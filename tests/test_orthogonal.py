@@ -196,6 +196,10 @@ RESUME = {
     "orthogonal_experts_bf16_weights": (torch.bfloat16, {"orthogonal": "experts"}),
     "orthogonal_bf16_momentum": (torch.float32, {"orthogonal": True, "momentum_dtype": "bf16"}),
     "orthogonal_int8_momentum": (torch.float32, {"orthogonal": "experts", "momentum_dtype": "int8"}),
+    "orthogonal_experts_int8_momentum": (torch.float32, {"orthogonal": "experts", "momentum_dtype": "int8",
+                                                         "tier_options": {"expert": {"use_momentum": True}}}),
+    "orthogonal_experts_momentum_bf16_weights": (torch.bfloat16, {"orthogonal": "experts",
+                                                                  "tier_options": {"expert": {"use_momentum": True}}}),
     "relative_step": (torch.float32, {"relative_step": True}),
     "beta2_decay_bf16_weights": (torch.bfloat16, {"beta2_decay": -0.8}),
 }

@@ -27,6 +27,9 @@ from the kernel that runs them (``step_transient_bytes`` of `skewadam.kernels.ea
 | skewadam-orthogonal       | hidden matrices orthogonal (Muon's update, `skewadam.steppers`), the rest paper   |
 |                           | tiers: one optimizer, one state dict                                              |
 | skewadam-orthogonal-experts | skewadam-orthogonal + expert banks orthogonalised per expert from the gradient  |
+| skewadam-orthogonal-experts-momentum | skewadam-orthogonal-experts, expert slices with Nesterov momentum too   |
+|                           | (Muon per expert; over a 0.15x budget where experts are most of the model)        |
+| skewadam-orthogonal-experts-momentum-int8m | that, every momentum block-wise int8: the best arm of the study   |
 | skewadam-orthogonal-lrNx  | skewadam-orthogonal with the orthogonal groups' lr N x the rest's (N = 3, 10)     |
 | skewadam-relative-step    | skewadam, update x max(1e-3, rms(p)) per unit (Adafactor's relative step)         |
 | skewadam-beta2-decay      | skewadam, beta2_t = 1 - t^-0.8, no second-moment bias correction (Adafactor's)    |
@@ -310,6 +313,13 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
               orthogonal=True, lr=1e-2),
     _skewadam("skewadam-orthogonal-experts", "SkewAdam, hidden matrices and expert banks (per expert) orthogonal",
               orthogonal="experts", lr=3e-2),
+    _skewadam("skewadam-orthogonal-experts-momentum",
+              "skewadam-orthogonal-experts, expert slices with Nesterov momentum", orthogonal="experts",
+              tier_options={"expert": {"use_momentum": True}}, lr=3e-2),
+    _skewadam("skewadam-orthogonal-experts-momentum-int8m",
+              "skewadam-orthogonal-experts-momentum, every momentum block-wise int8",
+              options={"momentum_dtype": "int8"}, orthogonal="experts", tier_options={"expert": {"use_momentum": True}},
+              lr=3e-2),
     *(_skewadam(f"skewadam-orthogonal-lr{k:g}x", f"skewadam-orthogonal, orthogonal groups at {k:g}x the lr",
                 orthogonal=True, orthogonal_lr=k) for k in (3.0, 10.0)),
     _skewadam("skewadam-relative-step", "SkewAdam, update x max(1e-3, rms(p)) (Adafactor's relative step)",

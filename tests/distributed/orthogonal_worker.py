@@ -6,8 +6,8 @@ orthogonalisation needs whole matrices: a sharded matrix's update is all-gathere
 rank's shard; a bank sharded on its experts needs nothing. Rank 0 writes ``OUT_DIR/results.json`` as worker.py does.
 
 Layouts, on 2 ranks: FSDP2 ``Shard(0)`` everywhere (uneven: 3 experts, vocab 67), torchtitan's (experts ``Shard(1)``
-with one expert, attention ``Shard(1)``), int8 momentum under ``Shard(0)``, DDP; a negative control (no gather) and
-Adafactor's options refused on DTensors.
+with one expert, attention ``Shard(1)``), int8 momentum under ``Shard(0)``, int8 momentum on the expert banks too
+with experts ``Shard(1)`` (gathered), DDP; a negative control (no gather) and Adafactor's options refused on DTensors.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import worker  # the reference model and data helpers (and its float64 expert dispatch)
@@ -29,15 +30,17 @@ W = worker.W
 ARM = "skewadam-orthogonal-experts"
 
 
-def build_opt(model, momentum_dtype: str = "fp32", **options) -> SkewAdam:
+def build_opt(model, momentum_dtype: str = "fp32", expert_momentum: bool = False, **options) -> SkewAdam:
+    """The arm's groups; ``expert_momentum``: every orthogonal group keeps momentum, the expert banks too."""
     groups = param_groups(model, weight_decay=0.1, orthogonal="experts", log=False,
-                          orthogonal_options={"momentum_dtype": momentum_dtype})
+                          orthogonal_options={"momentum_dtype": momentum_dtype,
+                                              **({"use_momentum": True} if expert_momentum else {})})
     return SkewAdam(groups, lr=worker.LR, **options)
 
 
-def reference(cfg, data, momentum_dtype: str = "fp32"):
+def reference(cfg, data, momentum_dtype: str = "fp32", expert_momentum: bool = False):
     model = worker.build(cfg)
-    opt = build_opt(model, momentum_dtype)
+    opt = build_opt(model, momentum_dtype, expert_momentum)
     for idx, tgt in data:
         model(idx, tgt).loss.backward()
         opt.step()
@@ -45,18 +48,19 @@ def reference(cfg, data, momentum_dtype: str = "fp32"):
     return model, worker.snapshot(model.named_parameters(), opt)
 
 
-def check_fsdp2(n_experts: int, placement_fn=None, momentum_dtype: str = "fp32", gather: bool = True) -> dict:
+def check_fsdp2(n_experts: int, placement_fn=None, momentum_dtype: str = "fp32", gather: bool = True,
+                expert_momentum: bool = False) -> dict:
     cfg = worker.config(n_experts)
     data = worker.batches()
     model = worker.fsdp_model(cfg, placement_fn)
-    opt = build_opt(model, momentum_dtype)
+    opt = build_opt(model, momentum_dtype, expert_momentum)
     if not gather:  # negative control: orthogonalise each shard on its own
         from skewadam.distributed import DTensorReducer
 
         opt._reducer = DTensorReducer()
         opt._reducer.gathers = lambda param, bank: False
     worker.train(worker.backward(model), opt, data)
-    ref_model, ref = reference(cfg, data, momentum_dtype)
+    ref_model, ref = reference(cfg, data, momentum_dtype, expert_momentum)
     out = {"max_diff": worker.max_diff(ref, worker.snapshot(model.named_parameters(), opt))}
     if gather:
         orth = {n for g in opt.param_groups if g["update"] == "orthogonal" for n in g["param_names"]}
@@ -70,6 +74,13 @@ def check_fsdp2(n_experts: int, placement_fn=None, momentum_dtype: str = "fp32",
         out["planned_gather_bytes_fp32"] = plan(ref_model, optimizers=[ARM], shards=W)[ARM].gather_bytes
         out["orthogonal"] = sorted(orth)
     return out
+
+
+def experts_shard1(param):
+    """torchtitan's expert placement (``Shard(1)``: one expert on 2 ranks, so its matrices are gathered), the rest on
+    FSDP2's ``Shard(0)``: int8 momentum keeps its blocks along an unsharded last dim (a ``Shard(1)`` matrix is refused
+    with int8 momentum, `skewadam.distributed.new_state_dtensor`)."""
+    return Shard(1) if param.ndim == 3 and param.shape[0] < W else Shard(0)
 
 
 def check_ddp() -> dict:
@@ -103,6 +114,8 @@ def main(out_dir: Path, impl: str) -> None:
             "fsdp2_shard0_uneven": lambda: check_fsdp2(3),
             "fsdp2_torchtitan_shard1": lambda: check_fsdp2(1, worker.torchtitan_placement),
             "fsdp2_int8_momentum": lambda: check_fsdp2(3, momentum_dtype="int8"),
+            "fsdp2_experts_shard1_int8_expert_momentum": lambda: check_fsdp2(1, experts_shard1, "int8",
+                                                                             expert_momentum=True),
             "fsdp2_negative_control": lambda: check_fsdp2(3, gather=False),
             "ddp": check_ddp,
             "adafactor_options_refused": check_adafactor_options_refused,

@@ -204,6 +204,7 @@ def study() -> BenchConfig:
 STUDY_ORTH_LRS: dict[str, tuple[float, ...]] = {
     "skewadam-orthogonal": (3e-3, 1e-2, 3e-2),
     "skewadam-orthogonal-experts": (1e-2, 3e-2, 1e-1),
+    "skewadam-orthogonal-experts-momentum-int8m": (1e-2, 3e-2, 1e-1),
     # the 2-D sweep: (lr of the rest, lr of the orthogonal groups) = (lr, 3 lr) and (lr, 10 lr)
     "skewadam-orthogonal-lr3x": (1e-3, 3e-3, 1e-2),
     "skewadam-orthogonal-lr10x": (3e-4, 1e-3, 3e-3),
