@@ -14,7 +14,7 @@ import torch
 import torch.optim._muon as torch_muon
 
 from reference import RefOrthogonal, RefParam, newton_schulz as ref_newton_schulz
-from skewadam import SkewAdam, kernels
+from skewadam import SkewAdam, arms, kernels, plan
 from skewadam.classify import hidden_matrices
 from skewadam.groups import param_groups
 from skewadam.kernels import orthogonal
@@ -379,8 +379,6 @@ def test_the_recommended_recipe_builds_the_arm_with_int8_expert_momentum():
     """README's one line (``orthogonal="experts"``, ``orthogonal_options={"use_momentum": True}``,
     ``momentum_dtype="int8"``) gives the groups of arm skewadam-orthogonal-experts-momentum-int8m: every orthogonal
     group, the experts' too, keeps int8 momentum; the router keeps none; the state is what the planner counts."""
-    from skewadam import arms, plan
-
     model = _model()
     recipe = SkewAdam.from_model(model, log=False, lr=1e-2, orthogonal="experts",
                                  orthogonal_options={"use_momentum": True}, momentum_dtype="int8")
@@ -389,6 +387,7 @@ def test_the_recommended_recipe_builds_the_arm_with_int8_expert_momentum():
     assert [[g[k] for k in keys] for g in recipe.param_groups] == [[g[k] for k in keys] for g in arm.param_groups]
     orth = [g for g in recipe.param_groups if g["update"] == "orthogonal"]
     assert {g["tier"] for g in orth} == {"backbone", "expert"} and all(g["use_momentum"] for g in orth)
+    assert [g["use_momentum"] for g in recipe.param_groups if g["tier"] == "router"] == [False]
     _train(model, recipe, 1, seed=0)
     for g in orth:
         for p in g["params"]:

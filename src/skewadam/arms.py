@@ -315,7 +315,7 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
               orthogonal="experts", lr=3e-2),
     _skewadam("skewadam-orthogonal-experts-momentum",
               "skewadam-orthogonal-experts, expert slices with Nesterov momentum", orthogonal="experts",
-              tier_options={"expert": {"use_momentum": True}}, lr=3e-2),
+              tier_options={"expert": {"use_momentum": True}}, lr=3e-2),  # its int8 twin's best (not swept itself)
     _skewadam("skewadam-orthogonal-experts-momentum-int8m",
               "skewadam-orthogonal-experts-momentum, every momentum block-wise int8",
               options={"momentum_dtype": "int8"}, orthogonal="experts", tier_options={"expert": {"use_momentum": True}},

@@ -1,7 +1,7 @@
 """The orthogonal tier on sharded parameters: equal to one process under FSDP2 (both expert placements, int8
-momentum, int8 expert momentum) and DDP, the gathered bytes what the math needs and what the planner counts; Adafactor's options refused on
-DTensors. The checks run in ``orthogonal_worker.py`` under torchrun (2 CPU ranks, gloo), once per kernel available
-here (the fused groups' kernel: eager, and the C++ one)."""
+momentum, int8 expert momentum) and DDP, the gathered bytes what the math needs and what the planner counts;
+Adafactor's options refused on DTensors. The checks run in ``orthogonal_worker.py`` under torchrun (2 CPU ranks,
+gloo), once per kernel available here (the fused groups' kernel: eager, and the C++ one)."""
 
 from __future__ import annotations
 
