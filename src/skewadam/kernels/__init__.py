@@ -1,93 +1,163 @@
 """Update kernels: pure functions over the records of `skewadam.kernels.types` (one `Group` per param group), one
-module per implementation, the same passes in each (the protocol is in `types`).
+module per backend, the same passes in each (the protocol is in `types`), and `BACKENDS`, the one registry every other
+module asks which backends exist, where they run and what they cost.
 
-- `eager`: torch ops, on any device (the reference path).
-- `cpu`: a C++ kernel for CPU tensors, compiled on first use and cached. It also offers ``step_``, the whole step of
-  one process in one call; the optimizer uses it when nothing needs reducing between passes.
-- `triton`: Triton kernels for CUDA tensors, a few launches per group and pass and no host sync (step counts, the
+- ``eager``: torch ops, on any device (the reference path).
+- ``cpp``: a C++ kernel for CPU tensors, compiled on first use and cached. Its ``step_`` runs the whole step of one
+  process in one call.
+- ``triton``: Triton kernels for CUDA tensors, a few launches per group and pass and no host sync (step counts, the
   skip flag and a tensor lr are read on the device). Under ``TRITON_INTERPRET=1`` (set before triton is first
   imported) they also run on CPU tensors, slowly: that is how they are tested without a GPU.
 
-`SkewAdam` (argument ``impl``) picks one with `select`: ``"eager"``, ``"cpp"``, ``"triton"``, or ``"auto"`` (the
-default), which is the ``SKEWADAM_IMPL`` environment variable when set, else the C++ kernel for CPU tensors when it
-builds (one warning line when it cannot) and eager otherwise, and the Triton kernel for CUDA tensors when triton
-imports, eager otherwise.
+`resolve` picks one for ``impl`` (``"auto"``, or a backend's name) and a device: ``"auto"`` is the
+``SKEWADAM_IMPL`` environment variable when set, else the first backend of `BACKENDS` whose ``auto`` devices include
+the device and that is available there (the C++ kernel on CPU when it builds, with one warning line when it cannot;
+Triton on CUDA when triton imports), else eager.
+
+Example:
+    >>> resolve("auto", torch.device("cpu")).name   # 'cpp' where the C++ kernel builds, else 'eager'
+    >>> BACKENDS["triton"].step_transient_bytes([((8, 64, 32), True)], torch.bfloat16)
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import os
 from types import ModuleType
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-from . import eager
-
-__all__ = ["eager", "IMPLS", "impls", "select"]
-
-IMPLS = ("auto", "eager", "cpp", "triton")
+__all__ = ["Backend", "BACKENDS", "IMPLS", "impls", "resolve", "select"]
 
 
-def _triton() -> Optional[ModuleType]:
-    """The Triton kernel module, or None when triton does not import."""
-    try:
-        from . import triton
-    except ImportError:
-        return None
-    return triton
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One implementation of the kernel protocol and the facts other modules need about it.
+
+    Attributes:
+        name: what ``impl=`` and ``SKEWADAM_IMPL`` call it.
+        summary: how the command line and the docs name it.
+        module: the module implementing the passes (imported on first use: it may build or need a package).
+        devices: device types it runs on (None: any).
+        auto: device types on which ``impl="auto"`` prefers it when it is available.
+        device_steps: its step counts live on the parameters' device (no host read per step).
+        skip_on_host: a skip flag is read on the host (one sync per step on a GPU); else on the device.
+        temporaries: the module whose ``step_transient_bytes`` counts its step temporaries, importable without the
+            backend's toolchain (the planner asks it on machines that cannot run the backend).
+        requires: what to install for it, for error messages.
+    """
+
+    name: str
+    summary: str
+    module: str
+    devices: Optional[tuple[str, ...]]
+    auto: tuple[str, ...]
+    device_steps: bool
+    skip_on_host: bool
+    temporaries: str
+    requires: str = ""
+
+    def load(self) -> ModuleType:
+        """The kernel module (built or imported on first use); raises what its import raises."""
+        return importlib.import_module(self.module)
+
+    def runs_on(self, device: torch.device | str) -> bool:
+        """Whether its device types include ``device``'s (not whether it builds or imports here: `available`)."""
+        return self.devices is None or torch.device(device).type in self.devices
+
+    def available(self, device: torch.device | str, warn: bool = False) -> bool:
+        """Whether it runs on ``device`` here: it builds or imports, and takes that device's tensors (the Triton
+        kernels take CPU tensors too under ``TRITON_INTERPRET=1``); ``warn``: say why not, once."""
+        if self.name == "triton":
+            try:
+                module = self.load()
+            except ImportError:
+                return False
+            return module.available(device)
+        if not self.runs_on(device):
+            return False
+        if self.name == "cpp":
+            from . import cpu
+
+            return cpu.available(warn=warn)
+        return True
+
+    def step_transient_bytes(self, tensors: Sequence[tuple[Sequence[int], bool]], param_dtype: torch.dtype) -> int:
+        """Peak bytes a step of parameters ``[(shape, bank), ...]`` allocates beyond parameters, gradients and state."""
+        return importlib.import_module(self.temporaries).step_transient_bytes(tensors, param_dtype)
+
+
+#: The backends, in ``auto``'s order of preference.
+BACKENDS: dict[str, Backend] = {
+    b.name: b for b in (
+        Backend("triton", "the Triton GPU kernel", f"{__name__}.triton", ("cuda",), ("cuda",), device_steps=True,
+                skip_on_host=False, temporaries=f"{__name__}.triton", requires="pip install triton"),
+        Backend("cpp", "the C++ CPU kernel", f"{__name__}.cpu", ("cpu",), ("cpu",), device_steps=False,
+                skip_on_host=True, temporaries=f"{__name__}.cpu", requires="a C++ compiler and ninja"),
+        Backend("eager", "the eager kernels (torch ops)", f"{__name__}.eager", None, (), device_steps=False,
+                skip_on_host=True, temporaries=f"{__name__}.eager"),
+    )
+}
+IMPLS = ("auto", *BACKENDS)
 
 
 def impls(interpreted: bool = False) -> list[str]:
-    """The implementations that run on CPU tensors here: ``eager``, and ``cpp`` when the C++ kernel builds; with
+    """The backends that run on CPU tensors here, by name: ``eager``, and ``cpp`` when the C++ kernel builds; with
     ``interpreted``, also ``triton`` when its kernels run in Triton's interpreter (``TRITON_INTERPRET=1``:
     tests/conftest.py sets it without a GPU), minutes per test on the shapes the other kernels' tests use."""
-    from . import cpu
-
-    out = ["eager", "cpp"] if cpu.available() else ["eager"]
+    out = ["eager", "cpp"] if BACKENDS["cpp"].available("cpu") else ["eager"]
     if interpreted and os.environ.get("TRITON_INTERPRET") == "1":  # (triton is not imported otherwise)
-        tk = _triton()
-        if tk is not None and tk.available("cpu"):
+        try:
+            tk = BACKENDS["triton"].load()
+        except ImportError:
+            return out
+        if tk.available("cpu"):
             out.append("triton")
     return out
 
 
-def select(impl: str, device: torch.device) -> ModuleType:
-    """The kernel module for tensors on ``device`` under the choice ``impl`` (``auto``, ``eager``, ``cpp`` or
-    ``triton``).
+def resolve(impl: str, device: torch.device | str) -> Backend:
+    """The backend that runs tensors on ``device`` under the choice ``impl`` (``"auto"`` or a backend's name).
 
     Example:
-        >>> select("auto", torch.device("cpu"))  # skewadam.kernels.cpu, or eager (with a warning) without a compiler
-        >>> select("auto", torch.device("cuda"))  # skewadam.kernels.triton, or eager where triton does not import
+        >>> resolve("auto", torch.device("cuda")).name  # 'triton', or 'eager' where triton does not import
     """
+    device = torch.device(device)
     if impl == "auto":
         impl = os.environ.get("SKEWADAM_IMPL", "auto")
         if impl not in IMPLS:
-            raise ValueError(f"SKEWADAM_IMPL={impl!r} is not a kernel implementation: use one of {IMPLS}")
-    if impl == "eager":
-        return eager
-    if impl == "triton":
-        tk = _triton()
-        if tk is None:
-            raise ValueError("impl='triton' needs the triton package (pip install triton): use impl='auto' or "
-                             "impl='eager'")
-        if not tk.available(device):
-            raise ValueError(
-                f"impl='triton' runs on CUDA tensors, got tensors on {device}: use impl='auto' (C++ on CPU, Triton on "
-                "CUDA) or impl='eager' (to test the Triton kernels on CPU, set TRITON_INTERPRET=1 before triton is "
-                "first imported)")
-        return tk
-    if device.type != "cpu":
-        if impl == "cpp":
-            raise ValueError(
-                f"impl='cpp' runs on CPU tensors, got tensors on {device}: use impl='auto' (C++ on CPU, Triton on "
-                "CUDA) or impl='eager'"
-            )
-        tk = _triton() if device.type == "cuda" else None
-        return tk if tk is not None and tk.available(device) else eager
-    from . import cpu
+            raise ValueError(f"SKEWADAM_IMPL={impl!r} is not a kernel backend: use one of {IMPLS}")
+    if impl not in IMPLS:
+        raise ValueError(f"Invalid impl: {impl!r} (expected one of {IMPLS})")
+    if impl == "auto":
+        for backend in BACKENDS.values():
+            if device.type in backend.auto and backend.available(device, warn=True):
+                return backend
+        return BACKENDS["eager"]
+    backend = BACKENDS[impl]
+    if backend.available(device):
+        return backend
+    others = ", ".join(f"impl={b.name!r} ({b.summary})" for b in BACKENDS.values() if b.name != impl)
+    if not backend.runs_on(device):
+        where = " and ".join(d.upper() for d in backend.devices or ())
+        raise ValueError(f"impl={impl!r} runs on {where} tensors ({backend.summary}), got tensors on {device}: use "
+                         f"impl='auto', or {others}")
+    if backend.name == "cpp":
+        from . import cpu
 
-    if impl == "cpp":
-        cpu.load()
-        return cpu
-    return cpu if cpu.available(warn=True) else eager
+        cpu.load()  # raises, saying why it cannot build
+    hint = " (to test the Triton kernels on CPU, set TRITON_INTERPRET=1 before triton is first imported)" \
+        if backend.name == "triton" else ""
+    raise ValueError(f"impl={impl!r} ({backend.summary}) is not available here: it needs {backend.requires}{hint}; "
+                     f"use impl='auto' or {others}")
+
+
+def select(impl: str, device: torch.device | str) -> ModuleType:
+    """The kernel module `resolve` picks (`Backend.load`).
+
+    Example:
+        >>> select("auto", torch.device("cpu"))  # skewadam.kernels.cpu, or eager (with a warning) without a compiler
+    """
+    return resolve(impl, device).load()

@@ -25,6 +25,7 @@ A unit with no elements (in the global shape) is left untouched, its step count 
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -33,8 +34,18 @@ from torch import Tensor
 
 from ..state import num_blocks
 
-__all__ = ["ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "unit_dims", "unit_numel", "stat_dims",
+__all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "unit_dims", "unit_numel", "stat_dims",
            "check", "check_lr", "all_finite"]
+
+class MomFmt(enum.IntEnum):
+    """How a parameter's first moment is stored: one numbering for every compiled kernel (the C++ kernel's
+    ``MomFmt`` and the Triton kernels' ``MOM`` take these values)."""
+
+    PLAIN = 0  # the statistics dtype
+    BF16 = 1  # bf16, stochastically rounded
+    INT8 = 2  # int8 codes with an fp32 scale per block (`skewadam.kernels.quant`)
+    NONE = 3  # no momentum
+
 
 #: The paper's guard on ``mean_i(row_var)`` in ``eps_mode="floor"``.
 ROW_MEAN_FLOOR = 1e-15
