@@ -11,9 +11,9 @@ every import against this list.
     1. tiers, models, data, extras  tier labels; the reference MoE and its corpora; optional dependencies (they
                                     import nothing of ours)
     2. state, structure             state_spec, state_flags, check_state, measure_state; the MoE structure of a model
-    3. kernels, classify, validation  the update kernels; automatic tiers; param group checks
-    4. distributed, groups, steppers  DTensor placements and the cross-shard reducer; param groups and their census;
-                                    the groups stepped outside the fused kernels (orthogonal tier, Adafactor's options)
+    3. kernels, classify            the kernel backends and their registry; automatic tiers
+    4. validation, distributed, groups, functional  param group and checkpoint checks; DTensor placements and the
+                                    cross-shard reducer; param groups and their census; one step over kernel records
     5. optimizer                    SkewAdam
     6. arms, presets                the optimizer arms (one registry); models by name
     7. planner                      plan(): memory per arm

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .state import MOMENTUM_DTYPES, UPDATES, state_flags
+from .state import MOMENTUM_DTYPES, UPDATES, check_state, state_flags
 from .tiers import Tier
 
-__all__ = ["EPS_DEFAULT", "GROUP_KEYS", "FOREIGN_KEYS", "validate_group", "validate_param", "foreign_message"]
+__all__ = ["EPS_DEFAULT", "GROUP_KEYS", "FOREIGN_KEYS", "validate_group", "validate_param", "foreign_message",
+           "check_state_dict"]
 
 EPS_DEFAULT = {"floor": 1e-8, "add": 1e-30}
 GROUP_KEYS = frozenset(
@@ -139,3 +141,39 @@ def validate_param(p: Tensor, group: dict, idx: int) -> None:
             f"{where}: experts={experts} needs tensors of >= 2 dims whose dim 0 stacks that many experts, got shape "
             f"{tuple(p.shape)}; put this tensor in a group without 'experts'"
         )
+
+
+def check_state_dict(state_dict: dict, param_groups: list[dict], resolve: Callable[[dict, int], dict]
+                     ) -> tuple[list[dict], dict]:
+    """The param groups and state of ``state_dict`` (an optimizer's, without ``skipped_steps``), checked for loading
+    into an optimizer holding ``param_groups``: each saved group resolved by ``resolve(saved, idx)`` (the
+    constructor's checks and defaults), each parameter's state against `skewadam.state.state_spec` (a Python-number
+    ``step`` of older checkpoints and other tools becomes a tensor). Returns ``(groups, state)`` to load; raises
+    ValueError naming what does not fit, having changed nothing."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    groups = []
+    for idx, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                             "optimizer's group")
+        if set(saved) - GROUP_KEYS - FOREIGN_KEYS:
+            raise ValueError(foreign_message(saved, idx))
+        groups.append(resolve(saved, idx))
+    states = dict(state_dict["state"])
+    for idx, (saved, group) in enumerate(zip(groups, param_groups)):
+        flags = state_flags(saved)
+        names = group.get("param_names") or [None] * len(group["params"])
+        for i, (saved_id, p, name) in enumerate(zip(saved["params"], group["params"], names)):
+            state = states.get(saved_id)
+            if not state:
+                continue
+            spec = flags.spec(p.shape, p.dtype)
+            state = dict(state)
+            if isinstance(state.get("step"), (int, float)) and spec["step"].shape == ():
+                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+            check_state(state, spec, f"state of parameter {i}{f' ({name})' if name else ''} of param group "
+                        f"{idx} (tier {saved['tier']!r})")
+            states[saved_id] = state
+    return groups, states
