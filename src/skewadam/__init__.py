@@ -12,14 +12,14 @@ every import against this list.
                                     import nothing of ours)
     2. state, structure             state_spec, state_flags, check_state, measure_state; the MoE structure of a model
     3. kernels, classify            the kernel backends and their registry; automatic tiers
-    4. validation, distributed, groups, functional  param group and checkpoint checks; DTensor placements and the
-                                    cross-shard reducer; param groups and their census; one step over kernel records
-    5. optimizer                    SkewAdam
-    6. arms, presets                the optimizer arms (one registry); models by name
-    7. planner                      plan(): memory per arm
-    8. integrations, harness        Transformers, torchtitan; the benchmark (train, bench, report, measure)
-    9. cli, skewadam                the command line; this package's re-exports (skewadam/__init__.py)
-   10. __main__                     ``python -m skewadam``
+    4. distributed, groups          DTensor placements and the cross-shard reducer; param groups and their census
+    5. validation, functional       param group and checkpoint checks; one step over the kernels' records
+    6. optimizer                    SkewAdam
+    7. arms, presets                the optimizer arms (one registry); models by name
+    8. planner                      plan(): memory per arm
+    9. integrations, harness        Transformers, torchtitan; the benchmark (train, bench, report, measure)
+   10. cli, skewadam                the command line; this package's re-exports (skewadam/__init__.py)
+   11. __main__                     ``python -m skewadam``
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from . import kernels
 from .functional import Reducer, StepGroup, skewadam_
 from .kernels.types import Group, ParamTensors
 from .state import StateBytes, is_bank, measure_state, state_flags
-from .validation import EPS_DEFAULT, FOREIGN_KEYS, GROUP_KEYS, check_state_dict, validate_group, validate_param
+from .validation import check_state_dict, resolve_group, validate_params
 
 try:  # DTensor (FSDP2, tensor/expert parallelism); absent on builds without torch.distributed
     from torch.distributed.tensor import DTensor
@@ -106,23 +106,19 @@ class SkewAdam(Optimizer):
             paper's).
         tier: default tier of groups that name none. Default ``"backbone"``.
         use_momentum, use_factored, bank: per-group overrides of the tier's state (``None`` = tier default).
-        experts (group key only): the number of experts each tensor of an ``expert`` group stacks along dim 0, for
-            flattened banks ``[E*D, F]`` (`skewadam.classify.flattened_experts`; `param_groups` sets it): stepped as
-            the bank ``[E, D, F]`` (a view), each expert with its own statistics, clip and step count.
+        experts (group key only): how many experts each tensor of an ``expert`` group stacks along dim 0
+            (flattened banks ``[E*D, F]``, `skewadam.classify.flattened_experts`): stepped as the bank ``[E, D, F]``.
         momentum_dtype: storage of the first moment: ``"fp32"`` (the statistics dtype), ``"bf16"`` (stochastically
             rounded) or ``"int8"`` (block-wise, 256 per fp32 scale; tensors with < 2 dims stay fp32); see
-            `skewadam.kernels.quant`. Every kernel (eager, C++, Triton) handles it, with the same stored bytes.
+            `skewadam.kernels.quant`, the same stored bytes on every backend.
         seed: seed of the stochastic rounding of bf16 parameters (and bf16 momentum).
         skip_nonfinite: if any gradient holds inf/NaN, skip the whole step (weights and state untouched) and count
-            it in ``skipped_steps``, as AMP's GradScaler does. On by default: costs one host sync per step on GPU
-            with the eager kernel, none with the Triton kernel (the step is skipped on the device).
-        impl: the kernel backend (`skewadam.kernels.resolve`): ``"auto"`` (the ``SKEWADAM_IMPL`` environment variable
-            if set, else the preferred backend of `skewadam.kernels.BACKENDS` for the parameters' device that is
-            available) or a backend's name. All give the same math.
+            it in ``skipped_steps``, as AMP's GradScaler does; on the device where the backend can (no host sync).
+        impl: the kernel backend, ``"auto"`` or a name of `skewadam.kernels.BACKENDS` (`skewadam.kernels.resolve`:
+            ``SKEWADAM_IMPL`` if set, else the preferred backend available on the parameters' device); same math.
         update: ``"adam"`` (the tiers' update) or ``"orthogonal"`` (above; matrices and banks of matrices only).
-        relative_step, beta2_decay: Adafactor's options, off by default, applied by the kernels per unit (a tensor
-            or a bank slice): the update term scaled by ``max(1e-3, rms(p))`` (weight decay keeps ``lr``), and
-            ``beta2_t = 1 - t^beta2_decay`` (e.g. -0.8) without second-moment bias correction.
+        relative_step, beta2_decay: Adafactor's options (off by default), per unit: the update term scaled by
+            ``max(1e-3, rms(p))``; ``beta2_t = 1 - t^beta2_decay`` (e.g. -0.8) without second-moment correction.
 
     Example:
         >>> opt = SkewAdam([
@@ -189,41 +185,16 @@ class SkewAdam(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not isinstance(param_group, dict):
             raise TypeError(f"param group must be a dict, got {type(param_group).__name__}")
-        group = self._resolve_group(param_group, len(self.param_groups))
+        group = resolve_group(param_group, self.defaults, len(self.param_groups))
         if not isinstance(group["params"], (Tensor, set)):  # torch refuses sets itself
             group["params"] = list(group["params"])  # a generator must survive being validated
         params = [group["params"]] if isinstance(group["params"], Tensor) else group["params"]
-        for p in params:
-            p = p[1] if isinstance(p, tuple) else p  # named parameters: (name, tensor)
-            if isinstance(p, Tensor):
-                validate_param(p, group, len(self.param_groups))
-                if torch.distributed.is_available():  # flattened (FSDP1, ZeRO-3) or Partial shards are refused
-                    from .distributed import check_layout
-
-                    check_layout(p, f"param group {len(self.param_groups)} (tier {group['tier']!r})")
+        validate_params(params, group, len(self.param_groups))
         if "tier" not in param_group and self.defaults["tier"] == "backbone" and not getattr(self, "_hinted", 0):
             from .groups import warn_untiered_experts  # experts left in backbone by default: say so, once
 
             self._hinted = warn_untiered_experts(params, len(self.param_groups))
         super().add_param_group(group)
-
-    def _resolve_group(self, param_group: dict[str, Any], idx: int) -> dict[str, Any]:
-        """A copy of ``param_group`` with this optimizer's defaults filled in, validated, and its state flags, tier
-        and eps resolved (the constructor's path and `load_state_dict`'s)."""
-        unknown = set(param_group) - GROUP_KEYS - FOREIGN_KEYS
-        if unknown:
-            raise ValueError(
-                f"param group {idx} has unknown key(s) {sorted(unknown)}; SkewAdam groups take {sorted(GROUP_KEYS)}"
-            )
-        group = dict(param_group)
-        for key, default in self.defaults.items():
-            group.setdefault(key, default)
-        validate_group(group, idx)
-        flags = state_flags(group)
-        group.update(tier=flags.tier, use_momentum=flags.use_momentum, use_factored=flags.use_factored)
-        if group["eps"] is None:
-            group["eps"] = EPS_DEFAULT[group["eps_mode"]]
-        return group
 
     # ------------------------------------------------------------------ state dict
     def __getstate__(self) -> dict[str, Any]:  # torch's keeps only defaults/state/param_groups (deepcopy, pickle)
@@ -232,10 +203,8 @@ class SkewAdam(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("skip_nonfinite", True)
-        self.__dict__.setdefault("skipped_steps", 0)
-        self.__dict__.setdefault("_impl", "auto")
-        self.__dict__.setdefault("_reducer", None)  # rebuilt by the first step that meets a DTensor
+        for key, default in (("skip_nonfinite", True), ("skipped_steps", 0), ("_impl", "auto"), ("_reducer", None)):
+            self.__dict__.setdefault(key, default)  # (a reducer is rebuilt by the first step that meets a DTensor)
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
@@ -249,7 +218,7 @@ class SkewAdam(Optimizer):
         parameter's: fp32 statistics of a bf16 parameter would silently become bf16), and is made contiguous."""
         state_dict = dict(state_dict)
         skipped = state_dict.pop("skipped_steps", 0)
-        groups, states = check_state_dict(state_dict, self.param_groups, self._resolve_group)
+        groups, states = check_state_dict(state_dict, self.param_groups, self.defaults)
         state_dict.update(param_groups=groups, state=states)
         super().load_state_dict(state_dict)
         for saved_id, p in zip(chain.from_iterable(g["params"] for g in groups),
@@ -260,32 +229,11 @@ class SkewAdam(Optimizer):
                     state[key] = value.to(device=state[key].device, copy=True)
                 if not state[key].is_contiguous():  # as the kernels' own state is (some index it so)
                     state[key] = state[key].contiguous()
-            if "step" in state and self._device_steps(p):  # torch's load leaves a step count on the host
-                state["step"] = state["step"].to(_local(p).device)
+            if "step" in state and p.device.type != "cpu" and kernels.resolve(self._impl, p.device).device_steps:
+                state["step"] = state["step"].to(_local(p).device)  # torch's load leaves a step count on the host
         self.skipped_steps = int(skipped)
 
-    def _device_steps(self, p: Tensor) -> bool:
-        """Whether the backend for ``p`` keeps its step count beside it, off the host."""
-        return p.device.type != "cpu" and kernels.resolve(self._impl, p.device).device_steps
-
     # ------------------------------------------------------------------ step
-    def _state_of(self, p: Tensor, group: dict, device_steps: bool = False, fresh: Optional[list] = None) -> dict:
-        """``p``'s state, allocated (zeros, step 0) by `skewadam.state.state_spec` if it has none yet (and then
-        listed in ``fresh``); with ``device_steps`` (the backend advances step counts on the device) a host step
-        count is moved beside ``p``."""
-        state = self.state[p]
-        if state and device_steps and isinstance(state.get("step"), Tensor):
-            if state["step"].device != _local(p).device:
-                state["step"] = state["step"].to(_local(p).device)
-        if not state:
-            flags = state_flags(group)
-            bank = flags.is_bank(p.ndim)
-            for key, st in flags.spec(p.shape, p.dtype).items():
-                state[key] = _new_state(p, key, st, bank, device_steps)
-            if fresh is not None:
-                fresh.append(p)
-        return state
-
     @torch.no_grad()
     def init_state(self) -> None:
         """Allocate the state of every parameter now (zeros, step 0), as its first step would: for checkpointers that
@@ -297,7 +245,7 @@ class SkewAdam(Optimizer):
         """
         for group in self.param_groups:
             for p in group["params"]:
-                self._state_of(p, group)
+                _state_of(self.state[p], p, group)
 
     @property
     def skipped_steps(self) -> int:
@@ -320,14 +268,13 @@ class SkewAdam(Optimizer):
 
     def _init_group(self, group: dict, index: int, first_id: int, device_steps: bool = False,
                     fresh: Optional[list] = None) -> Optional[tuple[list[Tensor], Group]]:
-        """Lazy state, then the kernels' record of group ``index`` (its parameters with gradients; local shards of
-        DTensors) and those parameters as the user holds them (for the reducer); None if no parameter has a gradient.
-        ``first_id`` is the optimizer-wide index of the group's first parameter (its rounding stream);
-        ``device_steps`` and ``fresh``: as `_state_of`'s."""
+        """Lazy state, then the parameters of group ``index`` with gradients (for the reducer) and their kernels'
+        record (local shards of DTensors); None if none has a gradient. ``first_id``: the optimizer-wide index of the
+        group's first parameter (its rounding stream); ``device_steps``, ``fresh``: `_state_of`'s."""
         params, tensors = [], []
-        names, experts, tier, bank = group.get("param_names"), group.get("experts"), group["tier"], group["bank"]
-        key = (id(group["params"]), len(group["params"]), first_id, id(names), tier, bank, group["momentum_dtype"],
-               experts)
+        experts, tier = group.get("experts"), group["tier"]
+        key = (id(group["params"]), len(group["params"]), first_id, id(group.get("param_names")), tier, group["bank"],
+               group["momentum_dtype"], experts)
         cached = self.__dict__.setdefault("_records", {}).get(index)  # what a record takes from p and its group
         if cached is None or cached[0] != key:
             cached = self._records[index] = (key, [None] * len(group["params"]))
@@ -341,11 +288,8 @@ class SkewAdam(Optimizer):
                                 "use a dense embedding (sparse=False)")
             fixed = cached[1][i]  # (id(p), shape, dtype, DTensor?, bank flag, rounding stream, name) while they hold
             if fixed is None or fixed[0] != id(p) or fixed[1] != p.shape or fixed[2] is not p.dtype:
-                fixed = cached[1][i] = (id(p), p.shape, p.dtype, _is_dtensor(p),
-                                        experts is not None or is_bank(p.ndim, tier, bank),
-                                        _rounding_stream(p, first_id + i, group["momentum_dtype"]),
-                                        _record_name(index, i, names, p, experts))
-            state = (not device_steps and states.get(p)) or self._state_of(p, group, device_steps, fresh)
+                fixed = cached[1][i] = _fixed(p, group, index, i, first_id)
+            state = (not device_steps and states.get(p)) or _state_of(states[p], p, group, device_steps, fresh)
             local = (p, grad, state["step"], *map(state.get, _STATE_FIELDS))
             if fixed[3]:  # a DTensor: the kernels step the local shards (their state is sharded as p is)
                 from .distributed import check_grad
@@ -408,13 +352,34 @@ class SkewAdam(Optimizer):
         return "\n".join(lines)
 
 
-def _record_name(index: int, i: int, names: Optional[list], p: Tensor, experts: Optional[int]) -> str:
-    """How errors name parameter ``i`` of group ``index``; a flattened bank's with its own shape and its view's."""
+def _fixed(p: Tensor, group: dict, index: int, i: int, first_id: int) -> tuple:
+    """What the record of parameter ``i`` of group ``index`` takes from ``p`` and its group while they hold: ``(id,
+    shape, dtype, DTensor?, bank flag, rounding stream, name)``; errors name a flattened bank by its own shape and
+    its view's."""
+    names, experts = group.get("param_names"), group.get("experts")
     name = f"param_groups[{index}]['params'][{i}]" + (f" ({names[i]!r})" if names else "")
-    if experts is None:
-        return name
-    view = (experts, p.shape[0] // experts, *p.shape[1:])
-    return f"{name} of shape {tuple(p.shape)}, stepped as the bank {view} (experts={experts})"
+    if experts is not None:
+        name += f" of shape {tuple(p.shape)}, stepped as the bank {(experts, p.shape[0] // experts, *p.shape[1:])}"
+    bank = experts is not None or is_bank(p.ndim, group["tier"], group["bank"])
+    stream = _rounding_stream(p, first_id + i, group["momentum_dtype"])
+    return id(p), p.shape, p.dtype, _is_dtensor(p), bank, stream, name
+
+
+def _state_of(state: dict, p: Tensor, group: dict, device_steps: bool = False, fresh: Optional[list] = None) -> dict:
+    """``p``'s ``state``, allocated (zeros, step 0) by `skewadam.state.state_spec` if empty (``p`` is then listed in
+    ``fresh``); with ``device_steps`` (the backend advances step counts on the device) a host count is moved to
+    ``p``'s device."""
+    if state and device_steps and isinstance(state.get("step"), Tensor):
+        if state["step"].device != _local(p).device:
+            state["step"] = state["step"].to(_local(p).device)
+    if not state:
+        spec = state_flags(group)
+        bank = spec.is_bank(p.ndim)
+        for key, st in spec.spec(p.shape, p.dtype).items():
+            state[key] = _new_state(p, key, st, bank, device_steps)
+        if fresh is not None:
+            fresh.append(p)
+    return state
 
 
 def _bank_view(p: Tensor, experts: int, name: str) -> tuple[Tensor, Tensor, tuple[int, ...]]:

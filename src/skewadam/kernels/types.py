@@ -35,7 +35,8 @@ from torch import Tensor
 from ..state import num_blocks
 
 __all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS", "EPS_MODES",
-           "PARAM_DTYPES", "unit_dims", "unit_numel", "stat_dims", "check", "check_lr", "check_group", "all_finite"]
+           "PARAM_DTYPES", "unit_dims", "unit_numel", "stat_dims", "check_param_dtype", "check", "check_lr",
+           "check_group", "all_finite"]
 
 class MomFmt(enum.IntEnum):
     """How a parameter's first moment is stored: one numbering for every compiled kernel (the C++ kernel's
@@ -150,6 +151,18 @@ def _stats_dtype(param_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if param_dtype == torch.bfloat16 else param_dtype
 
 
+def check_param_dtype(dtype: torch.dtype, where: str) -> None:
+    """Raise TypeError naming ``where`` unless ``dtype`` is one the kernels step (`PARAM_DTYPES`), with the fix."""
+    if dtype in PARAM_DTYPES:
+        return
+    if dtype.is_complex:
+        raise TypeError(f"{where}: complex parameters are not supported; optimize torch.view_as_real(p) instead")
+    if dtype == torch.float16:
+        raise TypeError(f"{where}: fp16 parameters are not supported; keep fp32 parameters with torch.autocast, or use "
+                        f"bf16")
+    raise TypeError(f"{where}: parameters must be floating point, got {dtype}")
+
+
 def check(pt: ParamTensors, *, second_moment: bool = True) -> None:
     """Raise, naming the parameter, if it is not one the kernels step or its gradient or a state tensor does not fit
     it: a ValueError for a size (every kernel indexes with these), a dtype or a device, a TypeError for a parameter
@@ -161,9 +174,7 @@ def check(pt: ParamTensors, *, second_moment: bool = True) -> None:
     """
     name = pt.name or "parameter"
     param = pt.param
-    if param.dtype not in PARAM_DTYPES:
-        raise TypeError(f"{name}: {param.dtype} parameters are not supported (fp32, fp64 or bf16); keep fp32 "
-                        f"parameters with torch.autocast, or use bf16")
+    check_param_dtype(param.dtype, name)
     p = tuple(param.shape)
     if not isinstance(pt.grad, Tensor) or tuple(pt.grad.shape) != p:
         raise ValueError(f"{name}: gradient of shape {_shape(pt.grad)} for a parameter of shape {p}; give p.grad the "
