@@ -216,9 +216,9 @@ class SkewAdam(Optimizer):
         the constructor's own checks, each parameter's state against `skewadam.state.state_spec`); on an error
         nothing is changed. Unlike torch, each state tensor keeps its saved dtype (torch casts it to the
         parameter's: fp32 statistics of a bf16 parameter would silently become bf16), and is made contiguous."""
+        groups, states = check_state_dict(state_dict, self.param_groups)
         state_dict = dict(state_dict)
         skipped = state_dict.pop("skipped_steps", 0)
-        groups, states = check_state_dict(state_dict, self.param_groups, self.defaults)
         state_dict.update(param_groups=groups, state=states)
         super().load_state_dict(state_dict)
         for saved_id, p in zip(chain.from_iterable(g["params"] for g in groups),

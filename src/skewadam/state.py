@@ -216,9 +216,15 @@ def state_flags(group: Mapping[str, Any], where: str = "") -> TierSpec:
                     experts)
 
 
+#: State whose values are sums of squares (EMAs of ``g^2``, int8 momentum's block maxima): never negative.
+NONNEGATIVE_KEYS = frozenset({"exp_avg_sq", "row_var", "col_var", "exp_avg_scale"})
+
+
 def check_state(state: Mapping[str, Any], spec: Mapping[str, StateTensor], where: str) -> None:
     """Raise ``ValueError`` unless ``state`` holds exactly the tensors of ``spec``: the same keys, each a tensor of
-    the spec's (global, for DTensors) shape and dtype. ``where`` names the parameter and its group in the message."""
+    the spec's (global, for DTensors) shape and dtype, with values a step can have left: finite, never negative
+    where they are sums of squares (`NONNEGATIVE_KEYS`), step counts whole numbers >= 0. ``where`` names the
+    parameter and its group in the message. (Reads every value: a host sync for device tensors, once per load.)"""
     if set(state) != set(spec):
         missing, extra = sorted(set(spec) - set(state)), sorted(set(state) - set(spec))
         raise ValueError(
@@ -238,6 +244,22 @@ def check_state(state: Mapping[str, Any], spec: Mapping[str, StateTensor], where
                 f"{where}: state {key!r} is {list(value.shape)} {value.dtype}, expected {list(want.shape)} "
                 f"{want.dtype} for this parameter; the state belongs to a parameter of another shape or dtype"
             )
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if not local.is_floating_point():
+            continue  # int8 momentum codes: every value is one
+        bad = ~local.isfinite()
+        rule = "finite"
+        if key == "step":
+            bad |= (local < 0) | (local != local.round())
+            rule = "a whole number >= 0"
+        elif key in NONNEGATIVE_KEYS:
+            bad |= local < 0
+            rule = "finite and >= 0"
+        if bool(bad.any()):
+            first = local[bad].reshape(-1)[0].item()
+            raise ValueError(f"{where}: state {key!r} holds {int(bad.sum())} value(s) that are not {rule} (e.g. "
+                             f"{first}), which no step leaves: the checkpoint is corrupted; load another one (nothing "
+                             f"was loaded)")
 
 
 def spec_nbytes(spec: dict[str, StateTensor]) -> tuple[int, int]:

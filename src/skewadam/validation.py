@@ -30,6 +30,10 @@ GROUP_KEYS = frozenset(
 )
 # Keys other torch APIs put into param groups: named parameters, LR schedulers' bookkeeping.
 FOREIGN_KEYS = frozenset({"param_names", "initial_lr"})
+# What every group SkewAdam.state_dict() saves holds (``experts`` only where the group has flattened banks).
+SAVED_KEYS = GROUP_KEYS - {"experts"}
+# What decides which optimizer group a saved one is: a checkpoint's must be the optimizer's.
+IDENTITY_KEYS = ("tier", "experts")
 
 
 def resolve_group(param_group: Mapping[str, Any], defaults: Mapping[str, Any], idx: int) -> dict[str, Any]:
@@ -122,13 +126,22 @@ def validate_param(p: Tensor, group: dict, idx: int) -> None:
         )
 
 
-def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict], defaults: Mapping[str, Any]
-                     ) -> tuple[list[dict], dict]:
-    """The param groups and state of ``state_dict`` (an optimizer's, without ``skipped_steps``), checked for loading
-    into an optimizer holding ``param_groups``: each saved group resolved with the constructor's checks and
-    ``defaults``, each parameter's state against `skewadam.state.state_spec` (a Python-number ``step`` of older
-    checkpoints and other tools becomes a tensor). Returns ``(groups, state)`` to load; raises ValueError naming
-    what does not fit, having changed nothing."""
+def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) -> tuple[list[dict], dict]:
+    """The param groups and state of ``state_dict`` (an optimizer's), checked for loading
+    into an optimizer holding ``param_groups``: each saved group whole (every key SkewAdam saves, none another
+    optimizer's; nothing is filled in), with the constructor's checks, and the group it replaces (the same tier and
+    flattened banks); each parameter's state against `skewadam.state.state_spec`, by value too (a Python-number
+    ``step`` of older checkpoints and other tools becomes a tensor); ``skipped_steps``, where present, a whole
+    number >= 0. Returns ``(groups, state)`` to load; raises ValueError naming what does not fit, having changed
+    nothing."""
+    missing = [key for key in ("state", "param_groups") if key not in state_dict]
+    if missing:
+        raise ValueError(f"the state dict has no {' and no '.join(map(repr, missing))} (it has keys "
+                         f"{sorted(state_dict)}): SkewAdam loads what SkewAdam.state_dict() saved")
+    skipped = state_dict.get("skipped_steps", 0)
+    if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+        raise ValueError(f"the state dict's skipped_steps is {skipped!r}, expected a whole number >= 0 (the steps "
+                         f"skipped for a non-finite gradient)")
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(param_groups):
         raise ValueError("loaded state dict has a different number of parameter groups")
@@ -136,10 +149,21 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict], de
     for idx, (saved, group) in enumerate(zip(saved_groups, param_groups)):
         if set(saved) - GROUP_KEYS - FOREIGN_KEYS:
             raise ValueError(foreign_message(saved, idx))
+        absent = sorted(SAVED_KEYS - set(saved))
+        if absent:
+            raise ValueError(f"param group {idx} of the state dict has no {absent}: every group SkewAdam.state_dict() "
+                             f"saves holds them (nothing is filled in from the constructor's values); load an "
+                             f"unedited checkpoint, or add the key(s) with the values it was trained with")
         if len(saved["params"]) != len(group["params"]):
             raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
                              "optimizer's group")
-        groups.append(resolve_group(saved, defaults, idx))
+        resolved = resolve_group(saved, {}, idx)
+        for key in IDENTITY_KEYS:
+            if resolved.get(key) != group.get(key):
+                raise ValueError(f"param group {idx} of the state dict has {key}={resolved.get(key)!r}, this "
+                                 f"optimizer's param group {idx} {key}={group.get(key)!r}: a checkpoint's groups are "
+                                 f"the optimizer's, in order; build the optimizer as the checkpoint's was built")
+        groups.append(resolved)
     states = dict(state_dict["state"])
     for idx, (saved, group) in enumerate(zip(groups, param_groups)):
         spec = state_flags(saved)
