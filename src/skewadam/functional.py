@@ -54,6 +54,7 @@ class StepGroup(NamedTuple):
     where: str = "the param group"  # how errors about the group's hyperparameters name it
 
 
+@torch.no_grad()
 def skewadam_(groups: Sequence[StepGroup], *, backend: Union[Backend, str] = "auto", reducer: Optional[Reducer] = None,
               skip_nonfinite: bool = True) -> Tensor:
     """One step of ``groups``, in place: parameters, state and step counts.
