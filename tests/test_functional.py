@@ -159,9 +159,9 @@ SETTINGS = ["fp16_parameter", "fp64_state_of_an_fp32_parameter", "eps_mode", "be
 @pytest.mark.parametrize("impl", KERNELS)
 @pytest.mark.parametrize("case", SETTINGS)
 def test_settings_changed_after_construction_are_refused_alike_on_every_kernel(case, impl, three_pass):
-    """Eager alone stepped fp16 parameters, fp64 state and eps_mode='bogus'; betas (1, 0.999) gave NaN on two kernels
-    and a ZeroDivisionError on the third; lr '0.1' stepped on one. Now every kernel raises the same error, naming the
-    group or the parameter, and writes nothing."""
+    """What can change after construction (a parameter's dtype, a state tensor, a group's eps_mode, betas, lr, weight
+    decay, eps) is checked at every step by one shared check: every kernel raises the same error, naming the group
+    or the parameter, and writes nothing."""
     if impl == "triton" and three_pass and case not in ("fp16_parameter", "beta1_of_one"):
         pytest.skip("Triton's interpreter: the representative cases of the three-pass path")
     change, error, message = _setting(case)
@@ -195,7 +195,7 @@ def test_a_flattened_bank_error_names_the_parameters_own_shape(impl):
 
 
 def test_a_meta_parameter_is_refused_naming_the_fix():
-    """Parameters on the meta device hold no values: the step says so (it failed inside ``Tensor.item()``)."""
+    """Parameters on the meta device hold no values: the step says so, and how to materialise them."""
     p = torch.nn.Parameter(torch.empty(4, 3, device="meta"))
     opt = SkewAdam([p])
     p.grad = torch.empty_like(p)
@@ -245,8 +245,8 @@ def test_the_functional_resolves_a_backend_by_name_and_ignores_groups_without_pa
 
 @pytest.mark.parametrize("impl", KERNELS)
 def test_a_checkpoint_with_non_contiguous_state_steps_as_its_contiguous_copy_on_every_kernel(impl):
-    """Every loader took a non-contiguous state tensor and only one kernel refused it at the step: loaded state is
-    made contiguous, so every kernel steps it, bitwise as the contiguous checkpoint."""
+    """Loaded state is made contiguous, so every kernel steps a checkpoint with non-contiguous state, bitwise as the
+    contiguous one."""
     runs = []
     for transposed in (False, True):
         params, opt = _build(impl, dtype=torch.float32)

@@ -284,8 +284,8 @@ BAD_VALUES = {
 @pytest.mark.parametrize("pid, key, value, rule", list(BAD_VALUES.values()), ids=list(BAD_VALUES))
 def test_a_checkpoint_with_nonfinite_or_negative_statistics_or_steps_is_refused_naming_the_tensor(pid, key, value,
                                                                                                    rule):
-    """A NaN row_var or a NaN, negative or fractional step count would load and poison the weights at the next step
-    (each kernel in its own way); no step leaves such values, so the load refuses them."""
+    """No step leaves a non-finite statistic, a negative sum of squares or a step count that is no whole number >= 0:
+    a checkpoint holding one is refused at the load (it would poison the weights at the next step)."""
     _, opt = _stepped()
     bad = opt.state_dict()
     bad["state"][pid] = {k: v.clone() for k, v in bad["state"][pid].items()}
@@ -296,7 +296,7 @@ def test_a_checkpoint_with_nonfinite_or_negative_statistics_or_steps_is_refused_
 
 @pytest.mark.parametrize("key", ["lr", "betas", "tier", "momentum_dtype", "beta2_decay", "params"])
 def test_a_checkpoint_group_missing_a_hyperparameter_is_refused_naming_it(key):
-    """A saved group without ``lr`` (saved 0.5) loaded the constructor's value silently; nothing is filled in."""
+    """A saved group without ``lr`` (saved 0.5) is refused, not given the constructor's value: nothing is filled in."""
     _, opt = _stepped()
     opt.param_groups[2]["lr"] = 0.5
     bad = opt.state_dict()
@@ -306,8 +306,8 @@ def test_a_checkpoint_group_missing_a_hyperparameter_is_refused_naming_it(key):
 
 @pytest.mark.parametrize("idx, key, value", [(0, "tier", "router"), (0, "tier", "expert"), (1, "experts", 2)])
 def test_a_checkpoint_group_whose_tier_contradicts_the_optimizers_is_refused_naming_the_key(idx, key, value):
-    """Group 0 saved as ``tier='router'`` over the backbone's settings was relabelled on load (state_bytes then
-    reported backbone bytes as the router's): a checkpoint's groups are the optimizer's."""
+    """A checkpoint's groups are the optimizer's: group 0 saved as ``tier='router'`` over the backbone's settings is
+    refused, not relabelled (state_bytes would report backbone bytes as the router's)."""
     _, opt = _stepped()
     bad = opt.state_dict()
     bad["param_groups"][idx][key] = value

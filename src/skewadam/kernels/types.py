@@ -12,8 +12,9 @@ Every kernel module (`eager`, `cpu`, `triton`) implements the same functions ove
 
 Between the passes the optimizer hands the statistics to a reducer (the distributed seam, `skewadam.distributed`), so a
 kernel never calls torch.distributed. ``skip`` is an optional 0-d bool tensor on the parameters' device: when True the
-pass writes nothing and returns zeros (a kernel that can read it on the device does so without a host sync; a module
-that reads it on the host says so with ``SKIP_ON_HOST = True``, and the optimizer then reads it once per step itself).
+pass writes nothing and returns zeros (a kernel that can read it on the device does so without a host sync; one that
+reads it on the host says so in the registry, `skewadam.kernels.Backend.skip_on_host`, and `skewadam.functional` then
+reads it once per step itself).
 
 A kernel checks what it indexes with: `check` raises a ValueError naming the parameter when a gradient or a state
 tensor does not fit its parameter (a compiled kernel checks the same sizes itself before touching memory).
