@@ -27,8 +27,7 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -54,10 +53,10 @@ class StepGroup(NamedTuple):
     where: str = "the param group"  # how errors about the group's hyperparameters name it
 
 
-@torch.no_grad()
 def skewadam_(groups: Sequence[StepGroup], *, backend: Union[Backend, str] = "auto", reducer: Optional[Reducer] = None,
               skip_nonfinite: bool = True) -> Tensor:
-    """One step of ``groups``, in place: parameters, state and step counts.
+    """One step of ``groups``, in place: parameters, state and step counts. Call it under ``torch.no_grad()`` (as
+    `skewadam.SkewAdam.step` and gradient hooks run), like torch's functional optimizers.
 
     Args:
         groups: the param groups' records (`StepGroup`); groups without parameters are ignored.
@@ -84,14 +83,17 @@ def skewadam_(groups: Sequence[StepGroup], *, backend: Union[Backend, str] = "au
         check_group(g.record, g.where)
     adam = [g for g in groups if g.update != "orthogonal"]
     orth = [g for g in groups if g.update == "orthogonal"]
-    none = torch.zeros((), dtype=torch.bool, device=device)
-    with _explained(groups):
+    try:
         if reducer is None and not orth:
             return kernel.step_([g.record for g in adam], skip_nonfinite=skip_nonfinite)
+        none = torch.zeros((), dtype=torch.bool, device=device)
         if reducer is None and backend.skip_on_host:
             return _composed(kernel, adam, orth, skip_nonfinite, none)
         stats = [kernel.grad_stats(g.record) for g in adam]
         maxima = [orthogonal.grad_stats(g.record) for g in orth]
+    except (TypeError, ValueError, RuntimeError):
+        _explain(groups)
+        raise
     if skip_nonfinite:  # (before the seam: a sum of shards' maxima could overflow where none of them does)
         finite = all_finite([s.sumsq for st in stats for s in st] + [m for ms in maxima for m in ms])
     _reduce(reducer, adam, stats, lambda pt, st: stat_dims(st, pt.grad.ndim, pt.bank))
@@ -147,21 +149,16 @@ def _reduce(reducer: Optional[Reducer], groups: list[StepGroup], results: list[l
         reducer(work)
 
 
-@contextlib.contextmanager
-def _explained(groups: list[StepGroup]) -> Iterator[None]:
-    """A backend's refusal of a record (in its own words: a compiled kernel's message) is raised as the shared
-    check's error, the same on every backend; an error the shared check does not explain is raised as it was."""
+def _explain(groups: list[StepGroup]) -> None:
+    """Raise the shared check's error for a record a backend refused (in its own words: a compiled kernel's message),
+    so the error is the same on every backend; return if the shared check accepts every record."""
     try:
-        yield
-    except (TypeError, ValueError, RuntimeError):
-        try:
-            for g in groups:
-                for pt in g.record.params:
-                    orthogonal.check(pt) if g.update == "orthogonal" else check(pt)
-                    if pt.param.is_meta:
-                        raise ValueError(f"{pt.name or 'parameter'}: a parameter on the meta device holds no values "
-                                         f"to step; materialise the model first (model.to_empty(device=...), then "
-                                         f"initialise it)")
-        except (TypeError, ValueError) as shared:
-            raise shared from None
-        raise
+        for g in groups:
+            for pt in g.record.params:
+                orthogonal.check(pt) if g.update == "orthogonal" else check(pt)
+                if pt.param.is_meta:
+                    raise ValueError(f"{pt.name or 'parameter'}: a parameter on the meta device holds no values to "
+                                     f"step; materialise the model first (model.to_empty(device=...), then "
+                                     f"initialise it)")
+    except (TypeError, ValueError) as shared:
+        raise shared from None

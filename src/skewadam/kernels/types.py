@@ -245,7 +245,12 @@ def check_group(group: Group, where: str = "the param group") -> None:
     Example:
         >>> check_group(group._replace(beta1=1.0), "param group 0")  # ValueError: Invalid beta parameter at index 0 ...
     """
-    lr = group.lr
+    lr, b1, b2, eps, wd, decay = group.lr, group.beta1, group.beta2, group.eps, group.weight_decay, group.beta2_decay
+    if (type(lr) is float and 0.0 <= lr < math.inf and type(b1) is float and 0.0 <= b1 < 1.0 and type(b2) is float
+            and 0.0 <= b2 < 1.0 and type(eps) is float and 0.0 < eps < math.inf and type(wd) is float
+            and 0.0 <= wd < math.inf and group.eps_mode in EPS_MODES and type(group.seed) is int
+            and type(group.relative_step) is bool and (decay is None or (type(decay) is float and decay <= 0.0))):
+        return  # (the common case in one expression: this runs for every group at every step)
     if isinstance(lr, Tensor):
         check_lr(lr)
         if not lr.is_floating_point():
