@@ -1,4 +1,4 @@
-"""`skewadam bench` as a user meets it (`skewadam.harness.bench`, `config`, `report`): settings refused up front, a
+"""`skewadam bench` as a user meets it (`skewadam.bench.run`, `config`, `report`): settings refused up front, a
 run directory locked while in use, logs written atomically and damaged ones run again, runs that die with the bench,
 optional packages found once before any run, the C++ kernel built before the first run, diverged runs flagged."""
 
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from skewadam.bench import run as bench_mod
+from skewadam.bench import report
+from skewadam.bench.config import BenchConfig, RunConfig, get_preset
+from skewadam.bench.run import BenchError, lock, preflight, run_bench
+from skewadam.bench.train import train, write_json
 from skewadam.cli import main
-from skewadam.harness import bench as bench_mod
-from skewadam.harness import report
-from skewadam.harness.bench import BenchError, lock, preflight, run_bench
-from skewadam.harness.config import BenchConfig, RunConfig, get_preset
-from skewadam.harness.train import train, write_json
 
 TINY = dict(model="tiny", steps=2, batch_size=2, eval_interval=1, eval_batches=1)
 
@@ -127,7 +127,7 @@ def test_the_lock_is_held_by_another_process_while_a_bench_runs(tmp_path):
     """flock belongs to the open file: a second process sees it, and the kernel releases it when the holder dies."""
     out = tmp_path / "out"
     out.mkdir()
-    code = ("import sys, time; from pathlib import Path; from skewadam.harness.bench import lock\n"
+    code = ("import sys, time; from pathlib import Path; from skewadam.bench.run import lock\n"
             "with lock(Path(sys.argv[1])):\n    print('locked', flush=True); time.sleep(600)\n")
     holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
     try:
@@ -190,7 +190,7 @@ def _children(marker: str) -> list[int]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if marker in cmdline and "skewadam.harness.train" in cmdline and state != "Z":
+        if marker in cmdline and "skewadam.bench.train" in cmdline and state != "Z":
             pids.append(int(entry.name))
     return pids
 
@@ -266,3 +266,45 @@ def test_a_run_diverging_past_floats_range_is_flagged_by_the_command_not_failed(
     assert re.search(r"\[1/1\] adamw_lr100_seed0: best val ppl [\d.]+, \d+ s; DIVERGED: ", stdout)
     assert "| adamw | 100 | 1 (1 diverged) |" in stdout and "**1 run(s) diverged**" in stdout
     assert "1 run(s) diverged: adamw_lr100_seed0 (" in stderr and "failed" not in stderr
+
+
+# ------------------------------------------------------------------------------------------------------- layout
+def _bench_modules() -> list[Path]:
+    import skewadam.bench
+
+    return sorted(Path(skewadam.bench.__file__).parent.glob("*.py"))
+
+
+def test_each_bench_module_imports_only_those_listed_above_it_in_the_package_docstring():
+    """The order `skewadam.bench`'s docstring lists (the planner above the arms, the arms above no optimizer at module
+    level): every module-level import of a bench module names one listed before it."""
+    import ast
+
+    import skewadam.bench
+
+    order = re.findall(r"^(\w+)\.py\s", skewadam.bench.__doc__, re.M)
+    assert sorted(order) == sorted(p.stem for p in _bench_modules() if p.stem != "__init__")
+    wrong = []
+    for path in _bench_modules():
+        for node in ast.parse(path.read_text()).body:  # module level only: builders import lazily
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [a.name for a in node.names]
+                wrong += [f"{path.stem} imports {n}" for n in names if path.stem != "__init__"
+                          and order.index(n.split(".")[0]) >= order.index(path.stem)]
+            if isinstance(node, ast.ImportFrom) and node.level == 2 and path.stem in ("arms", "planner"):
+                if (node.module or "").split(".")[0] in ("optimizer", "steppers", "functional") or \
+                        (node.module or "").startswith("kernels."):
+                    wrong.append(f"{path.stem} imports ..{node.module} at module level")
+    assert not wrong, wrong
+
+
+def test_no_kernel_name_is_spelled_outside_the_kernels_package():
+    """The bench and the command line ask `skewadam.kernels.BACKENDS` / `resolve`; no backend's name is a literal."""
+    import ast
+
+    from skewadam.kernels import BACKENDS
+
+    sources = [*_bench_modules(), Path(main.__code__.co_filename)]
+    found = [f"{p.name}:{n.lineno} {n.value!r}" for p in sources for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, ast.Constant) and n.value in BACKENDS]
+    assert not found, found

@@ -13,22 +13,22 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .. import arms
-from ..models import CONFIGS
+from . import arms
+from .models import CONFIGS
 
 __all__ = ["RunConfig", "BenchConfig", "PRESETS", "ALL", "get_preset", "run_name", "default_jobs"]
 
 
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
-    """One training run. ``optimizer`` is an arm of `skewadam.arms` (an alias becomes its name); ``lr`` and
+    """One training run. ``optimizer`` is an arm of `skewadam.bench.arms`; ``lr`` and
     ``weight_decay`` ``None`` mean the arm's defaults."""
 
     optimizer: str = "adamw"
     lr: Optional[float] = None
     weight_decay: Optional[float] = None
     seed: int = 0  # initial weights, batch order and router noise
-    model: str = "cpu"  # a `skewadam.models.get_config` preset
+    model: str = "cpu"  # a `skewadam.bench.models.get_config` preset
     data: Optional[str] = None  # text file or folder; None = the embedded Shakespeare
     steps: int = 200
     batch_size: int = 16
@@ -205,17 +205,15 @@ STUDY_ORTH_LRS: dict[str, tuple[float, ...]] = {
     "skewadam-orthogonal": (3e-3, 1e-2, 3e-2),
     "skewadam-orthogonal-experts": (1e-2, 3e-2, 1e-1),
     "skewadam-orthogonal-experts-momentum-int8m": (1e-2, 3e-2, 1e-1),
-    # the 2-D sweep: (lr of the rest, lr of the orthogonal groups) = (lr, 3 lr) and (lr, 10 lr)
-    "skewadam-orthogonal-lr3x": (1e-3, 3e-3, 1e-2),
-    "skewadam-orthogonal-lr10x": (3e-4, 1e-3, 3e-3),
     "skewadam-relative-step": (3e-2, 1e-1, 3e-1),
-    "skewadam-beta2-decay": (3e-4, 1e-3, 3e-3),
 }
 
 
 def study_orth() -> BenchConfig:
-    """The orthogonal tier's and Adafactor's options' study: 3 lrs x 3 seeds, 200 steps, with the base settings of
-    `study` (so ``--out`` may be that study's directory, whose runs it leaves as they are)."""
+    """The orthogonal tier's and Adafactor's relative step's study: 3 lrs x 3 seeds, 200 steps, with the base
+    settings of `study` (so ``--out`` may be that study's directory, whose runs it leaves as they are). The arms
+    it found no better (a separate orthogonal lr, Adafactor's beta2 decay) are no longer arms; their rows stay in
+    ``docs/study/orthogonal.md``."""
     return BenchConfig(base=study().base, optimizers=tuple(STUDY_ORTH_LRS), lrs=dict(STUDY_ORTH_LRS), seeds=3)
 
 

@@ -33,7 +33,7 @@ COLUMNS = [
 ]
 
 
-#: The keys of a complete run log (`skewadam.harness.train`).
+#: The keys of a complete run log (`skewadam.bench.train`).
 RUN_KEYS = ("name", "config", "model", "summary", "evals", "steps")
 #: A run diverged when its final validation perplexity is above this multiple of its best (or its loss non-finite).
 DIVERGED_RATIO = 2.0
