@@ -291,7 +291,7 @@ def test_report_on_a_folder_without_runs_or_with_a_damaged_log_is_one_line_namin
     (tmp_path / "runs" / "adamw_lr0.001_seed0.json").write_text('{"name": "adamw_lr0.001_seed0", "conf')
     (tmp_path / "runs" / "skewadam_lr0.001_seed0.json").write_bytes(b"\x80\x81")
     line = _one_line_error(["report", str(tmp_path)], capsys)
-    assert "2 damaged run log(s)" in line and "adamw_lr0.001_seed0.json: not valid JSON" in line
+    assert "no valid run log in" in line and "(2 skipped: " in line and "adamw_lr0.001_seed0.json: not valid JSON" in line
     assert "skewadam_lr0.001_seed0.json: not UTF-8 text" in line and "runs them again" in line
 
 

@@ -307,11 +307,12 @@ def _bench(args: argparse.Namespace) -> int:
         return 130
     diverged = []
     if any((out / "runs").glob("*.json")):
-        from .bench.report import divergence, load_runs, render
+        from .bench.logs import load_runs
+        from .bench.report import divergence, render
 
         print()
         print(render(out, plots=not args.no_plots))
-        diverged = [f"{r['name']} ({why})" for r in load_runs(out) if (why := divergence(r))]
+        diverged = [f"{r['name']} ({why})" for r in load_runs(out)[0] if (why := divergence(r))]
     if diverged:
         print(f"{len(diverged)} run(s) diverged: {'; '.join(diverged)}", file=sys.stderr)
     if failed:

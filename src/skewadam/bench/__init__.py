@@ -10,7 +10,9 @@ data.py        corpora as byte tokens: the embedded Shakespeare or a user's fold
 presets.py     models by name: the reference presets and Transformers MoE configs, built without downloads
 arms.py        the arms: every optimizer under comparison, one registry (name, label, lr, builder, memory model)
 planner.py     `plan`: bytes of parameters, gradients, master weights, state and step temporaries, per arm
-config.py      RunConfig / BenchConfig and the named presets of ``skewadam bench --preset``
+config.py      RunConfig / BenchConfig and the named presets of ``skewadam bench --preset``; a run's identity
+logs.py        run logs checked by schema and identity before they count
+plots.py       the plots of a run directory (matplotlib)
 measure.py     the peak memory of real training steps beside the planner's estimate (``skewadam plan --measure``)
 train.py       one training run (a nanoGPT-style loop), in a fresh process per run
 report.py      ``skewadam report RUN_DIR``: table and plots from the JSON logs

@@ -8,6 +8,8 @@ Presets are functions returning a `BenchConfig`; command-line flags override the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
 from pathlib import Path
@@ -16,7 +18,8 @@ from typing import Any, Callable, Optional
 from . import arms
 from .models import CONFIGS
 
-__all__ = ["RunConfig", "BenchConfig", "PRESETS", "ALL", "get_preset", "run_name", "default_jobs"]
+__all__ = ["RunConfig", "BenchConfig", "PRESETS", "ALL", "get_preset", "run_name", "run_name_of", "run_identity",
+           "config_hash", "with_defaults", "default_jobs"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -71,9 +74,36 @@ class RunConfig:
         return arms.ARMS[self.optimizer].weight_decay if self.weight_decay is None else self.weight_decay
 
 
+def run_identity(cfg: RunConfig) -> dict[str, Any]:
+    """Every setting of a run, its lr and weight decay resolved: what its log's ``config`` records."""
+    return dataclasses.asdict(cfg) | {"lr": cfg.resolved_lr, "weight_decay": cfg.resolved_weight_decay}
+
+
+def run_name_of(identity: dict[str, Any]) -> str:
+    """File stem of a run's log, from its `run_identity`: ``{optimizer}_lr{lr}_seed{seed}``."""
+    return f"{identity['optimizer']}_lr{identity['lr']:g}_seed{identity['seed']}"
+
+
 def run_name(cfg: RunConfig) -> str:
     """File stem of a run's log: ``{optimizer}_lr{lr}_seed{seed}``."""
-    return f"{cfg.optimizer}_lr{cfg.resolved_lr:g}_seed{cfg.seed}"
+    return run_name_of(run_identity(cfg))
+
+
+#: Settings a run's config hash leaves out: they change its timings, not what it computes.
+IGNORED_BY_HASH = ("threads",)
+
+
+def with_defaults(identity: dict[str, Any]) -> dict[str, Any]:
+    """A logged `run_identity` with the settings it predates at their defaults."""
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.default is not dataclasses.MISSING}
+    return {**defaults, **identity}
+
+
+def config_hash(identity: dict[str, Any]) -> str:
+    """A short hash of a run's settings (`run_identity`, settings it predates at their defaults), all but
+    `IGNORED_BY_HASH`: two logs with the same hash ran the same thing."""
+    kept = {k: v for k, v in with_defaults(identity).items() if k not in IGNORED_BY_HASH}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 #: RunConfig fields that differ between the runs of one bench; all others must match to resume a run directory.

@@ -26,7 +26,7 @@ import torch
 from ..classify import classify
 from ..state import measure_state
 from . import arms
-from .config import RunConfig, run_name
+from .config import RunConfig, config_hash, run_identity, run_name
 from .data import eval_batches, get_batch, load_corpus
 from .measure import peak_rss
 from .models import MoETransformer, get_config
@@ -240,11 +240,13 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
     monitor.close()
 
     summary = _summary(optimizer, steps_log, evals_log, device, baseline_memory, cfg.batch_size * T)
+    identity = run_identity(cfg)
     summary["wall_time_s"] = wall
     summary["loadavg_1min"] = [load_start, os.getloadavg()[0]]  # machine load at start and end: context for timings
     log = {
         "name": name,
-        "config": dataclasses.asdict(cfg) | {"lr": lr, "weight_decay": wd},
+        "config": identity,
+        "config_hash": config_hash(identity),
         "model": dataclasses.asdict(model_cfg) | {"params": model.num_params(), "params_by_tier": params_by_tier},
         "data": {"name": corpus.name, "train_tokens": corpus.train.numel(), "val_tokens": corpus.val.numel(),
                  "val_docs": list(corpus.val_docs)},
