@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from skewadam import SkewAdam
+from skewadam.bench.models import MoETransformer, get_config
 from skewadam.classify import classify, hidden_matrices, output_heads
 from skewadam.groups import describe, param_groups, split_kwargs
-from skewadam.models import MoETransformer, get_config
 
 D, F, E = 16, 24, 4
 
