@@ -102,6 +102,10 @@ def label(model: nn.Module, rules: Rules = None, *, tiers: Optional[Mapping[str,
         >>> labels.tiers["blocks.1.moe.router.weight"], labels.hidden[:1]
         ('router', ('blocks.0.attn.wq.weight',))
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected the model (an nn.Module), got {type(model).__name__}: tiers are read from the "
+                        f"model's structure, so pass the model itself; for bare parameters use SkewAdam(params, "
+                        f"tier='backbone'|'expert'|'router'), one param group per tier")
     trainable, frozen = split_trainable(model)
     found = structure(model)
     if tiers is None:

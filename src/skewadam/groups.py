@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 import warnings
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from torch import nn
 
+from . import recipes
 from .classify import Labels, hidden_matrices, label, split_trainable
+from .kernels.orthogonal import NS_STEPS
 from .state import format_bytes, spec_nbytes, state_flags
 from .tiers import Tier
 
-__all__ = ["describe", "param_groups", "split_kwargs", "orthogonal_names", "group_settings", "Census",
-           "TierCensus", "ORTHOGONAL_MOMENTUM", "warn_untiered_experts"]
+__all__ = ["describe", "param_groups", "split_kwargs", "orthogonal_names", "orthogonal_flops", "group_settings",
+           "Census", "TierCensus", "ORTHOGONAL_MOMENTUM", "warn_untiered_experts"]
 
 logger = logging.getLogger("skewadam")
 Orthogonal = Union[bool, str, Sequence[str]]
@@ -180,7 +183,8 @@ def _warn_empty(census: Census) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ param groups
-_GROUP_OPTIONS = ("rules", "tier_options", "exempt_1d", "log", "weight_decay", "orthogonal", "orthogonal_options")
+_GROUP_OPTIONS = ("rules", "tier_options", "exempt_1d", "log", "verbose", "weight_decay", "orthogonal",
+                  "orthogonal_options")
 #: Muon's momentum (torch.optim.Muon's default), the orthogonal groups' ``betas[0]`` unless set otherwise.
 ORTHOGONAL_MOMENTUM = 0.95
 
@@ -214,6 +218,23 @@ def orthogonal_names(model: nn.Module, labels: GivenLabels, orthogonal: Orthogon
     return names
 
 
+def orthogonal_flops(model: nn.Module, orthogonal: Orthogonal, labels: Optional[GivenLabels] = None) -> int:
+    """Matmul FLOPs of one step's Newton-Schulz over the tensors ``orthogonal`` selects (`orthogonal_names`): per
+    matrix ``[A, B]`` (each slice of a bank ``[E, A, B]``), with ``m, n = min(A, B), max(A, B)``, ``NS_STEPS`` x
+    ``(4 m^2 n + 2 m^3)`` (the Gram matrix, its square, the product with the iterate).
+
+    Example:
+        >>> orthogonal_flops(model, "experts")  # paper-6.78b: 8.07e14
+    """
+    found = _labels(model, None, labels)
+    total = 0
+    for name in orthogonal_names(model, found, orthogonal):
+        *batch, a, b = found.trainable[name].shape
+        m, n = min(a, b), max(a, b)
+        total += math.prod(batch) * NS_STEPS * (4 * m * m * n + 2 * m ** 3)
+    return total
+
+
 def group_settings(tier: str, orthogonal: bool, defaults: Optional[Mapping[str, Any]], options: dict,
               orthogonal_options: Optional[dict[str, Any]]) -> dict[str, Any]:
     """A group's settings: SkewAdam's ``defaults``, then for orthogonal groups Muon's momentum, then
@@ -229,7 +250,10 @@ def group_settings(tier: str, orthogonal: bool, defaults: Optional[Mapping[str, 
 
 
 def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split `SkewAdam.from_model` keyword arguments into ``(param_groups kwargs, SkewAdam kwargs)``."""
+    """`SkewAdam.from_model` keyword arguments as ``(param_groups kwargs, SkewAdam kwargs)``, after applying their
+    ``recipe`` (default ``"paper"``; `skewadam.recipes.apply`: explicit arguments override it)."""
+    kwargs = dict(kwargs)
+    kwargs = recipes.apply(kwargs.pop("recipe", recipes.DEFAULT_RECIPE), kwargs)
     group = {k: v for k, v in kwargs.items() if k in _GROUP_OPTIONS}
     return group, {k: v for k, v in kwargs.items() if k not in _GROUP_OPTIONS}
 
@@ -260,6 +284,7 @@ def param_groups(
     tier_options: Optional[dict[str, dict[str, Any]]] = None,
     exempt_1d: bool = False,
     log: bool = True,
+    verbose: bool = False,
     defaults: Optional[Mapping[str, Any]] = None,
     orthogonal: Orthogonal = False,
     orthogonal_options: Optional[dict[str, Any]] = None,
@@ -271,8 +296,8 @@ def param_groups(
     does. ``tier_options={"router": {"lr": 1e-4}}`` overrides any group setting per tier (applied last; an exempted
     group keeps ``weight_decay=0``). Groups carry ``param_names``. Flattened expert banks (`flattened_experts`) go
     to an expert group of their own per count E with the key ``experts=E``: each tensor stacks E experts along dim 0.
-    With ``log`` the census goes to the ``skewadam`` logger (INFO), its state counted under ``defaults``: the SkewAdam settings the groups will inherit
-    (`SkewAdam.from_model` passes its own).
+    The census (`describe`) counts the state under ``defaults``, the SkewAdam settings the groups will inherit
+    (`SkewAdam.from_model` passes its own); ``verbose`` prints it, ``log`` sends it to the ``skewadam`` logger (INFO).
 
     ``orthogonal`` (beyond the paper; `orthogonal_names`): True puts the hidden matrices into a backbone group with
     ``update="orthogonal"`` (Muon's update, momentum ``ORTHOGONAL_MOMENTUM``), ``"experts"`` also the expert
@@ -289,10 +314,13 @@ def param_groups(
     census = describe(model, tier_options=tier_options, labels=found, defaults=defaults, orthogonal=orthogonal,
                       orthogonal_options=orthogonal_options)
     orth = set(orthogonal_names(model, found, orthogonal))
+    report = [census.table()]
+    if census.frozen_names:
+        report.append(f"frozen parameters left out of the optimizer: {census.frozen_names}")
+    if verbose:
+        print("\n".join(report))
     if log:
-        logger.info("%s", census.table())
-        if census.frozen_names:
-            logger.info("frozen parameters left out of the optimizer: %s", census.frozen_names)
+        logger.info("%s", "\n".join(report))
     trainable, labels, flat = found.trainable, found.tiers, found.experts
     groups = []
     for tier in _TIERS:
