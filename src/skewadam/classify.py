@@ -25,7 +25,9 @@ Structure decides, names come last. In order:
        also ``[E + s, D]`` (it scores shared or "skip" experts too), for marked ones ``[k*E, D]`` (this rank holds E
        of the experts). A candidate inside a block that maps its input back to a width it reads (its matrices'
        widths close a cycle, ``D -> F -> D``, as attention and MLPs do; or it holds convs, tables, banks) is a
-       coincidence, not a router: a shared MLP whose rows divide ``E*F``, linear-attention projections with E rows.
+       coincidence, not a router: a shared MLP whose rows divide ``E*F``, linear-attention projections with E rows;
+       so is one whose output loose projections beside it map back to the width it reads (a latent MoE's up
+       projection ``[D, L]``), and beside a latent MoE's ``D -> L -> D`` the router reads ``D``.
        The router is the module holding the matrix (every parameter: bias, per-expert scales, the first stage of a
        two-stage router as X-MoE's ``D -> 16 -> E``); banks ``[Eo, Ei, ...]`` also take the ``[Eo, D, Ei]`` second
        stage of a hierarchical router.
@@ -37,7 +39,8 @@ Structure decides, names come last. In order:
        declares, a router called ``router``/``gate``/... when no matrix size reveals it. ``gate`` never matches
        ``gate_proj``; ``shared_experts`` never matches ``experts``.
 Everything not labelled is backbone. Parameters with ``requires_grad=False`` are left out (`skewadam.groups.describe`
-reports them); tied parameters appear once, under their first name. Param groups and the census of the state they
+reports them); tied parameters appear once, under their first name. `label` returns all that tiering finds at once
+(`Labels`: tiers, flattened experts, hidden matrices, output heads). Param groups and the census of the state they
 cost are `skewadam.groups`.
 
 Example:
