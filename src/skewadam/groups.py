@@ -21,7 +21,6 @@ from torch import nn
 
 from . import recipes
 from .classify import Labels, hidden_matrices, label, split_trainable
-from .kernels.orthogonal import NS_STEPS
 from .state import format_bytes, spec_nbytes, state_flags
 from .tiers import Tier
 
@@ -226,6 +225,8 @@ def orthogonal_flops(model: nn.Module, orthogonal: Orthogonal, labels: Optional[
     Example:
         >>> orthogonal_flops(model, "experts")  # paper-6.78b: 8.07e14
     """
+    from .kernels.orthogonal import NS_STEPS  # here: the planner counts FLOPs without loading a kernel module
+
     found = _labels(model, None, labels)
     total = 0
     for name in orthogonal_names(model, found, orthogonal):
