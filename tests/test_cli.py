@@ -292,7 +292,8 @@ def test_report_on_a_folder_without_runs_or_with_a_damaged_log_is_one_line_namin
     (tmp_path / "runs" / "adamw_lr0.001_seed0.json").write_text('{"name": "adamw_lr0.001_seed0", "conf')
     (tmp_path / "runs" / "skewadam_lr0.001_seed0.json").write_bytes(b"\x80\x81")
     line = _one_line_error(["report", str(tmp_path)], capsys)
-    assert "no valid run log in" in line and "(2 skipped: " in line and "adamw_lr0.001_seed0.json: not valid JSON" in line
+    assert "no valid run log in" in line and "(2 skipped: " in line
+    assert "adamw_lr0.001_seed0.json: not valid JSON" in line
     assert "skewadam_lr0.001_seed0.json: not UTF-8 text" in line and "runs them again" in line
 
 
@@ -454,7 +455,8 @@ def test_bench_help_shows_each_presets_real_defaults_and_whole_descriptions(caps
     steps = ", ".join(f"{b.base.steps} ({name})" for name, b in presets.items()).replace(
         "200 (study), 200 (study-orth)", "200 (study, study-orth)")
     assert f"training steps (default: the preset's: {steps})" in text
-    assert f"steps between evaluations (default: the preset's: {presets['default'].base.eval_interval} (default)" in text
+    interval = presets["default"].base.eval_interval
+    assert f"steps between evaluations (default: the preset's: {interval} (default)" in text
     for name, make in PRESETS.items():
         whole = " ".join(make.__doc__.split("\n\n")[0].split()).split(". ")[0].rstrip(".") + "."
         assert f"{name}: {whole} ({', '.join(presets[name].optimizers)}; {len(presets[name].runs())} runs" in text

@@ -1,7 +1,8 @@
 """The ``skewadam`` command (also ``python -m skewadam``): every argument parser and every printed line lives here.
 
-Subcommands: ``tiers`` (`skewadam.classify`), ``plan`` (`skewadam.bench.planner`, ``--measure``: `skewadam.bench.measure`),
-``bench`` and ``report`` (`skewadam.bench`), ``bench-step`` (`skewadam.bench.bench_step`). Optimizer names are
+Subcommands: ``tiers`` (`skewadam.classify`), ``plan`` (`skewadam.bench.planner`, ``--measure``:
+`skewadam.bench.measure`), ``bench`` and ``report`` (`skewadam.bench`), ``bench-step`` (`skewadam.bench.bench_step`);
+the kernel choices of ``--impl`` are `skewadam.kernels.BACKENDS`'. Optimizer names are
 the arms of `skewadam.bench.arms`, the same for every subcommand.
 
 A user's mistake (a bad value, a missing file, malformed JSON, a missing optional package) is one line on stderr and
@@ -184,7 +185,8 @@ def _plan(args: argparse.Namespace) -> int:
             kernel = BACKENDS[measured["impl"]].summary
             print(f"\nmeasured: {args.measure} on {args.device} with {kernel}, {measured['method']}: "
                   f"{format_bytes(measured['measured'])} ({measured['measured']:,} B), vs the estimate in the table "
-                  f"(row {args.measure}, column peak, --impl {measured['impl']}): {format_bytes(measured['estimate'])}; "
+                  f"(row {args.measure}, column peak, --impl {measured['impl']}): "
+                  f"{format_bytes(measured['estimate'])}; "
                   f"measured / estimate = {measured['ratio']:.3f}")
     return 0
 
@@ -385,7 +387,8 @@ def _add_bench_step(sub) -> None:
         "bench-step", help="time one optimizer step: SkewAdam vs fused/foreach AdamW and Adafactor, with memory",
         description=bench_step.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--preset", default="cpu", help="model preset of skewadam.bench.models: tiny, cpu, ... (default: cpu)")
+    p.add_argument("--preset", default="cpu",
+                   help="model preset of skewadam.bench.models: tiny, cpu, ... (default: cpu)")
     p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="override model config fields, e.g. --set n_layer=18 d_ff=512 d_expert=384; repeatable")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter dtype (default: fp32)")

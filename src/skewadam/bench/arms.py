@@ -151,7 +151,8 @@ class ChainedOptimizer:
 # ----------------------------------------------------------------------------------------------------- builders
 def _adamw8bit_torchao(groups, lr, impl):
     """torchao's AdamW8bit. It compiles its per-tensor step with ``torch.compile``; on CPU that costs minutes of
-    compilation in every fresh run process (``docs/bench/design.md``), so parameters on CPU take the same step eagerly (``torch.compiler.set_stance("force_eager")``): the same math and state, not torchao's speed."""
+    compilation in every fresh run process (``docs/bench/design.md``), so parameters on CPU take the same step
+    eagerly (``torch.compiler.set_stance("force_eager")``): the same math and state, not torchao's speed."""
     try:
         with quiet_imports():  # on a CPU-only build, each of its CUDA extensions logs a failure to load
             from torchao.optim import AdamW8bit

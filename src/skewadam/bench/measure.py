@@ -116,9 +116,9 @@ def measure_peak(
     """Measure the peak memory of real training steps and set it beside `plan`'s estimate.
 
     The model (``spec``: preset or ``config.json``, with config ``overrides``) is built on ``device`` and trained
-    ``steps`` steps on random tokens by the arm ``optimizer`` (`skewadam.bench.arms`). CPU: the growth of the peak resident
-    set size (``VmHWM``) over the resident size after a warm-up, in a fresh Python process (the peak RSS of this one
-    is not resettable). CUDA: ``torch.cuda.max_memory_allocated`` growth, in this process.
+    ``steps`` steps on random tokens by the arm ``optimizer`` (`skewadam.bench.arms`). CPU: the growth of the peak
+    resident set size (``VmHWM``) over the resident size after a warm-up, in a fresh Python process (the peak RSS of
+    this one is not resettable). CUDA: ``torch.cuda.max_memory_allocated`` growth, in this process.
 
     SkewAdam steps with the kernel backend ``impl`` (a name of `skewadam.kernels.BACKENDS`; None or ``"auto"``: the
     one `skewadam.kernels.resolve` picks on ``device``), and the estimate is the plan's peak with that kernel (``impl``

@@ -4,7 +4,8 @@
 ``balance.png``; `skewadam bench` calls the same code when its runs finish.
 
 Per optimizer the table shows the learning rate with the best mean validation perplexity; each figure is the mean over
-seeds (``± std`` with several seeds) and, in parentheses, its ratio to the baseline optimizer (AdamW) at its own best lr.
+seeds (``± std`` with several seeds) and, in parentheses, its ratio to the baseline optimizer (AdamW) at its own best
+lr. Only logs `skewadam.bench.logs` accepts count; the others are listed, skipped.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ one single-threaded run per core). At the end ``OUT/results.md`` and the plots a
 
 Before the first run, everything is checked once: every setting, the optional packages the runs need, the text
 against the block size; SkewAdam's kernel is loaded here (a compiled one built once per environment, announced)
-rather than silently inside a run. A run directory is locked while a bench uses it, and a run's process dies with the bench.
+rather than silently inside a run. A run directory is locked while a bench uses it, and a run's process dies with the
+bench.
 """
 
 from __future__ import annotations
@@ -186,7 +187,8 @@ def run_bench(bench: BenchConfig, out: Path, *, tensorboard: Optional[str] = Non
               jobs: Optional[int] = None, plots: bool = True, echo: Callable[[str], None] = _quiet) -> list[str]:
     """Run every missing run of ``bench`` into ``out`` (one subprocess each, ``jobs`` at a time, default
     ``bench.resolved_jobs``; a run prints a progress bar on a terminal, or with several at a time or into a pipe a line
-    per evaluation, unless ``progress`` is off), reporting each run's outcome to ``echo``. Returns the names of the runs that failed.
+    per evaluation, unless ``progress`` is off), reporting each run's outcome to ``echo``. Returns the names of the
+    runs that failed.
     The table and plots are `skewadam.bench.report.render`'s (``plots`` only says whether matplotlib is needed)."""
     jobs = bench.resolved_jobs if jobs is None else jobs
     if jobs < 1:

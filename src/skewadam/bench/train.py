@@ -209,7 +209,8 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
     model = built.model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     init_checksum = sum(p.double().sum().item() for p in model.parameters())
     data_gen = torch.Generator().manual_seed(cfg.seed)
-    val_batches = [(x.to(device), y.to(device)) for x, y in eval_batches(corpus.val, cfg.eval_batches, cfg.batch_size, T)]
+    val_batches = [(x.to(device), y.to(device))
+                   for x, y in eval_batches(corpus.val, cfg.eval_batches, cfg.batch_size, T)]
     params = dict(model.named_parameters())
     params_by_tier = {"backbone": 0, "expert": 0, "router": 0}
     for n, tier in classify(model).items():
