@@ -3,9 +3,9 @@
 `state_flags` resolves a param group's state settings (its tier's defaults, the ``use_momentum``/``use_factored``/
 ``bank`` overrides, ``momentum_dtype``, ``update``, ``experts``) into its `TierSpec`, validating them (the one place
 these keys are checked); `state_spec` says which tensors (name, shape, dtype) a parameter of a given shape keeps
-under them. `SkewAdam` allocates exactly these and validates loaded state against
-them (`check_state`); the census (`skewadam.groups.describe`) and the planner (`skewadam.planner`) sum exactly
-these, so none of them can disagree. `measure_state` counts what any ``torch.optim.Optimizer`` holds.
+under them. `SkewAdam` allocates exactly these and validates loaded state against them (`check_state`); the census
+(`skewadam.groups.describe`) and the planner (`skewadam.bench.planner`) sum exactly these, so none of them can
+disagree. `measure_state` counts what any ``torch.optim.Optimizer`` holds.
 
 Names follow torch: ``step``, ``exp_avg`` (first moment), ``exp_avg_sq`` (full second moment), ``row_var``
 ``[..., R, 1]`` and ``col_var`` ``[..., 1, C]`` (factored second moment, over the last two dims).

@@ -8,7 +8,7 @@ Every kernel module (`eager`, `cpu`, `triton`) implements the same functions ove
 - ``step_(groups, *, skip_nonfinite) -> Tensor``: passes 1-3 of one process (nothing to reduce between passes), in one
   call; returns a 0-d bool tensor on the parameters' device, True if the step was skipped for a non-finite gradient.
 - ``step_transient_bytes(tensors, param_dtype) -> int``: the peak bytes a step of ``[(shape, bank), ...]`` allocates
-  beyond parameters, gradients and state (what `skewadam.planner` counts as step temporaries).
+  beyond parameters, gradients and state (what `skewadam.bench.planner` counts as step temporaries).
 
 Between the passes the optimizer hands the statistics to a reducer (the distributed seam, `skewadam.distributed`), so a
 kernel never calls torch.distributed. ``skip`` is an optional 0-d bool tensor on the parameters' device: when True the
