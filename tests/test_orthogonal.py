@@ -96,7 +96,8 @@ def test_newton_schulz_is_the_reference_iteration_and_orthogonalises():
 def test_equals_torch_muon_where_the_math_coincides(monkeypatch):
     """Momentum, Nesterov, the match_rms_adamw scale and the decay are torch.optim.Muon's: with torch's Newton-Schulz
     swapped for ours (torch runs its own in bf16 always, ours in the parameter's dtype), float64 parameters agree."""
-    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", lambda g, coeffs, steps, eps: orthogonal.newton_schulz(g))
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz",
+                        lambda g, coeffs, steps, eps: orthogonal.newton_schulz(g))
     a = _params([(16, 8), (8, 24), (16, 8)])
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
     theirs = torch.optim.Muon(a, lr=_LR, weight_decay=_WD, momentum=_MU, adjust_lr_fn="match_rms_adamw")

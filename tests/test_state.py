@@ -30,7 +30,8 @@ def test_a_groups_tier_spec_takes_the_tier_defaults_where_the_group_gives_none()
     ({"use_factored": 1}, r"^Invalid use_factored in param group 3: 1 \(expected True, False or None\)"),
     ({"update": "muon"}, r"^Invalid update in param group 3: 'muon'"),
     ({"update": "orthogonal", "use_factored": True}, r"^param group 3: update='orthogonal' keeps no second moment"),
-    ({"tier": "expert", "update": "orthogonal", "experts": 2}, r"^param group 3: update='orthogonal' takes matrices"),
+    ({"tier": "expert", "update": "orthogonal", "experts": 2},
+     r"^param group 3: update='orthogonal' takes matrices"),
     ({"tier": "expert", "experts": 0}, r"^Invalid experts in param group 3: 0"),
     ({"experts": 2}, r"^param group 3: experts=2 is a key of 'expert' groups"),
 ])
@@ -56,7 +57,7 @@ def test_check_state_names_the_parameter_and_what_differs():
         check_state({k: v for k, v in good.items() if k != "exp_avg"}, spec, "p")
     with pytest.raises(ValueError, match=r"p: state 'row_var' is \[16, 1\] torch.float32, expected \[8, 1\]"):
         check_state({**good, "row_var": torch.zeros(16, 1)}, spec, "p")
-    with pytest.raises(ValueError, match=r"state 'exp_avg' is \[8, 6\] torch.bfloat16, expected \[8, 6\] torch.float32"):
+    with pytest.raises(ValueError, match=r"'exp_avg' is \[8, 6\] torch.bfloat16, expected \[8, 6\] torch.float32"):
         check_state({**good, "exp_avg": torch.zeros(8, 6, dtype=torch.bfloat16)}, spec, "p")
     with pytest.raises(ValueError, match="state 'step' is a int, expected a tensor"):
         check_state({**good, "step": 3}, spec, "p")

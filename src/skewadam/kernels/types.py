@@ -35,9 +35,9 @@ from torch import Tensor
 
 from ..state import num_blocks
 
-__all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS", "EPS_MODES",
-           "PARAM_DTYPES", "unit_dims", "unit_numel", "stat_dims", "check_param_dtype", "check", "check_lr",
-           "check_group", "all_finite"]
+__all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS",
+           "EPS_MODES", "PARAM_DTYPES", "unit_dims", "unit_numel", "stat_dims", "check_param_dtype", "check",
+           "check_lr", "check_group", "all_finite"]
 
 class MomFmt(enum.IntEnum):
     """How a parameter's first moment is stored: one numbering for every compiled kernel (the C++ kernel's
