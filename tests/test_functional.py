@@ -222,8 +222,7 @@ def test_the_functional_steps_one_parameter_at_a_time_like_the_optimizer(impl):
             for j, p in enumerate(group["params"]):
                 if step == 1 and index == 6 and j == 1:
                     p.grad[0, 0] = float("nan")
-                sub = dict(group, params=[p])  # that parameter alone (its rounding stream: its optimizer-wide index)
-                params_, record = opt._init_group(sub, 100 + first_id + j, first_id + j)
+                params_, record = opt._init_group(group, index, first_id, only=j)  # that parameter alone
                 with torch.no_grad():  # (as a gradient hook runs)
                     skipped.append(bool(skewadam_([StepGroup(record, params_, group["update"])], backend=backend)))
             first_id += len(group["params"])

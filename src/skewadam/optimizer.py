@@ -267,10 +267,11 @@ class SkewAdam(Optimizer):
         self.__dict__["_skipped_pending"] = skipped if pending is None else pending + skipped
 
     def _init_group(self, group: dict, index: int, first_id: int, device_steps: bool = False,
-                    fresh: Optional[list] = None) -> Optional[tuple[list[Tensor], Group]]:
+                    fresh: Optional[list] = None, only: Optional[int] = None) -> Optional[tuple[list[Tensor], Group]]:
         """Lazy state, then the parameters of group ``index`` with gradients (for the reducer) and their kernels'
         record (local shards of DTensors); None if none has a gradient. ``first_id``: the optimizer-wide index of the
-        group's first parameter (its rounding stream); ``device_steps``, ``fresh``: `_state_of`'s."""
+        group's first parameter (its rounding stream); ``device_steps``, ``fresh``: `_state_of`'s; ``only``: the
+        record of the group's parameter of that index alone (what a gradient hook steps)."""
         params, tensors = [], []
         experts, tier = group.get("experts"), group["tier"]
         key = (id(group["params"]), len(group["params"]), first_id, id(group.get("param_names")), tier, group["bank"],
@@ -279,7 +280,7 @@ class SkewAdam(Optimizer):
         if cached is None or cached[0] != key:
             cached = self._records[index] = (key, [None] * len(group["params"]))
         states, make = self.state, ParamTensors._make  # _make: the record without NamedTuple.__new__'s Python call
-        for i, p in enumerate(group["params"]):
+        for i, p in enumerate(group["params"]) if only is None else ((only, group["params"][only]),):
             grad = p.grad
             if grad is None:
                 continue
