@@ -110,7 +110,7 @@ class Moments(NamedTuple):
     """Pass-2 results that pass 3 needs (all small: no parameter-sized tensor)."""
 
     u_sumsq: Tensor  # per unit, keepdim
-    corr: Union[Tensor, float]  # bias correction per unit
+    corr: Union[Tensor, float]  # per unit, pass 3's scale of u: the bias correction (relative step: times rms(p))
     rinv: Optional[Tensor]  # factored: [..., R, 1]
     cinv: Optional[Tensor]  # factored: [..., 1, C]
     active: Optional[Tensor]  # bank: which slices had a non-zero gradient, [E, 1, ...]
