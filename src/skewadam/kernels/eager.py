@@ -331,9 +331,16 @@ def _moments_chunk(g, m, scale, v, rinv, cinv, active, corr, *, dtype, beta1, be
         new = ema(m32, g, beta1)
         store_momentum_(m, scale, new if active is None else torch.where(active, new, m32), key, offset)
         src = load_momentum(m, scale, dtype)
+    return _direction(src, corr, rinv, cinv, v, floor)
+
+
+def _direction(src: Tensor, c: Scalar, rinv: Optional[Tensor], cinv: Optional[Tensor], v: Optional[Tensor],
+               floor: float) -> Tensor:
+    """The update direction scaled by ``c``, from its source (momentum, else gradient): factored ``src * (rinv_i * c)
+    * cinv_j``, full ``src * c / sqrt(max(v, floor))`` (pass 2: ``c`` the bias correction; pass 3: also the clip)."""
     if rinv is not None:
-        return src * (rinv * corr) * cinv
-    return src * corr / (v.clamp(min=floor) if floor else v).sqrt()
+        return src * (rinv * c) * cinv
+    return src * c / (v.clamp(min=floor) if floor else v).sqrt()
 
 
 # ------------------------------------------------------------------------------------------------------------ pass 3
@@ -375,10 +382,7 @@ def _apply_updates(pt: ParamTensors, mo: Moments, *, lr: Scalar, decay: Optional
 
 def _apply_chunk(p, g, m, scale, v, rinv, cinv, active, cc, *, dtype, lr, decay, floor, key, offset) -> None:
     src = load_momentum(m, scale, dtype) if m is not None else _compute(g, dtype)
-    if rinv is not None:
-        u = src * (rinv * cc) * cinv
-    else:
-        u = src * cc / (v.clamp(min=floor) if floor else v).sqrt()
+    u = _direction(src, cc, rinv, cinv, v, floor)
     p32 = _compute(p, dtype)
     new = torch.sub(p32 * decay if decay is not None else p32, u.mul_(lr))
     if active is not None:

@@ -39,7 +39,7 @@ __all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_
 
 class MomFmt(enum.IntEnum):
     """How a parameter's first moment is stored: one numbering for every compiled kernel (the C++ kernel's
-    ``MomFmt`` and the Triton kernels' ``MOM`` take these values)."""
+    ``MomFmt`` is built from these, as ``-D`` flags; the Triton kernels' ``MOM`` takes these values)."""
 
     PLAIN = 0  # the statistics dtype
     BF16 = 1  # bf16, stochastically rounded

@@ -38,8 +38,9 @@
 // statistic is an error, never an out-of-bounds access.
 //
 // Constants come from the Python modules that define them, as -D flags that cpu.py builds (and hashes into the build's
-// name): quant.BLOCK, quant.QMAX and quant.MOMENTUM_STREAM, rounding.py's hash multipliers, types.ROW_MEAN_FLOOR, and
-// cpu.py's own BLOCK, MIN_BLOCK_ROWS and FUSE_BYTES (which its step_transient_bytes sizes the kept statistics with).
+// name): quant.BLOCK, quant.QMAX and quant.MOMENTUM_STREAM, rounding.py's hash multipliers, types.ROW_MEAN_FLOOR,
+// RELATIVE_STEP_EPS and MomFmt (the momentum formats' numbers), and cpu.py's own BLOCK, MIN_BLOCK_ROWS and FUSE_BYTES
+// (which its step_transient_bytes sizes the kept statistics with).
 //
 // Transient memory: no buffer of the size of a parameter (except a contiguous copy of a non-contiguous one). The
 // three-pass path returns the small statistics as tensors (rows, columns, one value per unit); `step` keeps the row
@@ -76,7 +77,8 @@
 
 #if !defined(SKEWADAM_QBLOCK) || !defined(SKEWADAM_QMAX) || !defined(SKEWADAM_MOMENTUM_STREAM) || \
     !defined(SKEWADAM_MUL1) || !defined(SKEWADAM_MUL2) || !defined(SKEWADAM_GOLDEN) || !defined(SKEWADAM_ROW_MEAN_FLOOR) || \
-    !defined(SKEWADAM_RELATIVE_STEP_EPS)
+    !defined(SKEWADAM_RELATIVE_STEP_EPS) || !defined(SKEWADAM_MOM_PLAIN) || !defined(SKEWADAM_MOM_BF16) || \
+    !defined(SKEWADAM_MOM_INT8) || !defined(SKEWADAM_MOM_NONE)
 #error "build this file with skewadam/kernels/cpu.py: it passes the constants of quant.py, rounding.py and types.py"
 #endif
 
@@ -98,7 +100,13 @@ constexpr double kRowMeanFloor = SKEWADAM_ROW_MEAN_FLOOR;       // types.ROW_MEA
 constexpr double kRelativeStepEps = SKEWADAM_RELATIVE_STEP_EPS; // types.RELATIVE_STEP_EPS
 static_assert(kQBlock > 0 && kQBlock <= 4096 && kQMax > 0 && kQMax <= 127, "quant.BLOCK / QMAX out of range");
 static_assert(kBlock > 0 && kMinBlockRows > 0 && kFuseBytes > 0, "cpu.BLOCK / MIN_BLOCK_ROWS / FUSE_BYTES out of range");
-enum MomFmt : int { kMomPlain = 0, kMomBF16 = 1, kMomInt8 = 2 };  // first moment in the math dtype, bf16 or int8
+// types.MomFmt, the one numbering of the compiled kernels: first moment in the math dtype, bf16, int8, or none
+enum MomFmt : int {
+  kMomPlain = SKEWADAM_MOM_PLAIN,
+  kMomBF16 = SKEWADAM_MOM_BF16,
+  kMomInt8 = SKEWADAM_MOM_INT8,
+  kMomNone = SKEWADAM_MOM_NONE
+};
 
 // ------------------------------------------------------------------------------------------------ elements
 template <class P>
@@ -629,8 +637,7 @@ struct Param {
   std::vector<double> sumsq_buf;  // storage of sumsq on the single-process path (room for a double or float)
   uint32_t key = 0;              // stochastic rounding key (bf16 parameters)
   // first moment's storage: format, int8 scales [rows, mNB], last dim, bf16 rounding key
-  bool has_m = false;  // a first moment (q.m is null when the parameter has no elements)
-  int mfmt = kMomPlain;
+  int mfmt = kMomNone;  // kMomNone: no first moment (else q.m is null only when the parameter has no elements)
   float* mscale = nullptr;
   int64_t mC = 1, mNB = 1;
   uint32_t mkey = 0;
@@ -716,7 +723,6 @@ Param make_param(const ParamRec& r, Contig& ct, Pass pass, bool reads_param = fa
     check_state(q, "col_var", cv, true, stat_shape(p.sizes(), 1, p.size(-1)), T);
   }
   check_state(q, "exp_avg_sq", v, !factored, p.sizes(), T);
-  q.has_m = m.has_value();
   if (m) {
     const at::ScalarType st = m->scalar_type();
     SKEWADAM_CHECK(q, m->sizes() == p.sizes(), "state 'exp_avg' has shape ", m->sizes(), ", a parameter of shape ",
@@ -911,7 +917,7 @@ void count_steps(Param& q, const Hyper& h) {
     const double t = G.bank ? std::max(double(step[u]), 1.0) : double(step[0]);
     if (h.beta2_decay) q.beta2[u] = 1.0 - std::pow(t, *h.beta2_decay);
     double c = h.beta2_decay ? 1.0 : std::sqrt(1.0 - std::pow(h.beta2, t));
-    if (q.has_m) c /= 1.0 - std::pow(h.beta1, t);
+    if (q.mfmt != kMomNone) c /= 1.0 - std::pow(h.beta1, t);
     q.corr[u] = c;
     q.scale[u] = h.relative_step ? c * std::max(kRelativeStepEps, std::sqrt(q.p_sumsq[u] / G.ng)) : c;
   }
@@ -1102,8 +1108,8 @@ template <class E, class F>
 void with_momentum(const Param& q, const Hyper& h, const F& f) {
   using T = typename E::T;
   using raw = typename E::raw;
-  if (!q.has_m) return f(NoMom<E>{at_<raw>(q.g)});
   switch (q.mfmt) {
+    case kMomNone: return f(NoMom<E>{at_<raw>(q.g)});
     case kMomPlain: return f(PlainMom<E>{at_<T>(q.m), Ema<T>(h.beta1)});
     case kMomBF16:
       if constexpr (std::is_same_v<T, float>) return f(BF16Mom{at_<uint16_t>(q.m), q.mkey, Ema<float>(h.beta1)});
@@ -1319,8 +1325,10 @@ double clip_of(T u_sumsq, double n) {
 // ------------------------------------------------------------------------------------------------ one process
 // Whether `step` does a unit of q whole on one thread: its pass-3 source (momentum, else gradient) fits a core's L2.
 bool fuses(const Param& q) {
-  const int64_t m_bytes = q.mfmt == kMomPlain ? c10::elementSize(math_dtype(q.dtype)) : q.mfmt == kMomBF16 ? 2 : 1;
-  return q.geo.unit_numel * (q.has_m ? m_bytes : int64_t(c10::elementSize(q.dtype))) <= kFuseBytes;
+  const int64_t src_bytes = q.mfmt == kMomNone ? c10::elementSize(q.dtype)
+                            : q.mfmt == kMomPlain ? c10::elementSize(math_dtype(q.dtype))
+                            : q.mfmt == kMomBF16 ? 2 : 1;
+  return q.geo.unit_numel * src_bytes <= kFuseBytes;
 }
 
 // Unit u's sum of g^2 from its matrices' rc, as grad_stats adds them.
