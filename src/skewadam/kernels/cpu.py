@@ -39,7 +39,8 @@ import torch
 from torch import Tensor
 
 from . import quant, rounding
-from .types import ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, check, stat_dims, unit_dims
+from .types import (RELATIVE_STEP_EPS, ROW_MEAN_FLOOR, GradStats, Group, Moments, MomFmt, ParamTensors, check,
+                    stat_dims, unit_dims)
 
 __all__ = [
     "GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "step_", "unit_dims", "stat_dims",
@@ -73,6 +74,8 @@ def _defines() -> list[str]:
         f"-DSKEWADAM_MUL2={rounding._MUL2:#x}u",
         f"-DSKEWADAM_GOLDEN={rounding._GOLDEN:#x}u",
         f"-DSKEWADAM_ROW_MEAN_FLOOR={float(ROW_MEAN_FLOOR).hex()}",
+        f"-DSKEWADAM_RELATIVE_STEP_EPS={float(RELATIVE_STEP_EPS).hex()}",
+        *(f"-DSKEWADAM_MOM_{fmt.name}={fmt.value}" for fmt in MomFmt),
     ]
 
 

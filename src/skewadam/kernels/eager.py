@@ -13,6 +13,11 @@ statistics across shards (nothing here calls torch.distributed):
    per-unit sum of ``u^2`` for the RMS clip.
 3. `apply_updates_`: ``p = p*(1 - lr*wd) - lr * u / max(1, rms(u))``, rounded stochastically for bf16 parameters.
 
+Adafactor's options (`skewadam.kernels.types.Group`) live inside these passes, per unit: ``relative_step`` adds the sum
+of ``p^2`` to pass 1 and scales the update term by ``max(RELATIVE_STEP_EPS, rms(p))`` (pass 2 folds it into
+``Moments.corr``; the weight decay keeps ``lr``); ``beta2_decay`` gives every second-moment EMA of a unit its own
+``1 - t**d`` and drops the second moment's bias correction. An idle bank slice is left untouched either way.
+
 Means use the *global* shapes passed in, so a shard divides its partial sums by the full row or column count.
 The row-statistic mean is carried as a sum updated by linearity, ``sum_i row_i' = b2*sum_i row_i + (1-b2)*sum_i
 rowmean_i``, so a row-sharded tensor needs no extra collective (exact up to summation order).
@@ -43,8 +48,8 @@ from torch import Tensor
 
 from .quant import load_momentum, store_momentum_
 from .rounding import rounding_key, stochastic_round_bf16
-from .types import (ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, all_finite, check, check_lr,
-                    stat_dims, unit_dims, unit_numel)
+from .types import (RELATIVE_STEP_EPS, ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, all_finite, check,
+                    check_lr, stat_dims, unit_dims, unit_numel)
 
 __all__ = ["GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "step_", "unit_dims",
            "stat_dims", "chunk_slices", "ema", "step_key", "CHUNK_NUMEL", "BLOCK_NUMEL", "SKIP_ON_HOST",
@@ -55,22 +60,30 @@ BLOCK_NUMEL = 1 << 20  # sums are taken per block of whole dim-0 slices of about
 SKIP_ON_HOST = True  # a tensor ``skip`` is read on the host (one sync on GPU); the optimizer reads it once per step
 
 Scalar = Union[float, Tensor]
+Beta = Union[float, tuple[Tensor, Tensor]]  # an EMA's beta: a float, or per-slice coefficients (beta, 1 - beta)
 
 
 def _compute(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def ema(s: Tensor, x: Tensor, beta: float) -> Tensor:
+def _coefficients(beta: Beta) -> tuple[Scalar, Scalar]:
+    return beta if isinstance(beta, tuple) else (beta, 1.0 - beta)
+
+
+def ema(s: Tensor, x: Tensor, beta: Beta) -> Tensor:
     """``s * beta + x * (1 - beta)``, every operation rounded on its own (no fused multiply-add, which torch.lerp's CPU
-    kernel uses or not depending on the CPU's vector unit), the coefficients rounded from float64."""
-    return torch.mul(x, 1.0 - beta).add_(torch.mul(s, beta))
+    kernel uses or not depending on the CPU's vector unit), the coefficients rounded from float64 (a float ``beta``,
+    or per-slice ``(beta, 1 - beta)`` tensors already rounded)."""
+    b, w = _coefficients(beta)
+    return torch.mul(x, w).add_(torch.mul(s, b))
 
 
-def _ema_(s: Tensor, x: Tensor, beta: float, active: Optional[Tensor] = None) -> None:
+def _ema_(s: Tensor, x: Tensor, beta: Beta, active: Optional[Tensor] = None) -> None:
     """``s = ema(s, x, beta)`` in place; with ``active`` (a bank's live slices) only where it holds."""
     if active is None:
-        s.mul_(beta).add_(torch.mul(x, 1.0 - beta))
+        b, w = _coefficients(beta)
+        s.mul_(b).add_(torch.mul(x, w))
     else:
         s.copy_(torch.where(active, ema(s, x, beta), s))
 
@@ -156,21 +169,24 @@ def step_key(seed: int, pt: ParamTensors):
 
 # ------------------------------------------------------------------------------------------------------------ pass 1
 def grad_stats(group: Group) -> list[GradStats]:
-    """Pass 1: sums of g^2 (nothing is written). Raises ValueError naming a parameter whose gradient or state does
-    not fit it (`skewadam.kernels.types.check`), or for a tensor lr of more than one element, before any pass writes."""
+    """Pass 1: sums of g^2 (nothing is written), and with ``group.relative_step`` each unit's sum of p^2 in float64.
+    Raises ValueError naming a parameter whose gradient or state does not fit it (`skewadam.kernels.types.check`), or
+    for a tensor lr of more than one element, before any pass writes."""
     check_lr(group.lr)
     for pt in group.params:
         check(pt)
-    return [_grad_stats(pt) for pt in group.params]
+    return [_grad_stats(pt, group.relative_step) for pt in group.params]
 
 
-def _grad_stats(pt: ParamTensors) -> GradStats:
+def _grad_stats(pt: ParamTensors, relative_step: bool) -> GradStats:
     g, row_var, bank = pt.grad, pt.row_var, pt.bank
     dtype = _dtype(pt)
     per_block = _block_slices(g.shape)
     n0 = _slices(g.shape)[0]
-    sums, rows, cols = [], [], []
+    sums, rows, cols, psq = [], [], [], []
     for sl in _chunks(g.shape):
+        if relative_step:
+            psq += _unit_sums(_at(pt.param, sl, n0).to(torch.float64).square(), bank, per_block)
         sq = _compute(_at(g, sl, n0), dtype).square()
         if row_var is None:
             sums += _unit_sums(sq, bank, per_block)
@@ -178,28 +194,45 @@ def _grad_stats(pt: ParamTensors) -> GradStats:
         for b in _blocks(sq.shape[0], per_block):
             rows.append(sq[b].sum(-1, keepdim=True))
             cols.append(sq[b].sum(-2, keepdim=True))
+    p_sumsq = _total(psq, bank) if relative_step else None
     if row_var is None:
-        return GradStats(_total(sums, bank), None, None, None, None)
+        return GradStats(_total(sums, bank), None, None, None, None, p_sumsq)
     row = _cat(rows)
     col = _cat(cols)
     if g.ndim == 2 and len(cols) > 1:  # dim 0 is the matrix's rows: the blocks hold partial column sums
         col = col.sum(0, keepdim=True)
     rc = row.sum(-2, keepdim=True)
-    return GradStats(rc.sum(unit_dims(g.ndim, bank), keepdim=True), rc, row, col, row_var.sum(-2, keepdim=True))
+    return GradStats(rc.sum(unit_dims(g.ndim, bank), keepdim=True), rc, row, col, row_var.sum(-2, keepdim=True),
+                     p_sumsq)
 
 
 # ------------------------------------------------------------------------------------------------------------ pass 2
-def _bias_correction(step: Tensor, bank: bool, beta1: Optional[float], beta2: float, dtype) -> Scalar:
-    """sqrt(1 - beta2^t) / (1 - beta1^t), in float64 (1 - beta in float32 is off by ~1e-5 relative)."""
+def _bias_correction(step: Tensor, bank: bool, beta1: Optional[float], beta2: Optional[float], dtype) -> Scalar:
+    """sqrt(1 - beta2^t) / (1 - beta1^t), in float64 (1 - beta in float32 is off by ~1e-5 relative); a factor is 1
+    where its beta is None (no momentum; beta2_decay's second moment, an unbiased average)."""
     if not bank:
         t = step.item()  # a host scalar
-        c = math.sqrt(1.0 - beta2**t)
+        c = math.sqrt(1.0 - beta2**t) if beta2 is not None else 1.0
         return c / (1.0 - beta1**t) if beta1 is not None else c
     t = step.double().clamp(min=1.0)  # idle slices (t = 0) are masked out; clamp keeps them finite
-    c = (1.0 - torch.pow(beta2, t)).sqrt()
+    c = (1.0 - torch.pow(beta2, t)).sqrt() if beta2 is not None else torch.ones_like(t)
     if beta1 is not None:
         c = c / (1.0 - torch.pow(beta1, t))
     return c.to(dtype)
+
+
+def _beta2(step: Tensor, bank: bool, ndim: int, group: Group, dtype: torch.dtype) -> Beta:
+    """The second moment's beta: the group's, or with ``beta2_decay`` d ``1 - t**d`` at each unit's new step count t
+    in float64 by the host's libm (as the C++ kernel computes it: a bank's counts are read on the host, one sync on a
+    GPU), a bank's as per-slice coefficients in ``dtype``."""
+    d = group.beta2_decay
+    if d is None:
+        return group.beta2
+    if not bank:
+        return 1.0 - step.item() ** d
+    betas = [1.0 - max(t, 1.0) ** d for t in step.tolist()]  # idle slices (t = 0) are masked out
+    return tuple(torch.tensor(c, dtype=torch.float64).to(device=step.device, dtype=dtype).view(-1, *[1] * (ndim - 1))
+                 for c in (betas, [1.0 - b for b in betas]))
 
 
 def _zero_moments(pt: ParamTensors, st: GradStats) -> Moments:
@@ -215,6 +248,10 @@ def update_moments_(group: Group, stats: Sequence[GradStats], *, skip: Optional[
 
     floor: ``denom = sqrt(max(row/max(mean(row),1e-15), eps)) * sqrt(max(col, eps))`` or ``sqrt(max(v, eps))``.
     add:   ``g^2 + eps`` is accumulated instead and ``denom = sqrt(row/mean(row)) * sqrt(col)`` or ``sqrt(v)``.
+    ``u = m * corr / denom`` (``g`` without momentum), ``corr = sqrt(1 - beta2^t) / (1 - beta1^t)``; with
+    ``group.beta2_decay`` every second-moment EMA uses the unit's ``1 - t**beta2_decay`` and ``corr`` drops its
+    ``sqrt(1 - beta2^t)``; with ``group.relative_step`` the returned ``corr`` (pass 3's scale of u, not this pass's)
+    is multiplied by ``max(RELATIVE_STEP_EPS, sqrt(p_sumsq / n))``.
 
     A compact first moment (int8 with its scales, or bf16: `skewadam.kernels.quant`) is decoded, updated in the
     compute dtype and stored back here; ``u`` is then formed from the stored value, as pass 3 will read it.
@@ -237,17 +274,21 @@ def _update_moments(pt: ParamTensors, st: GradStats, group: Group) -> Moments:
         return _zero_moments(pt, st)
     else:
         step.add_(1)
-    corr = _bias_correction(step, bank, group.beta1 if m is not None else None, group.beta2, dtype)
+    decayed = group.beta2_decay is not None
+    corr = _bias_correction(step, bank, group.beta1 if m is not None else None, None if decayed else group.beta2,
+                            dtype)
     if bank:
         corr = corr.view(-1, *([1] * (g.ndim - 1)))
+    beta2 = _beta2(step, bank, g.ndim, group, dtype)
     add = group.eps if group.eps_mode == "add" else 0.0
     floor = group.eps if group.eps_mode == "floor" else 0.0
     rinv = cinv = None
     if pt.row_var is not None:  # the factored EMAs and denominators: row- and column-sized, done whole
         R, C = pt.shape[-2], pt.shape[-1]
-        _ema_(pt.row_var, st.row / C + add, group.beta2, active)
-        _ema_(pt.col_var, st.col / R + add, group.beta2, active)
-        rsum = st.row_var_sum * group.beta2 + (st.rc_sumsq / C + R * add) * (1.0 - group.beta2)
+        _ema_(pt.row_var, st.row / C + add, beta2, active)
+        _ema_(pt.col_var, st.col / R + add, beta2, active)
+        b2, w2 = _coefficients(beta2)
+        rsum = st.row_var_sum * b2 + (st.rc_sumsq / C + R * add) * w2
         if active is not None:
             rsum = torch.where(active, rsum, st.row_var_sum)
         rmean = rsum / R
@@ -266,9 +307,12 @@ def _update_moments(pt: ParamTensors, st: GradStats, group: Group) -> Moments:
     for sl in _chunks(g.shape):
         u = _moments_chunk(*(_at(t, sl, n0) for t in (g, m, pt.exp_avg_scale, pt.exp_avg_sq, rinv, cinv, active,
                                                        corr)),
-                           dtype=dtype, beta1=group.beta1, beta2=group.beta2, add=add, floor=floor, key=key,
-                           offset=(sl.start or 0) * per_slice)
+                           dtype=dtype, beta1=group.beta1,
+                           beta2=tuple(_at(c, sl, n0) for c in beta2) if isinstance(beta2, tuple) else beta2,
+                           add=add, floor=floor, key=key, offset=(sl.start or 0) * per_slice)
         sums += _unit_sums(u.square(), bank, per_block)
+    if group.relative_step:  # pass 3 scales u by the unit's max(eps2, rms(p)); weight decay keeps lr
+        corr = (corr * (st.p_sumsq / n_unit).sqrt_().clamp_(min=RELATIVE_STEP_EPS)).to(dtype)
     return Moments(_total(sums, bank), corr, rinv, cinv, active)
 
 
@@ -287,9 +331,16 @@ def _moments_chunk(g, m, scale, v, rinv, cinv, active, corr, *, dtype, beta1, be
         new = ema(m32, g, beta1)
         store_momentum_(m, scale, new if active is None else torch.where(active, new, m32), key, offset)
         src = load_momentum(m, scale, dtype)
+    return _direction(src, corr, rinv, cinv, v, floor)
+
+
+def _direction(src: Tensor, c: Scalar, rinv: Optional[Tensor], cinv: Optional[Tensor], v: Optional[Tensor],
+               floor: float) -> Tensor:
+    """The update direction scaled by ``c``, from its source (momentum, else gradient): factored ``src * (rinv_i * c)
+    * cinv_j``, full ``src * c / sqrt(max(v, floor))`` (pass 2: ``c`` the bias correction; pass 3: also the clip)."""
     if rinv is not None:
-        return src * (rinv * corr) * cinv
-    return src * corr / (v.clamp(min=floor) if floor else v).sqrt()
+        return src * (rinv * c) * cinv
+    return src * c / (v.clamp(min=floor) if floor else v).sqrt()
 
 
 # ------------------------------------------------------------------------------------------------------------ pass 3
@@ -331,10 +382,7 @@ def _apply_updates(pt: ParamTensors, mo: Moments, *, lr: Scalar, decay: Optional
 
 def _apply_chunk(p, g, m, scale, v, rinv, cinv, active, cc, *, dtype, lr, decay, floor, key, offset) -> None:
     src = load_momentum(m, scale, dtype) if m is not None else _compute(g, dtype)
-    if rinv is not None:
-        u = src * (rinv * cc) * cinv
-    else:
-        u = src * cc / (v.clamp(min=floor) if floor else v).sqrt()
+    u = _direction(src, cc, rinv, cinv, v, floor)
     p32 = _compute(p, dtype)
     new = torch.sub(p32 * decay if decay is not None else p32, u.mul_(lr))
     if active is not None:

@@ -41,7 +41,7 @@ __all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_
 
 class MomFmt(enum.IntEnum):
     """How a parameter's first moment is stored: one numbering for every compiled kernel (the C++ kernel's
-    ``MomFmt`` and the Triton kernels' ``MOM`` take these values)."""
+    ``MomFmt`` is built from these, as ``-D`` flags; the Triton kernels' ``MOM`` takes these values)."""
 
     PLAIN = 0  # the statistics dtype
     BF16 = 1  # bf16, stochastically rounded
@@ -112,7 +112,7 @@ class Moments(NamedTuple):
     """Pass-2 results that pass 3 needs (all small: no parameter-sized tensor)."""
 
     u_sumsq: Tensor  # per unit, keepdim
-    corr: Union[Tensor, float]  # bias correction per unit
+    corr: Union[Tensor, float]  # per unit, pass 3's scale of u: the bias correction (relative step: times rms(p))
     rinv: Optional[Tensor]  # factored: [..., R, 1]
     cinv: Optional[Tensor]  # factored: [..., 1, C]
     active: Optional[Tensor]  # bank: which slices had a non-zero gradient, [E, 1, ...]

@@ -21,6 +21,9 @@
 //     passes 2 and 3. An expert parameter costs 16 bytes of memory traffic in fp32 (g twice, p read and written)
 //     against fused AdamW's 28, 8 in bf16 against 14. Larger units are spread over the threads in rounds.
 //
+// Adafactor's options (types.Group: relative_step, beta2_decay) are per-unit scalars here, as in eager: Param's
+// `beta2` (the second moment's EMAs), `corr` (pass 2's scale of u) and `scale` (pass 3's), and pass 1's sum of p^2.
+//
 // One definition per pass: a pass walks a block as *spans* (NS runs of n elements, `stride` apart), and pass 2 is
 // p2_span, pass 3 p3_span, each a template over the first moment's codec (NoMom, PlainMom, BF16Mom, Int8Mom: how u's
 // source is read, and in pass 2 the momentum EMA stored) and the direction (FactoredDir: u = src * rinv_i * c *
@@ -35,8 +38,9 @@
 // statistic is an error, never an out-of-bounds access.
 //
 // Constants come from the Python modules that define them, as -D flags that cpu.py builds (and hashes into the build's
-// name): quant.BLOCK, quant.QMAX and quant.MOMENTUM_STREAM, rounding.py's hash multipliers, types.ROW_MEAN_FLOOR, and
-// cpu.py's own BLOCK, MIN_BLOCK_ROWS and FUSE_BYTES (which its step_transient_bytes sizes the kept statistics with).
+// name): quant.BLOCK, quant.QMAX and quant.MOMENTUM_STREAM, rounding.py's hash multipliers, types.ROW_MEAN_FLOOR,
+// RELATIVE_STEP_EPS and MomFmt (the momentum formats' numbers), and cpu.py's own BLOCK, MIN_BLOCK_ROWS and FUSE_BYTES
+// (which its step_transient_bytes sizes the kept statistics with).
 //
 // Transient memory: no buffer of the size of a parameter (except a contiguous copy of a non-contiguous one). The
 // three-pass path returns the small statistics as tensors (rows, columns, one value per unit); `step` keeps the row
@@ -72,7 +76,9 @@
 #include <vector>
 
 #if !defined(SKEWADAM_QBLOCK) || !defined(SKEWADAM_QMAX) || !defined(SKEWADAM_MOMENTUM_STREAM) || \
-    !defined(SKEWADAM_MUL1) || !defined(SKEWADAM_MUL2) || !defined(SKEWADAM_GOLDEN) || !defined(SKEWADAM_ROW_MEAN_FLOOR)
+    !defined(SKEWADAM_MUL1) || !defined(SKEWADAM_MUL2) || !defined(SKEWADAM_GOLDEN) || !defined(SKEWADAM_ROW_MEAN_FLOOR) || \
+    !defined(SKEWADAM_RELATIVE_STEP_EPS) || !defined(SKEWADAM_MOM_PLAIN) || !defined(SKEWADAM_MOM_BF16) || \
+    !defined(SKEWADAM_MOM_INT8) || !defined(SKEWADAM_MOM_NONE)
 #error "build this file with skewadam/kernels/cpu.py: it passes the constants of quant.py, rounding.py and types.py"
 #endif
 
@@ -91,9 +97,16 @@ constexpr int64_t kQBlock = SKEWADAM_QBLOCK;         // quant.BLOCK: int8 moment
 constexpr double kQMax = SKEWADAM_QMAX;              // quant.QMAX: the int8 grid's largest code
 constexpr uint32_t kMomentumStream = SKEWADAM_MOMENTUM_STREAM;  // quant.MOMENTUM_STREAM: bf16 momentum's bits
 constexpr double kRowMeanFloor = SKEWADAM_ROW_MEAN_FLOOR;       // types.ROW_MEAN_FLOOR
+constexpr double kRelativeStepEps = SKEWADAM_RELATIVE_STEP_EPS; // types.RELATIVE_STEP_EPS
 static_assert(kQBlock > 0 && kQBlock <= 4096 && kQMax > 0 && kQMax <= 127, "quant.BLOCK / QMAX out of range");
 static_assert(kBlock > 0 && kMinBlockRows > 0 && kFuseBytes > 0, "cpu.BLOCK / MIN_BLOCK_ROWS / FUSE_BYTES out of range");
-enum MomFmt : int { kMomPlain = 0, kMomBF16 = 1, kMomInt8 = 2 };  // first moment in the math dtype, bf16 or int8
+// types.MomFmt, the one numbering of the compiled kernels: first moment in the math dtype, bf16, int8, or none
+enum MomFmt : int {
+  kMomPlain = SKEWADAM_MOM_PLAIN,
+  kMomBF16 = SKEWADAM_MOM_BF16,
+  kMomInt8 = SKEWADAM_MOM_INT8,
+  kMomNone = SKEWADAM_MOM_NONE
+};
 
 // ------------------------------------------------------------------------------------------------ elements
 template <class P>
@@ -467,6 +480,8 @@ struct Hyper {
   bool add_mode = false;
   double lr = 0, weight_decay = 0;
   int64_t seed = 0;
+  bool relative_step = false;
+  std::optional<double> beta2_decay;
 };
 
 Hyper hyper_of(const GroupRec& group) {
@@ -488,6 +503,8 @@ Hyper hyper_of(const GroupRec& group) {
   h.add_mode = mode == "add";
   h.weight_decay = std::get<6>(group);
   h.seed = std::get<7>(group);
+  h.relative_step = std::get<8>(group);
+  h.beta2_decay = std::get<9>(group);
   return h;
 }
 
@@ -610,14 +627,17 @@ struct Param {
   void* sumsq = nullptr;         // per unit, sum of g^2 (T)
   Stats st;                      // all matrices' statistics (three-pass path)
   std::vector<char> active;      // per unit
-  std::vector<double> corr;      // per unit: the bias correction, in double (cast to T where used)
+  std::vector<double> corr;      // per unit: pass 2's scale of u, the bias correction, in double (cast to T where used)
+  std::vector<double> scale;     // per unit: pass 3's scale of u, corr (relative step: times max(eps2, rms(p)))
+  std::vector<double> beta2;     // per unit: the second moment's beta (beta2_decay: 1 - t^d)
+  const double* p_sumsq = nullptr;  // relative step: per unit, sum of p^2 before the step
   std::vector<double> clip;      // per unit: 1 / max(1, rms(u)), in T's precision
   std::vector<double> partial;   // per block: sum of g^2 or of u^2
+  std::vector<double> p_partial;  // relative step: per block, sum of p^2; then per unit (p_sumsq on the one-process path)
   std::vector<double> sumsq_buf;  // storage of sumsq on the single-process path (room for a double or float)
   uint32_t key = 0;              // stochastic rounding key (bf16 parameters)
   // first moment's storage: format, int8 scales [rows, mNB], last dim, bf16 rounding key
-  bool has_m = false;  // a first moment (q.m is null when the parameter has no elements)
-  int mfmt = kMomPlain;
+  int mfmt = kMomNone;  // kMomNone: no first moment (else q.m is null only when the parameter has no elements)
   float* mscale = nullptr;
   int64_t mC = 1, mNB = 1;
   uint32_t mkey = 0;
@@ -666,7 +686,7 @@ void check_state(const Param& q, const char* key, const OptTensor& t, bool need,
 enum Pass { kStatsPass, kMomentsPass, kApplyPass, kFusedPass };
 
 // Point q at a record's tensors, after checking every size and dtype the passes index with.
-Param make_param(const ParamRec& r, Contig& ct, Pass pass) {
+Param make_param(const ParamRec& r, Contig& ct, Pass pass, bool reads_param = false) {
   Param q;
   q.name = std::get<11>(r);
   const Tensor &p = std::get<0>(r), &g = std::get<1>(r), &step = std::get<2>(r);
@@ -703,7 +723,6 @@ Param make_param(const ParamRec& r, Contig& ct, Pass pass) {
     check_state(q, "col_var", cv, true, stat_shape(p.sizes(), 1, p.size(-1)), T);
   }
   check_state(q, "exp_avg_sq", v, !factored, p.sizes(), T);
-  q.has_m = m.has_value();
   if (m) {
     const at::ScalarType st = m->scalar_type();
     SKEWADAM_CHECK(q, m->sizes() == p.sizes(), "state 'exp_avg' has shape ", m->sizes(), ", a parameter of shape ",
@@ -728,6 +747,7 @@ Param make_param(const ParamRec& r, Contig& ct, Pass pass) {
   const bool state_w = pass == kMomentsPass || pass == kFusedPass, param_w = pass == kApplyPass || pass == kFusedPass;
   q.g = ct.read(g);
   if (param_w) q.p = ct.write(p);
+  if (reads_param && !param_w) q.p = const_cast<void*>(ct.read(p));
   if (pass != kStatsPass) {
     q.step = static_cast<float*>(state_w ? ct.write(step) : const_cast<void*>(ct.read(step)));
     q.m = state_w ? ct.write(m) : const_cast<void*>(ct.read(m));
@@ -772,14 +792,13 @@ inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t
   for (int s = 0; s < NS; ++s) out[s * out_stride] = lanes_sum(acc[s]);
 }
 
-// Pass 1, NS runs of n elements `stride` apart: sum of g^2 into acc.
-template <class E, int NS>
-inline void p1_run(const typename E::raw* __restrict g, int64_t stride, int64_t n, typename E::T* __restrict acc) {
-  using T = typename E::T;
+// Pass 1, NS runs of n elements `stride` apart: sum of x^2 into acc, in A.
+template <class E, int NS, class A>
+inline void p1_run(const typename E::raw* __restrict g, int64_t stride, int64_t n, A* __restrict acc) {
   for_lanes(n, [&](int64_t jk, int k) {
-    T sq[NS];
+    A sq[NS];
     for (int s = 0; s < NS; ++s) {
-      const T x = E::load(g[s * stride + jk]);
+      const A x = A(E::load(g[s * stride + jk]));
       sq[s] = x * x;
     }
     acc[k] += tree_sum<NS>(sq);
@@ -795,16 +814,14 @@ void block_elems(const Geo& G, int64_t b, int64_t& e0, int64_t& e1) {
   e1 = (m * G.R + i1) * G.C;
 }
 
-// Sum of g^2 over block b.
-template <class E>
-double sumsq_block(const Param& q, int64_t b) {
-  using T = typename E::T;
-  const auto* g = at_<typename E::raw>(q.g);
+// Sum of x^2 over block b of a tensor of q's layout (its gradient or parameter), accumulated in A.
+template <class E, class A>
+double sumsq_block(const Param& q, const void* x, int64_t b) {
   int64_t e0, e1;
   block_elems(q.geo, b, e0, e1);
-  T acc[kLanes] = {};
+  A acc[kLanes] = {};
   run_groups(e0, e1, [&](auto ns, int64_t e, int64_t n, int64_t stride) {
-    p1_run<E, decltype(ns)::value>(g + e, stride, n, acc);
+    p1_run<E, decltype(ns)::value>(at_<typename E::raw>(x) + e, stride, n, acc);
   });
   return double(lanes_sum(acc));
 }
@@ -825,6 +842,17 @@ void p1_block(const Param& q, const Stats& s, int64_t b) {
   row_groups(i0, i1, [&](auto ns, int64_t i, int64_t qr) {
     p1_rows<E, decltype(ns)::value>(g + (m * G.R + i) * C, qr * C, C, col, row + i, qr);
   });
+}
+
+// Pass 1 of block b (the one-process step keeps a fused factored parameter's row and column sums in q.st); with a
+// relative step also its sum of p^2, in double.
+template <class E>
+void p1_any(Param& q, int64_t b, bool relative_step) {
+  if (q.st.rc)
+    p1_block<E>(q, q.st, b);
+  else
+    q.partial[b] = sumsq_block<E, typename E::T>(q, q.g, b);
+  if (relative_step) q.p_partial[b] = sumsq_block<E, double>(q, q.p, b);
 }
 
 // Matrices [m_begin, m_end): column sums from their block partials (in block order; zero for a matrix with no local
@@ -881,12 +909,17 @@ void count_steps(Param& q, const Hyper& h) {
     step[0] += 1.0f;
   }
   q.corr.assign(G.units, 0.0);
+  q.scale.assign(G.units, 0.0);
+  q.beta2.assign(G.units, h.beta2);
   for (int64_t u = 0; u < G.units; ++u) {
-    // sqrt(1 - beta2^t) / (1 - beta1^t) in double (1 - beta in float32 is off by ~1e-5 relative)
+    // sqrt(1 - beta2^t) / (1 - beta1^t) in double (1 - beta in float32 is off by ~1e-5 relative); beta2_decay d:
+    // beta2 = 1 - t^d and no second-moment correction (the schedule's average is unbiased)
     const double t = G.bank ? std::max(double(step[u]), 1.0) : double(step[0]);
-    double c = std::sqrt(1.0 - std::pow(h.beta2, t));
-    if (q.has_m) c /= 1.0 - std::pow(h.beta1, t);
+    if (h.beta2_decay) q.beta2[u] = 1.0 - std::pow(t, *h.beta2_decay);
+    double c = h.beta2_decay ? 1.0 : std::sqrt(1.0 - std::pow(h.beta2, t));
+    if (q.mfmt != kMomNone) c /= 1.0 - std::pow(h.beta1, t);
     q.corr[u] = c;
+    q.scale[u] = h.relative_step ? c * std::max(kRelativeStepEps, std::sqrt(q.p_sumsq[u] / G.ng)) : c;
   }
   set_keys(q, h);
 }
@@ -897,11 +930,12 @@ void update_factored(const Param& q, const Stats& s, const Hyper& h, int64_t m_b
   const Geo& G = q.geo;
   const int64_t R = G.R, C = G.C;
   const T add = h.add_mode ? T(h.eps) : T(0), floor = h.add_mode ? T(0) : T(h.eps);
-  const Ema<T> ema(h.beta2);
-  const T b2 = T(h.beta2), omb2 = T(1.0 - h.beta2);
   const T Cg = T(G.Cg), Rg = T(G.Rg), Radd = T(G.Rg * (h.add_mode ? h.eps : 0.0));
   for (int64_t m = m_begin; m < m_end; ++m) {
-    const bool on = q.active[G.unit_of_mat(m)];
+    const int64_t unit = G.unit_of_mat(m);
+    const bool on = q.active[unit];
+    const Ema<T> ema(q.beta2[unit]);
+    const T b2 = T(q.beta2[unit]), omb2 = T(1.0 - q.beta2[unit]);
     T* rv = at_<T>(q.row_var) + m * R;
     T* cv = at_<T>(q.col_var) + m * C;
     const T *row = s.at<T>(s.row, m, R), *col = s.at<T>(s.col, m, C);
@@ -1074,8 +1108,8 @@ template <class E, class F>
 void with_momentum(const Param& q, const Hyper& h, const F& f) {
   using T = typename E::T;
   using raw = typename E::raw;
-  if (!q.has_m) return f(NoMom<E>{at_<raw>(q.g)});
   switch (q.mfmt) {
+    case kMomNone: return f(NoMom<E>{at_<raw>(q.g)});
     case kMomPlain: return f(PlainMom<E>{at_<T>(q.m), Ema<T>(h.beta1)});
     case kMomBF16:
       if constexpr (std::is_same_v<T, float>) return f(BF16Mom{at_<uint16_t>(q.m), q.mkey, Ema<float>(h.beta1)});
@@ -1220,8 +1254,9 @@ double p2_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
         p2_span<E, NS>(g + e, sp.ptr(), st.at<T>(st.cinv, mt, G.C) + c0, stride, n, sp, dir, acc);
       });
     } else {
-      const FullDir<T> dir{T(q.corr[b / G.blocks_per_unit]), h.add_mode ? T(0) : T(h.eps),
-                           h.add_mode ? T(h.eps) : T(0), Ema<T>(h.beta2)};
+      const int64_t u = b / G.blocks_per_unit;
+      const FullDir<T> dir{T(q.corr[u]), h.add_mode ? T(0) : T(h.eps), h.add_mode ? T(h.eps) : T(0),
+                           Ema<T>(q.beta2[u])};
       full_spans<kChunked>(q, b, [&](auto ns, int64_t e, int64_t stride, int64_t n) {
         constexpr int NS = decltype(ns)::value;
         const auto sp = update_span<NS>(mom, e, stride, n, buf);
@@ -1246,7 +1281,7 @@ void p3_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
                                          int64_t qr, int64_t c0) {
         constexpr int NS = decltype(ns)::value;
         const int64_t u = G.unit_of_mat(mt);
-        const T cc = T(q.corr[u]) * T(q.clip[u]) * nlr;
+        const T cc = T(q.scale[u]) * T(q.clip[u]) * nlr;
         const T* rinv = st.at<T>(st.rinv, mt, G.R);
         FactoredDir<T, NS> dir;
         Rounder rnd[NS];
@@ -1259,7 +1294,8 @@ void p3_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
       });
     } else {
       const int64_t u = b / G.blocks_per_unit;
-      const FullDir<T> dir{T(q.corr[u]) * T(q.clip[u]) * nlr, h.add_mode ? T(0) : T(h.eps), T(0), Ema<T>(h.beta2)};
+      const FullDir<T> dir{T(q.scale[u]) * T(q.clip[u]) * nlr, h.add_mode ? T(0) : T(h.eps), T(0),
+                           Ema<T>(0.0)};  // (pass 3 updates no moment)
       full_spans<kChunked>(q, b, [&](auto ns, int64_t e, int64_t stride, int64_t n) {
         constexpr int NS = decltype(ns)::value;
         Rounder rnd[NS];
@@ -1271,11 +1307,12 @@ void p3_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
   });
 }
 
-// Sum of unit u's block partials, in block order.
+// Sum of unit u's block partials (of g^2 or u^2; `partial`: of another sum), in block order.
 template <class T>
-T unit_sum(const Param& q, int64_t u) {
+T unit_sum(const Param& q, int64_t u, const std::vector<double>* partial = nullptr) {
+  const std::vector<double>& part = partial ? *partial : q.partial;
   double s = 0;
-  for (int64_t k = 0; k < q.geo.blocks_per_unit; ++k) s += q.partial[u * q.geo.blocks_per_unit + k];
+  for (int64_t k = 0; k < q.geo.blocks_per_unit; ++k) s += part[u * q.geo.blocks_per_unit + k];
   return T(s);
 }
 
@@ -1288,8 +1325,10 @@ double clip_of(T u_sumsq, double n) {
 // ------------------------------------------------------------------------------------------------ one process
 // Whether `step` does a unit of q whole on one thread: its pass-3 source (momentum, else gradient) fits a core's L2.
 bool fuses(const Param& q) {
-  const int64_t m_bytes = q.mfmt == kMomPlain ? c10::elementSize(math_dtype(q.dtype)) : q.mfmt == kMomBF16 ? 2 : 1;
-  return q.geo.unit_numel * (q.has_m ? m_bytes : int64_t(c10::elementSize(q.dtype))) <= kFuseBytes;
+  const int64_t src_bytes = q.mfmt == kMomNone ? c10::elementSize(q.dtype)
+                            : q.mfmt == kMomPlain ? c10::elementSize(math_dtype(q.dtype))
+                            : q.mfmt == kMomBF16 ? 2 : 1;
+  return q.geo.unit_numel * src_bytes <= kFuseBytes;
 }
 
 // Unit u's sum of g^2 from its matrices' rc, as grad_stats adds them.
@@ -1400,6 +1439,7 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
     for (const ParamRec& r : std::get<0>(groups[gi])) {
       Param& q = qs.emplace_back(make_param(r, ct, kFusedPass));
       q.partial.assign(q.geo.blocks(), 0.0);
+      if (hypers[gi].relative_step) q.p_partial.assign(q.geo.blocks(), 0.0);
       q.clip.assign(q.geo.units, 1.0);
       q.sumsq_buf.assign(q.geo.units, 0.0);
       q.sumsq = q.sumsq_buf.data();
@@ -1425,12 +1465,7 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
       });
   run_items(int64_t(blocks.size()), elements, [&](int64_t k) {
     const auto [i, b] = blocks[k];
-    with_elem(qs[i], [&](auto e) {
-      if (qs[i].st.rc)
-        p1_block<decltype(e)>(qs[i], qs[i].st, b);
-      else
-        qs[i].partial[b] = sumsq_block<decltype(e)>(qs[i], b);
-    });
+    with_elem(qs[i], [&](auto e) { p1_any<decltype(e)>(qs[i], b, hs[i]->relative_step); });
   });
   bool finite = true;
   for (Param& q : qs)
@@ -1441,6 +1476,11 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
         at_<T>(q.sumsq)[u] = q.st.rc ? mats_sum<T>(q, q.st, u) : unit_sum<T>(q, u);
         finite = finite && std::isfinite(at_<T>(q.sumsq)[u]);
       }
+      if (q.p_partial.empty()) return;
+      std::vector<double> p_sumsq(q.geo.units);  // a relative step's: per unit, in place of the block partials
+      for (int64_t u = 0; u < q.geo.units; ++u) p_sumsq[u] = unit_sum<double>(q, u, &q.p_partial);
+      q.p_partial = std::move(p_sumsq);
+      q.p_sumsq = q.p_partial.data();
     });
   const bool skipped = skip_nonfinite && !finite;
   if (skipped) return at::scalar_tensor(true, at::TensorOptions().dtype(at::kBool));
@@ -1477,6 +1517,7 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
 std::vector<StatsRec> grad_stats(const GroupRec& group) {
   const auto& recs = std::get<0>(group);
   const size_t n = recs.size();
+  const bool relative_step = std::get<8>(group);
   Contig ct;
   std::vector<Param> qs;
   qs.reserve(n);
@@ -1485,16 +1526,21 @@ std::vector<StatsRec> grad_stats(const GroupRec& group) {
   std::vector<std::pair<int32_t, int64_t>> blocks;
   int64_t elements = 0;
   for (size_t i = 0; i < n; ++i) {
-    Param& q = qs.emplace_back(make_param(recs[i], ct, kStatsPass));
+    Param& q = qs.emplace_back(make_param(recs[i], ct, kStatsPass, relative_step));
     const Tensor& p = std::get<0>(recs[i]);
     const Geo& G = q.geo;
     auto opts = p.options().dtype(math_dtype(q.dtype));
     Tensor sumsq = at::empty(unit_keepdim_shape(p.sizes(), G.bank), opts);
     q.sumsq = sumsq.data_ptr();
     q.partial.assign(G.blocks(), 0.0);
+    OptTensor p_sumsq;
+    if (relative_step) {
+      q.p_partial.assign(G.blocks(), 0.0);
+      p_sumsq = at::empty(unit_keepdim_shape(p.sizes(), G.bank), opts.dtype(at::kDouble));
+    }
     for (int64_t b = 0; b < G.blocks(); ++b) blocks.emplace_back(int32_t(i), b);
     elements += G.numel;
-    out[i] = {sumsq, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt};
+    out[i] = {sumsq, std::nullopt, std::nullopt, std::nullopt, std::nullopt, p_sumsq};
     if (!G.factored) continue;
     Tensor rc = at::empty(stat_shape(p.sizes(), 1, 1), opts), row = at::empty(stat_shape(p.sizes(), -1, 1), opts),
            col = at::empty(stat_shape(p.sizes(), 1, G.C), opts), rvs = at::empty(stat_shape(p.sizes(), 1, 1), opts);
@@ -1506,17 +1552,16 @@ std::vector<StatsRec> grad_stats(const GroupRec& group) {
       colps.push_back(at::empty({G.M * G.blocks_per_mat * G.C}, opts));
       q.st.colp = colps.back().data_ptr();
     }
-    out[i] = {sumsq, rc, row, col, rvs, std::nullopt};
+    out[i] = {sumsq, rc, row, col, rvs, p_sumsq};
   }
   run_items(int64_t(blocks.size()), elements, [&](int64_t k) {
     const auto [i, b] = blocks[k];
-    with_elem(qs[i], [&](auto e) {
-      if (qs[i].geo.factored)
-        p1_block<decltype(e)>(qs[i], qs[i].st, b);
-      else
-        qs[i].partial[b] = sumsq_block<decltype(e)>(qs[i], b);
-    });
+    with_elem(qs[i], [&](auto e) { p1_any<decltype(e)>(qs[i], b, relative_step); });
   });
+  for (size_t i = 0; i < n; ++i)
+    if (relative_step)
+      for (int64_t u = 0; u < qs[i].geo.units; ++u)
+        std::get<5>(out[i])->data_ptr<double>()[u] = unit_sum<double>(qs[i], u, &qs[i].p_partial);
   for (Param& q : qs)
     with_elem(q, [&](auto e) {
       using T = typename decltype(e)::T;
@@ -1531,8 +1576,8 @@ std::vector<StatsRec> grad_stats(const GroupRec& group) {
   return out;
 }
 
-// Pass 2 (eager.update_moments_): per parameter Moments (u_sumsq, corr: a tensor for a bank, else a float, rinv, cinv,
-// active). `skip` true: nothing written, zeros returned.
+// Pass 2 (eager.update_moments_): per parameter Moments (u_sumsq, corr: pass 3's scale, a tensor for a bank, else a
+// float, rinv, cinv, active). `skip` true: nothing written, zeros returned.
 std::vector<MomentsRec> update_moments(const GroupRec& group, const std::vector<StatsRec>& stats,
                                        const OptTensor& skip) {
   const auto& recs = std::get<0>(group);
@@ -1559,7 +1604,7 @@ std::vector<MomentsRec> update_moments(const GroupRec& group, const std::vector<
     check_input(q, "GradStats.row", row, G.factored, G.factored ? stat_shape(p.sizes(), -1, 1) : units, T);
     check_input(q, "GradStats.col", col, G.factored, G.factored ? stat_shape(p.sizes(), 1, G.C) : units, T);
     check_input(q, "GradStats.row_var_sum", rvs, G.factored, G.factored ? stat_shape(p.sizes(), 1, 1) : units, T);
-    check_input(q, "GradStats.p_sumsq", p_sumsq, false, units, T);
+    check_input(q, "GradStats.p_sumsq", p_sumsq, h.relative_step, units, at::kDouble);
     auto opts = p.options().dtype(T);
     OptTensor rinv, cinv, active_t;
     Corr corr = 0.0;
@@ -1576,6 +1621,7 @@ std::vector<MomentsRec> update_moments(const GroupRec& group, const std::vector<
       continue;
     }
     q.sumsq = const_cast<void*>(ct.read(sumsq));
+    q.p_sumsq = static_cast<const double*>(ct.read(p_sumsq));
     with_elem(q, [&](auto e) { count_steps<typename decltype(e)::T>(q, h); });
     if (G.factored) {
       q.st.rc = const_cast<void*>(ct.read(*rc));
@@ -1588,11 +1634,11 @@ std::vector<MomentsRec> update_moments(const GroupRec& group, const std::vector<
     }
     if (G.bank) {
       for (int64_t u = 0; u < G.units; ++u) {
-        with_elem(q, [&](auto e) { at_<typename decltype(e)::T>(std::get<Tensor>(corr).data_ptr())[u] = q.corr[u]; });
+        with_elem(q, [&](auto e) { at_<typename decltype(e)::T>(std::get<Tensor>(corr).data_ptr())[u] = q.scale[u]; });
         active_t->data_ptr<bool>()[u] = q.active[u];
       }
     } else {
-      corr = q.corr[0];
+      corr = q.scale[0];
     }
     q.partial.assign(G.blocks(), 0.0);
     for (int64_t b = 0; b < G.blocks(); ++b)
@@ -1645,7 +1691,7 @@ void apply_updates(const GroupRec& group, const std::vector<MomentsRec>& moments
     q.st.rinv = const_cast<void*>(ct.read(rinv));
     q.st.cinv = const_cast<void*>(ct.read(cinv));
     q.active.assign(G.units, G.ng > 0);
-    q.corr.assign(G.units, corr_t ? 0.0 : std::get<double>(corr));
+    q.scale.assign(G.units, corr_t ? 0.0 : std::get<double>(corr));
     q.clip.assign(G.units, 1.0);
     const void* us = ct.read(u_sumsq);
     const void* cp = corr_t ? ct.read(*corr_t) : nullptr;
@@ -1653,7 +1699,7 @@ void apply_updates(const GroupRec& group, const std::vector<MomentsRec>& moments
     with_elem(q, [&](auto e) {
       using T = typename decltype(e)::T;
       for (int64_t u = 0; u < G.units; ++u) {
-        if (cp) q.corr[u] = double(at_<T>(cp)[u]);
+        if (cp) q.scale[u] = double(at_<T>(cp)[u]);
         if (ap) q.active[u] = q.active[u] && ap[u];
         q.clip[u] = clip_of(at_<T>(us)[u], G.ng);
       }
