@@ -13,7 +13,9 @@ every import against this list.
     3. kernels, classify, recipes   the kernel backends and their registry; automatic tiers; named configurations
                                     of from_model
     4. distributed, groups          DTensor placements and the cross-shard reducer; param groups and their census
-    5. validation, functional       param group and checkpoint checks; one step over the kernels' records
+    5. validation, functional, backward  param group and checkpoint checks; one step over the kernels' records;
+                                    the step inside backward (a gradient hook per parameter: it steps the
+                                    parameter through its optimizer as soon as its gradient is complete)
     6. optimizer                    SkewAdam
     7. integrations                 Transformers, torchtitan
     8. bench                        the benchmark application beside the library: the arms (one registry), the

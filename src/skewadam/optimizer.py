@@ -8,14 +8,16 @@ its parameters keep. This class holds the param groups, checks them (`skewadam.v
 
 from __future__ import annotations
 
+import contextlib
 from itertools import chain
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, ContextManager, Iterable, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from . import kernels
+from .backward import BackwardSteps, InBackward, stacked
 from .functional import Reducer, StepGroup, skewadam_
 from .kernels.types import Group, ParamTensors
 from .state import StateBytes, is_bank, measure_state, state_flags
@@ -42,6 +44,34 @@ def _local(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.to_local() if _is_dtensor(t) else t
 
 
+class _Counter:
+    """A count of skipped updates (``SkewAdam.skipped_steps``, ``skipped_tensors``): counted on the device as steps
+    run (`add`: no host sync), the device count added in when read (one host sync on GPU, only when asked);
+    settable (`SkewAdam.load_state_dict` restores ``skipped_steps``)."""
+
+    def __init__(self, name: str, pending: str, doc: str) -> None:
+        self.name, self.pending, self.__doc__ = name, pending, doc
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        pending = obj.__dict__.pop(self.pending, None)
+        if pending is not None:
+            obj.__dict__[self.name] = obj.__dict__.get(self.name, 0) + int(pending)
+        return obj.__dict__.get(self.name, 0)
+
+    def __set__(self, obj: Any, value: int) -> None:
+        obj.__dict__.pop(self.pending, None)
+        obj.__dict__[self.name] = int(value)
+
+    @staticmethod
+    def add(obj: Any, name: str, count: Tensor) -> None:
+        """Add the 0-d ``count`` to the count ``name`` of ``obj``, on its device."""
+        key = type(obj).__dict__[name].pending
+        pending, count = obj.__dict__.get(key), count.to(torch.int64)
+        obj.__dict__[key] = count if pending is None else pending + count
+
+
 def _rounding_stream(p: Tensor, index: int, momentum_dtype: str) -> int:
     """The key index of ``p``'s stochastic rounding; a shard's own stream for DTensor shards that round (bf16
     weights or bf16 momentum)."""
@@ -50,6 +80,21 @@ def _rounding_stream(p: Tensor, index: int, momentum_dtype: str) -> int:
 
         return rounding_stream(p, index)
     return index
+
+
+def _describe(self: "SkewAdam") -> str:
+    """``repr(optimizer)``: each group's tier, size and settings, and the skip counts."""
+    lines = [self.__class__.__name__ + " ("]
+    for i, group in enumerate(self.param_groups):
+        n = sum(p.numel() for p in group["params"])
+        lines.append(f"Parameter Group {i} [{group['tier']}: {len(group['params'])} tensors, {n:,} parameters]")
+        for key in sorted(k for k in group if k not in ("params", "param_names")):
+            lines.append(f"    {key}: {group[key]}")
+    lines.append(f"skip_nonfinite: {self.skip_nonfinite} (skipped_steps: {self.skipped_steps})")
+    if self.in_backward:
+        lines.append(f"in_backward: True (skipped_tensors: {self.skipped_tensors})")
+    lines.append(")")
+    return "\n".join(lines)
 
 
 class SkewAdam(Optimizer):
@@ -114,11 +159,15 @@ class SkewAdam(Optimizer):
         seed: seed of the stochastic rounding of bf16 parameters (and bf16 momentum).
         skip_nonfinite: if any gradient holds inf/NaN, skip the whole step (weights and state untouched) and count
             it in ``skipped_steps``, as AMP's GradScaler does; on the device where the backend can (no host sync).
+            With ``in_backward``, that tensor's update alone (``skipped_tensors``).
         impl: the kernel backend, ``"auto"`` or a name of `skewadam.kernels.BACKENDS` (`skewadam.kernels.resolve`:
             ``SKEWADAM_IMPL`` if set, else the preferred backend available on the parameters' device); same math.
         update: ``"adam"`` (the tiers' update) or ``"orthogonal"`` (above; matrices and banks of matrices only).
         relative_step, beta2_decay: Adafactor's options (off by default), per unit: the update term scaled by
             ``max(1e-3, rms(p))``; ``beta2_t = 1 - t^beta2_decay`` (e.g. -0.8) without second-moment correction.
+        in_backward: step each parameter inside backward as soon as its gradient is complete, and free it
+            (`skewadam.backward`: the same update; no global grad-norm clipping, no accumulation across backwards
+            but under `hold_gradients`); ``step()`` then does the bookkeeping. Settable later.
 
     Example:
         >>> opt = SkewAdam([
@@ -148,6 +197,7 @@ class SkewAdam(Optimizer):
         update: str = "adam",
         relative_step: bool = False,
         beta2_decay: Optional[float] = None,
+        in_backward: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode, tier=tier,
@@ -160,7 +210,9 @@ class SkewAdam(Optimizer):
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_steps = 0
         self._reducer: Optional[Reducer] = None
+        self._backward: Optional[BackwardSteps] = None
         super().__init__(params, defaults)
+        self.in_backward = in_backward
 
     @classmethod
     def from_model(cls, model: torch.nn.Module, **kwargs: Any) -> "SkewAdam":
@@ -195,16 +247,30 @@ class SkewAdam(Optimizer):
 
             self._hinted = warn_untiered_experts(params, len(self.param_groups))
         super().add_param_group(group)
+        if getattr(self, "_backward", None) is not None:
+            self._backward.add(self.param_groups[-1]["params"])
+
+    in_backward = InBackward()
+
+    def hold_gradients(self) -> ContextManager[None]:
+        """With ``in_backward``: backwards inside keep their gradients to accumulate, and the next backward (or
+        ``step()``) steps their sum; e.g. ``with opt.hold_gradients(): loss_1.backward()``, then ``loss_2.backward();
+        opt.step()``. No-op otherwise."""
+        return self._backward.hold() if self._backward is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ state dict
     def __getstate__(self) -> dict[str, Any]:  # torch's keeps only defaults/state/param_groups (deepcopy, pickle)
         return {**super().__getstate__(), "skip_nonfinite": self.skip_nonfinite, "skipped_steps": self.skipped_steps,
-                "_impl": self._impl}
+                "skipped_tensors": self.skipped_tensors, "_impl": self._impl, "in_backward": self.in_backward}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        in_backward = state.pop("in_backward", None)  # a copy hooks its own parameters (deepcopy's, pickle's)
         super().__setstate__(state)
-        for key, default in (("skip_nonfinite", True), ("skipped_steps", 0), ("_impl", "auto"), ("_reducer", None)):
+        for key, default in (("skip_nonfinite", True), ("skipped_steps", 0), ("skipped_tensors", 0), ("_impl", "auto"),
+                             ("_reducer", None), ("_backward", None)):
             self.__dict__.setdefault(key, default)  # (a reducer is rebuilt by the first step that meets a DTensor)
+        if in_backward is not None:  # (torch's load_state_dict sets state and groups alone: the hooks stay)
+            self.in_backward = in_backward
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
@@ -221,16 +287,7 @@ class SkewAdam(Optimizer):
         skipped = state_dict.pop("skipped_steps", 0)
         state_dict.update(param_groups=groups, state=states)
         super().load_state_dict(state_dict)
-        for saved_id, p in zip(chain.from_iterable(g["params"] for g in groups),
-                               chain.from_iterable(g["params"] for g in self.param_groups)):
-            state = self.state[p]
-            for key, value in states.get(saved_id, {}).items():
-                if state[key].dtype != value.dtype:
-                    state[key] = value.to(device=state[key].device, copy=True)
-                if not state[key].is_contiguous():  # as the kernels' own state is (some index it so)
-                    state[key] = state[key].contiguous()
-            if "step" in state and p.device.type != "cpu" and kernels.resolve(self._impl, p.device).device_steps:
-                state["step"] = state["step"].to(_local(p).device)  # torch's load leaves a step count on the host
+        _restore_saved_dtypes(self, groups, states)
         self.skipped_steps = int(skipped)
 
     # ------------------------------------------------------------------ step
@@ -247,24 +304,10 @@ class SkewAdam(Optimizer):
             for p in group["params"]:
                 _state_of(self.state[p], p, group)
 
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for a non-finite gradient. Counted on the device as steps run (no host sync); reading it
-        adds the device count in (one host sync on GPU, only when asked)."""
-        pending = self.__dict__.pop("_skipped_pending", None)
-        if pending is not None:
-            self.__dict__["skipped_steps"] = self.__dict__.get("skipped_steps", 0) + int(pending)
-        return self.__dict__.get("skipped_steps", 0)
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.__dict__.pop("_skipped_pending", None)
-        self.__dict__["skipped_steps"] = int(value)
-
-    def _count_skipped(self, skipped: Tensor) -> None:
-        pending = self.__dict__.get("_skipped_pending")
-        skipped = skipped.to(torch.int64)
-        self.__dict__["_skipped_pending"] = skipped if pending is None else pending + skipped
+    skipped_steps = _Counter("skipped_steps", "_skipped_pending", "Steps skipped for a non-finite gradient (with "
+                             "``in_backward``: steps that skipped any tensor's update).")
+    skipped_tensors = _Counter("skipped_tensors", "_skipped_tensors_pending", "With ``in_backward``: the tensor "
+                               "updates skipped inside backward for a non-finite gradient, counted at ``step()``.")
 
     def _init_group(self, group: dict, index: int, first_id: int, device_steps: bool = False,
                     fresh: Optional[list] = None, only: Optional[int] = None) -> Optional[tuple[list[Tensor], Group]]:
@@ -313,44 +356,62 @@ class SkewAdam(Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Perform one optimization step (`skewadam.functional.skewadam_`); returns the closure's loss, if a closure
         was given. A step that raises has changed nothing: no parameter, state tensor or step count, and no state
-        is left allocated by it."""
+        is left allocated by it. With ``in_backward``: count what backward stepped, and step the gradients it did
+        not."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        first = next((p for group in self.param_groups for p in group["params"] if p.grad is not None), None)
-        if first is None:
-            return loss
+        flags = self._backward.finish(self) if self._backward is not None else []
+        if flags:
+            _Counter.add(self, "skipped_tensors", stacked(flags).sum())
+        if any(p.grad is not None for group in self.param_groups for p in group["params"]):
+            flags.append(self._step())
+        if flags:
+            _Counter.add(self, "skipped_steps", stacked(flags).any())
+        return loss
+
+    def _step(self, only: Optional[tuple[int, int]] = None) -> Tensor:
+        """`skewadam.functional.skewadam_` over every parameter with a gradient, or (``only``: ``(group index,
+        position)``, what a gradient hook steps) over that one; returns its skip flag."""
+        first = self.param_groups[only[0]]["params"][only[1]] if only is not None else next(
+            p for group in self.param_groups for p in group["params"] if p.grad is not None)
         backend = kernels.resolve(self._impl, _local(first).device)
         work, fresh, first_id = [], [], 0
         try:
             for index, group in enumerate(self.param_groups):
-                w = self._init_group(group, index, first_id, backend.device_steps, fresh)
+                if only is None or only[0] == index:
+                    w = self._init_group(group, index, first_id, backend.device_steps, fresh,
+                                         None if only is None else only[1])
+                    if w is not None:
+                        work.append(StepGroup(w[1], w[0], group["update"], f"param group {index}"))
                 first_id += len(group["params"])
-                if w is not None:
-                    work.append(StepGroup(w[1], w[0], group["update"], f"param group {index}"))
             if self._reducer is None and any(_is_dtensor(p) for g in work for p in g.params):
                 from .distributed import DTensorReducer
 
                 self._reducer = DTensorReducer()
-            self._count_skipped(skewadam_(work, backend=backend, reducer=self._reducer,
-                                          skip_nonfinite=self.skip_nonfinite))
+            return skewadam_(work, backend=backend, reducer=self._reducer, skip_nonfinite=self.skip_nonfinite)
         except BaseException:
             for p in fresh:
                 del self.state[p]
             raise
-        return loss
 
-    def __repr__(self) -> str:
-        lines = [self.__class__.__name__ + " ("]
-        for i, group in enumerate(self.param_groups):
-            n = sum(p.numel() for p in group["params"])
-            lines.append(f"Parameter Group {i} [{group['tier']}: {len(group['params'])} tensors, {n:,} parameters]")
-            for key in sorted(k for k in group if k not in ("params", "param_names")):
-                lines.append(f"    {key}: {group[key]}")
-        lines.append(f"skip_nonfinite: {self.skip_nonfinite} (skipped_steps: {self.skipped_steps})")
-        lines.append(")")
-        return "\n".join(lines)
+    __repr__ = _describe
+
+
+def _restore_saved_dtypes(opt: "SkewAdam", groups: list[dict], states: dict) -> None:
+    """After torch's load: each state tensor in its saved dtype (torch casts it to the parameter's), contiguous,
+    and a step count on the parameter's device for a backend that steps it there."""
+    for saved_id, p in zip(chain.from_iterable(g["params"] for g in groups),
+                           chain.from_iterable(g["params"] for g in opt.param_groups)):
+        state = opt.state[p]
+        for key, value in states.get(saved_id, {}).items():
+            if state[key].dtype != value.dtype:
+                state[key] = value.to(device=state[key].device, copy=True)
+            if not state[key].is_contiguous():  # as the kernels' own state is (some index it so)
+                state[key] = state[key].contiguous()
+        if "step" in state and p.device.type != "cpu" and kernels.resolve(opt._impl, p.device).device_steps:
+            state["step"] = state["step"].to(_local(p).device)  # torch's load leaves a step count on the host
 
 
 def _fixed(p: Tensor, group: dict, index: int, i: int, first_id: int) -> tuple:
