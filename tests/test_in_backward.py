@@ -1,0 +1,401 @@
+"""The step inside backward (``SkewAdam(..., in_backward=True)``, `skewadam.backward`): the regular step's bits on
+every kernel (Triton in its interpreter), tier, bank layout, momentum storage and weight dtype; the loop, schedulers,
+checkpoints, ``add_param_group``, ``deepcopy`` and hooks that go with their optimizer; and what cannot run inside
+backward refused, or done per tensor, never silently wrong.
+
+Bitwise equality with the regular step is true by construction: a hook runs the same kernel on the same record (the
+parameter's own rounding stream and step count), and a kernel's fused step computes each record's sums alone. The
+orthogonal tier's Newton-Schulz batches the matrices of one shape across a group in the regular step and takes one
+at a time inside backward: equal to rounding there.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from skewadam import SkewAdam, kernels
+from skewadam.backward import BackwardSteps
+
+KERNELS = kernels.impls(interpreted=True)
+E, N = 3, 7  # experts, tokens
+
+
+class Net(nn.Module):
+    """Every kind of tensor a step runs, each given its gradient by one backward: a backbone matrix and vector, an
+    expert bank ``[E, R, C]`` whose expert 1 receives no token (an all-zero gradient slice), a flattened bank
+    ``[E*D, F]`` (group key ``experts``), a router ``[E, D]``, and a parameter the loss never uses."""
+
+    def __init__(self, dtype: torch.dtype, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        new = lambda *shape: nn.Parameter(torch.randn(*shape, generator=g).to(dtype))  # noqa: E731
+        self.w, self.b, self.bank = new(6, 5), new(5), new(E, 5, 4)
+        self.flat, self.router, self.unused = new(E * 2, 5), new(E, 5), new(4)
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.w + self.b)
+        gate = torch.softmax(h @ self.router.T, -1) * torch.tensor([1.0, 0.0, 1.0], dtype=h.dtype)
+        y = torch.einsum("nr,erc->nec", h, self.bank) * gate[..., None]
+        return (y.sum(1) ** 2).mean() + torch.tanh(h @ self.flat.T).sum()
+
+    def groups(self, momentum_dtype: str = "fp32") -> list[dict]:
+        return [{"params": [self.w, self.b], "tier": "backbone", "weight_decay": 0.1, "momentum_dtype": momentum_dtype},
+                {"params": [self.bank], "tier": "expert", "weight_decay": 0.1},
+                {"params": [self.flat], "tier": "expert", "experts": E},
+                {"params": [self.router], "tier": "router"},
+                {"params": [self.unused], "tier": "backbone"}]
+
+
+def _inputs(step: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(N, 6, generator=torch.Generator().manual_seed(100 + step)).to(dtype)
+
+
+def _train(net: Net, opt: SkewAdam, steps: int, dtype: torch.dtype, scheduler=None) -> None:
+    for step in range(steps):
+        net(_inputs(step, dtype)).backward()
+        if opt.in_backward:
+            assert all(p.grad is None for p in net.parameters()), "in backward: every gradient freed"
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def _build(impl, dtype, momentum_dtype="fp32", in_backward=False, **kw) -> tuple[Net, SkewAdam]:
+    net = Net(dtype)
+    return net, SkewAdam(net.groups(momentum_dtype), lr=1e-2, impl=impl, in_backward=in_backward, **kw)
+
+
+def _snapshot(net: Net, opt: SkewAdam):
+    return ({n: p.detach().clone() for n, p in net.named_parameters()},
+            {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in net.named_parameters() if opt.state[p]})
+
+
+def _assert_same(a, b) -> None:
+    assert a[0].keys() == b[0].keys() and a[1].keys() == b[1].keys()
+    for n in a[0]:
+        assert torch.equal(a[0][n], b[0][n]), n
+    for n in a[1]:
+        assert a[1][n].keys() == b[1][n].keys(), n
+        for k in a[1][n]:
+            assert a[1][n][k].dtype == b[1][n][k].dtype and torch.equal(a[1][n][k], b[1][n][k]), (n, k)
+
+
+# --------------------------------------------------------------------------------------------------------- exact
+CASES = [(torch.float32, "fp32"), (torch.bfloat16, "fp32"), (torch.float32, "bf16"), (torch.bfloat16, "int8"),
+         (torch.float64, "int8")]
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("dtype, momentum_dtype", CASES, ids=[f"{str(d)[6:]}-{m}m" for d, m in CASES])
+def test_the_step_inside_backward_is_bitwise_the_regular_step(impl, dtype, momentum_dtype):
+    """Every tier, a bank with an idle expert, a flattened bank, fp32/bf16/int8 momentum, bf16 weights with
+    stochastic rounding, an LR schedule (the hooks read the lr the scheduler set after the previous step): weights
+    and state after 3 steps are the regular step's bits; the unused parameter is untouched and has no state."""
+    runs = []
+    for in_backward in (False, True):
+        net, opt = _build(impl, dtype, momentum_dtype, in_backward)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        _train(net, opt, 3, dtype, schedule)
+        runs.append(_snapshot(net, opt))
+        assert "unused" not in runs[-1][1] and torch.equal(net.unused, Net(dtype).unused)
+        assert opt.state[net.bank]["step"].tolist() == [3, 0, 3]  # the idle expert's slice untouched
+    _assert_same(*runs)
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_a_tensor_lr_and_a_step_closure_step_inside_backward_as_the_regular_step(impl):
+    """A 0-d tensor lr that a schedule writes into, and ``step(closure)`` whose closure runs the backward (Lightning's
+    loop): the hooks step during the closure's backward, ``step()`` does the bookkeeping."""
+    runs = []
+    for in_backward in (False, True):
+        net = Net(torch.float32)
+        opt = SkewAdam(net.groups(), lr=torch.tensor(1e-2), impl=impl, in_backward=in_backward)
+        for step in range(2):
+            loss = opt.step(lambda: net(_inputs(step, torch.float32)).backward() or 1.0)
+            assert loss == 1.0
+            opt.zero_grad()
+            for g in opt.param_groups:
+                g["lr"].mul_(0.5)
+        runs.append(_snapshot(net, opt))
+    _assert_same(*runs)
+
+
+def _orthogonal_net(dtype):
+    g = torch.Generator().manual_seed(3)
+    a, b = (nn.Parameter(torch.randn(5, 4, generator=g).to(dtype)) for _ in range(2))
+    bank = nn.Parameter(torch.randn(E, 4, 6, generator=g).to(dtype))
+    return [a, b, bank], [{"params": [a, b], "update": "orthogonal", "weight_decay": 0.1},
+                          {"params": [bank], "tier": "expert", "update": "orthogonal"}]
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_the_orthogonal_tier_inside_backward_equals_the_regular_step_to_rounding(impl):
+    """Two matrices of one shape share one batched Newton-Schulz in the regular step and take one each inside
+    backward (a bank's slices are batched either way): equal to fp32 rounding."""
+    runs = []
+    for in_backward in (False, True):
+        params, groups = _orthogonal_net(torch.float32)
+        opt = SkewAdam(groups, lr=1e-2, impl=impl, in_backward=in_backward)
+        for step in range(3):
+            x = torch.randn(N, 5, generator=torch.Generator().manual_seed(step))
+            h = torch.tanh(x @ params[0] + x @ params[1])
+            torch.einsum("nr,erc->nec", h, params[2]).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in params] + [opt.state[p]["exp_avg"].clone() for p in params[:2]])
+    for x, y in zip(*runs):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+# -------------------------------------------------------------------------------------------- the optimizer contract
+def test_a_checkpoint_resumes_bitwise_across_the_two_modes():
+    """Saved inside backward, loaded into an in-backward optimizer or a regular one (and the other way round): the
+    resumed runs continue as the uninterrupted one. The hooks stay through ``load_state_dict``."""
+    full_net, full = _build("auto", torch.bfloat16, in_backward=True)
+    _train(full_net, full, 4, torch.bfloat16)
+    for saved_in_backward in (True, False):
+        for load_in_backward in (True, False):
+            net, opt = _build("auto", torch.bfloat16, in_backward=saved_in_backward)
+            _train(net, opt, 2, torch.bfloat16)
+            buf = io.BytesIO()
+            torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, buf)
+            buf.seek(0)
+            saved = torch.load(buf, weights_only=True)
+            net2, opt2 = _build("auto", torch.bfloat16, in_backward=load_in_backward)
+            net2.load_state_dict(saved["model"])
+            opt2.load_state_dict(saved["opt"])
+            assert opt2.in_backward is load_in_backward
+            for step in range(2, 4):
+                net2(_inputs(step, torch.bfloat16)).backward()
+                assert all(p.grad is None for p in net2.parameters()) is load_in_backward
+                opt2.step()
+                opt2.zero_grad()
+            _assert_same(_snapshot(full_net, full), _snapshot(net2, opt2))
+
+
+def test_add_param_group_hooks_the_new_parameters():
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    extra = nn.Parameter(torch.randn(4, 3))
+    opt.add_param_group({"params": [extra], "tier": "backbone"})
+    ref_net, ref = _build("auto", torch.float32)
+    ref_extra = nn.Parameter(extra.detach().clone())
+    ref.add_param_group({"params": [ref_extra], "tier": "backbone"})
+    for step in range(2):
+        for n, o, x in ((net, opt, extra), (ref_net, ref, ref_extra)):
+            (n(_inputs(step, torch.float32)) + (x ** 2).sum()).backward()
+            assert (x.grad is None) is o.in_backward
+            o.step()
+            o.zero_grad()
+    assert torch.equal(extra, ref_extra) and opt.state[extra]["step"].item() == 2
+    _assert_same(_snapshot(net, opt), _snapshot(ref_net, ref))
+
+
+def test_a_deepcopy_steps_its_own_parameters_inside_backward():
+    """``copy.deepcopy((model, optimizer))`` gives an optimizer whose hooks step the copied model; the original
+    is not touched by the copy's backward, and trains on as a copy trained alongside does."""
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    _train(net, opt, 1, torch.float32)
+    net2, opt2 = copy.deepcopy((net, opt))
+    assert opt2.in_backward and opt2.param_groups[0]["params"][0] is net2.w
+    before = _snapshot(net, opt)
+    net2(_inputs(1, torch.float32)).backward()
+    assert all(p.grad is None for p in net2.parameters())
+    _assert_same(before, _snapshot(net, opt))  # the copy's hooks stepped the copy alone
+    opt2.step()
+    net(_inputs(1, torch.float32)).backward()
+    opt.step()
+    _assert_same(_snapshot(net, opt), _snapshot(net2, opt2))
+
+
+def test_a_deepcopy_sharing_the_parameters_is_refused():
+    """A copy over the same parameters would step each of them twice per backward: refused, naming the fix."""
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    memo = {id(p): p for p in net.parameters()}
+    with pytest.raises(ValueError, match="already stepped in backward by another SkewAdam .* set in_backward=False"):
+        copy.deepcopy(opt, memo)
+    with pytest.raises(ValueError, match="already stepped in backward by another SkewAdam"):
+        SkewAdam(net.groups(), in_backward=True)
+    opt.in_backward = False  # then another optimizer may take them
+    assert SkewAdam(net.groups(), in_backward=True).in_backward
+
+
+def _hooks(p: torch.Tensor) -> int:
+    return len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+
+
+def test_hooks_are_removed_when_turned_off_or_when_the_optimizer_is_collected():
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    assert [_hooks(p) for p in net.parameters()] == [1] * 6
+    opt.in_backward = False
+    assert [_hooks(p) for p in net.parameters()] == [0] * 6
+    net(_inputs(0, torch.float32)).backward()
+    assert net.w.grad is not None  # gradients kept: the regular step
+    opt.step()
+    opt.in_backward = True
+    opt.zero_grad()
+    assert [_hooks(p) for p in net.parameters()] == [1] * 6
+    del opt
+    gc.collect()
+    assert [_hooks(p) for p in net.parameters()] == [0] * 6
+    net(_inputs(0, torch.float32)).backward()
+    assert net.w.grad is not None
+
+
+def test_step_hooks_run_at_step_after_the_parameters_moved():
+    """``step()`` runs torch's step pre- and post-hooks as usual; inside backward the parameters have already
+    moved when they run (they see the step's bookkeeping, not the update)."""
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(("pre", o.state[net.w]["step"].item())))
+    opt.register_step_post_hook(lambda o, args, kwargs: seen.append(("post", o.state[net.w]["step"].item())))
+    _train(net, opt, 2, torch.float32)
+    assert seen == [("pre", 1), ("post", 1), ("pre", 2), ("post", 2)]
+
+
+# ----------------------------------------------------------------------------------- what cannot run inside backward
+def test_a_non_finite_gradient_skips_that_tensors_update_alone_and_is_counted():
+    """Inside backward each tensor decides alone: the one with a NaN gradient keeps its weights and state, the
+    others step as the regular step would with that tensor absent; the regular step skips the whole step."""
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    ref_net, ref = _build("auto", torch.float32)
+    _train(net, opt, 1, torch.float32)
+    _train(ref_net, ref, 1, torch.float32)
+    before = _snapshot(net, opt)
+    loss = net(_inputs(1, torch.float32)) + (net.router * float("nan")).sum()
+    loss.backward()
+    opt.step()
+    after = _snapshot(net, opt)
+    assert torch.equal(after[0]["router"], before[0]["router"])
+    assert all(torch.equal(after[1]["router"][k], before[1]["router"][k]) for k in after[1]["router"])
+    assert not torch.equal(after[0]["w"], before[0]["w"])
+    assert opt.skipped_tensors == 1 and opt.skipped_steps == 1
+    ref_net(_inputs(1, torch.float32)).backward()
+    ref_net.router.grad = None  # the regular step of every other tensor
+    ref.step()
+    for name in ("w", "b", "bank", "flat"):
+        assert torch.equal(after[0][name], ref_net.get_parameter(name)), name
+    _train(net, opt, 1, torch.float32)
+    assert opt.skipped_tensors == 1 and opt.skipped_steps == 1  # a finite step counts nothing
+
+
+def test_a_second_backward_before_step_raises_and_steps_nothing_of_it():
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    net(_inputs(0, torch.float32)).backward()
+    after_first = _snapshot(net, opt)
+    with pytest.raises(RuntimeError, match=re.escape("got a second gradient before optimizer.step()") + ".*"
+                       + re.escape("with optimizer.hold_gradients()")):
+        net(_inputs(1, torch.float32)).backward()
+    assert torch.equal(after_first[0]["w"], net.w) and opt.state[net.w]["step"].item() == 1
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_gradients_held_across_backwards_are_stepped_as_their_sum(impl):
+    """Accumulation under ``hold_gradients()``: the last backward (outside it) steps the summed gradients, bitwise
+    as the regular step after accumulating the same micro-batches."""
+    runs = []
+    for in_backward in (False, True):
+        net, opt = _build(impl, torch.float32, in_backward=in_backward)
+        for step in range(2):
+            with opt.hold_gradients():
+                net(_inputs(2 * step, torch.float32)).backward()
+            assert net.w.grad is not None
+            net(_inputs(2 * step + 1, torch.float32)).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(_snapshot(net, opt))
+    _assert_same(*runs)
+
+
+def test_gradients_backward_did_not_step_are_stepped_by_step():
+    """A gradient set by hand, or held to the end: ``step()`` steps it as the regular step does."""
+    runs = []
+    for in_backward in (False, True):
+        net, opt = _build("auto", torch.float32, in_backward=in_backward)
+        for step in range(2):
+            for p in net.parameters():
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step))
+            opt.step()
+            with opt.hold_gradients():
+                net(_inputs(step, torch.float32)).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(_snapshot(net, opt))
+    _assert_same(*runs)
+
+
+def test_a_gradient_written_after_its_step_in_backward_is_refused_at_step():
+    """What DDP does after the hooks (its all-reduce writes ``p.grad`` again): ``step()`` names the parameter."""
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    net.b.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", torch.zeros_like(p)))
+    net(_inputs(0, torch.float32)).backward()
+    with pytest.raises(RuntimeError, match=re.escape("param_groups[0]['params'][1] has a gradient again after it was "
+                                                     "stepped in backward") + ".*DistributedDataParallel"):
+        opt.step()
+
+
+def test_a_step_that_raises_inside_backward_leaves_its_parameter_as_it_was_with_its_gradient():
+    """The hook's step is atomic, as ``step()`` is: the parameter it raised for keeps its weights, state and
+    gradient (backward stops there; the tensors stepped before it in this backward keep their updates)."""
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    _train(net, opt, 1, torch.float32)
+    opt.state[net.w]["row_var"] = torch.zeros(2, 1)  # state of another shape
+    w, state = net.w.detach().clone(), {k: v.clone() for k, v in opt.state[net.w].items()}
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[0\]: state 'row_var' has shape \(2, 1\)"):
+        net(_inputs(1, torch.float32)).backward()
+    assert net.w.grad is not None and torch.equal(net.w, w)
+    assert all(torch.equal(opt.state[net.w][k], v) for k, v in state.items())
+
+
+def test_the_backward_steps_need_no_optimizer_reference():
+    """The hooks hold the optimizer weakly: a collected optimizer's hooks are gone (`BackwardSteps` is its own)."""
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    steps = opt._backward
+    assert isinstance(steps, BackwardSteps) and steps._optimizer() is opt
+    del opt
+    gc.collect()
+    assert steps._optimizer() is None and not steps._handles
+
+
+@pytest.mark.skipif("triton" not in KERNELS, reason="needs triton (its interpreter on CPU)")
+def test_triton_steps_inside_backward_with_no_host_read(monkeypatch):
+    """A faked CUDA device (Triton through the registry, as on a GPU): during backward nothing in skewadam reads a
+    tensor on the host (``bool``, ``item``, ``int``, ``float``, ``tolist``: each a host sync on a GPU), a NaN gradient
+    included; the skips are counted on the device and read only when asked."""
+    import skewadam
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    resolve = kernels.resolve
+    monkeypatch.setattr(kernels, "resolve", lambda impl, device: resolve(impl, "cuda"))
+    monkeypatch.delenv("SKEWADAM_IMPL", raising=False)
+    net = Net(torch.float32)
+    opt = SkewAdam(net.groups("int8"), lr=1e-2, in_backward=True)
+    reads, package = [], skewadam.__file__.rpartition("/")[0]
+
+    def watch(name):
+        method = getattr(torch.Tensor, name)
+
+        def read(self, *args):
+            caller = __import__("sys")._getframe(1).f_code.co_filename
+            if caller.startswith(package):
+                reads.append((name, caller))
+            return method(self, *args)
+        return read
+
+    for step in range(2):
+        loss = net(_inputs(step, torch.float32)) + (net.router * (float("nan") if step else 1.0)).sum()
+        with monkeypatch.context() as m:
+            for name in ("__bool__", "item", "__int__", "__float__", "tolist"):
+                m.setattr(torch.Tensor, name, watch(name))
+            loss.backward()
+        assert not reads, reads
+        opt.step()
+    assert "_skipped_pending" in opt.__dict__ and opt.skipped_tensors == 1 and opt.skipped_steps == 1
+    assert opt.state[net.bank]["step"].tolist() == [2, 0, 2] and opt.state[net.router]["step"].item() == 1
