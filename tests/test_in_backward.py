@@ -12,6 +12,7 @@ at a time inside backward: equal to rounding there.
 from __future__ import annotations
 
 import copy
+import json
 import gc
 import io
 import re
@@ -399,3 +400,28 @@ def test_triton_steps_inside_backward_with_no_host_read(monkeypatch):
         opt.step()
     assert "_skipped_pending" in opt.__dict__ and opt.skipped_tensors == 1 and opt.skipped_steps == 1
     assert opt.state[net.bank]["step"].tolist() == [2, 0, 2] and opt.state[net.router]["step"].item() == 1
+
+
+# ---------------------------------------------------------------------------------------------- bench and planner
+def test_the_bench_arm_trains_the_curve_of_skewadam_at_grad_clip_0_and_refuses_a_global_clip():
+    from skewadam.bench.config import RunConfig
+    from skewadam.bench.train import train
+
+    tiny = dict(model="tiny", steps=4, batch_size=2, eval_interval=2, eval_batches=1, grad_clip=0.0)
+    logs = [train(RunConfig(optimizer=o, **tiny), progress=False) for o in ("skewadam", "skewadam-in-backward")]
+    assert [s["loss"] for s in logs[0]["steps"]] == [s["loss"] for s in logs[1]["steps"]]
+    assert [e["val_loss"] for e in logs[0]["evals"]] == [e["val_loss"] for e in logs[1]["evals"]]
+    assert all(s["grad_norm"] != s["grad_norm"] for s in logs[1]["steps"])  # NaN: no gradient left to measure
+    assert "in_backward: True" in logs[1]["optimizer_repr"]
+    with pytest.raises(ValueError, match=r"skewadam-in-backward steps each tensor inside backward: no gradient is "
+                                         r"left to clip globally \(--grad-clip 1\); run it with --grad-clip 0"):
+        RunConfig(optimizer="skewadam-in-backward", model="tiny")
+
+
+def test_plan_in_backward_on_the_command_line(capsys):
+    from skewadam.cli import main
+
+    assert main(["plan", "tiny", "--in-backward", "--optimizer", "skewadam", "--optimizer", "adamw", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["optimizers"]["skewadam"]["in_backward"] and not out["optimizers"]["adamw"]["in_backward"]
+    assert out["optimizers"]["skewadam"]["grads"] < out["optimizers"]["adamw"]["grads"]

@@ -356,6 +356,7 @@ class _Allocations(TorchDispatchMode):
     ("skewadam", "fp32", "eager", 4, 64), ("skewadam", "bf16", "eager", 4, 64), ("skewadam", "bf16", "cpp", 1, 8),
     ("adamw", "fp32", "eager", 1, 8), ("adamw-foreach", "fp32", "eager", 1, 8), ("adafactor", "fp32", "eager", 1, 8),
     ("skewadam", "fp32", "eager-chunked", 1, 8), ("skewadam-orthogonal-experts", "fp32", "eager", 1, 8),
+    ("skewadam-in-backward", "fp32", "eager", 4, 64), ("skewadam-in-backward", "bf16", "cpp", 1, 8),
 ])
 def test_peak_estimate_is_within_5_percent_of_tracked_tensor_bytes(optimizer, param_dtype, impl, batch, seq,
                                                                    monkeypatch):
@@ -378,6 +379,23 @@ def test_peak_estimate_is_within_5_percent_of_tracked_tensor_bytes(optimizer, pa
         train_steps(model, arms.get(optimizer).build(model), batch, seq, 2)  # step 2 has the state from the start
     estimate = plan(model, batch=batch, seq=seq, param_dtype=param_dtype, optimizers=[optimizer], impl=impl)
     assert tracked.peak == pytest.approx(estimate[optimizer].peak, rel=0.05)
+
+
+def test_in_backward_plans_the_largest_gradient_in_flight_and_fits_the_paper_model_in_19_gib():
+    """``in_backward=True`` (or the arm skewadam-in-backward): the peak holds the largest gradient backward
+    produces at once (a stacked bank, 128 x 4096 x 4096 in bf16, and the tied embedding's, held from the head's
+    backward to the lookup's), not all 12.64 GiB of them; the other optimizers are planned as before."""
+    names = ["skewadam", "skewadam-int8m", "adamw", "skewadam-in-backward"]
+    held = plan("paper-6.78b", param_dtype="bf16", batch=8, seq=128, optimizers=names)
+    inside = plan("paper-6.78b", param_dtype="bf16", batch=8, seq=128, optimizers=names, in_backward=True)
+    bank, tied = 128 * 4096 * 4096 * 2, 50257 * 4096 * 2
+    assert inside["skewadam"].in_backward and inside["skewadam"].grads == bank + tied
+    assert inside["skewadam"].peak <= 19 * 2**30 and inside["skewadam-int8m"].peak <= 18 * 2**30
+    assert held["skewadam"].peak - inside["skewadam"].peak > 8 * 2**30
+    assert inside["adamw"] == held["adamw"] and not inside["adamw"].in_backward
+    assert held["skewadam-in-backward"] == inside["skewadam-in-backward"] == dataclasses.replace(
+        inside["skewadam"], name="skewadam-in-backward", label=arms.get("skewadam-in-backward").label)
+    assert "(in backward)" in str(inside) and "largest gradient one backward node produces" in str(inside)
 
 
 # The CPU validation: peak RSS of real steps in a fresh process. glibc's dynamic mmap threshold keeps freed blocks of

@@ -134,6 +134,9 @@ def _add_plan(sub) -> None:
                    "runs on --device, also what --measure steps with)")
     p.add_argument("--shards", type=int, default=1,
                    help="FSDP2 ranks (Shard(0)): also print the bytes an orthogonal tier gathers per rank and step")
+    p.add_argument("--in-backward", action="store_true",
+                   help="SkewAdam steps each tensor inside backward (in_backward=True): count the gradients in flight "
+                   "(the largest one backward produces at once), not all of them; --measure steps so too")
     p.add_argument("--optimizer", action="append", type=_arm, default=None, metavar="NAME",
                    help="plan only these (repeatable; default: " + ", ".join(arms.PLAN_DEFAULT) + "; any of "
                    + ", ".join(arms.names(planned=True)) + ")")
@@ -160,7 +163,8 @@ def _plan(args: argparse.Namespace) -> int:
         optimizers = [*(optimizers or arms.PLAN_DEFAULT), args.measure]
     try:
         result = plan(model, batch=args.batch, seq=args.seq, param_dtype=args.param_dtype, top_k=args.top_k,
-                      optimizers=optimizers, impl=args.impl, device=args.device, shards=args.shards)
+                      optimizers=optimizers, impl=args.impl, device=args.device, shards=args.shards,
+                      in_backward=args.in_backward)
         result = dataclasses.replace(result, model=args.model)
         measured = None
         if args.measure:
@@ -170,7 +174,7 @@ def _plan(args: argparse.Namespace) -> int:
                   f"training steps in a fresh process", file=sys.stderr, flush=True)
             measured = measure_peak(args.model, optimizer=args.measure, batch=args.batch, seq=result.seq,
                                     param_dtype=args.param_dtype, device=args.device, overrides=overrides,
-                                    impl=result.kernel,
+                                    impl=result.kernel, in_backward=args.in_backward,
                                     progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     except ValueError as e:
         raise SystemExit(f"skewadam plan: {e}") from None

@@ -32,6 +32,8 @@ kernel.
 |                           | (Muon per expert; over a 0.15x budget where experts are most of the model)        |
 | skewadam-orthogonal-experts-momentum-int8m | that, every momentum block-wise int8: the best arm of the study   |
 | skewadam-relative-step    | skewadam, update x max(1e-3, rms(p)) per unit (Adafactor's relative step)         |
+| skewadam-in-backward      | skewadam stepped inside backward (in_backward=True): each gradient freed as soon  |
+|                           | as backward completes it; skewadam's bits; trains at --grad-clip 0 (no clip)      |
 
 SkewAdam's kernel is not an arm: every SkewAdam arm takes ``impl`` (``skewadam bench-step --impl``). The ablations and
 compact-momentum arms use ``eps_mode="add"``, the better of the two in the study (``docs/study``), so that each
@@ -93,6 +95,8 @@ class Arm:
             and the study leave it out).
         requires: optional packages it imports, ``{module: pip package}`` (`skewadam.bench.extras.missing` finds them).
         kernels: steps with SkewAdam's kernels (`skewadam bench` builds the C++ one before its first run).
+        in_backward: steps each tensor inside backward (`skewadam.backward`): the planner counts the gradients in
+            flight rather than all of them; no global gradient to clip (``--grad-clip 0``).
     """
 
     name: str
@@ -110,6 +114,7 @@ class Arm:
     variant_of: Optional[str] = None
     requires: Mapping[str, str] = dataclasses.field(default_factory=dict)
     kernels: bool = False
+    in_backward: bool = False
 
     def build(self, model: nn.Module, lr: Optional[float] = None, weight_decay: Optional[float] = None, *,
               impl: str = "auto"):
@@ -238,9 +243,10 @@ def _copy_of_largest_group(tensors, dtype, impl) -> int:
 
 def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None,
               tier_options: Optional[dict[str, dict[str, Any]]] = None, lr: float = 1e-3,
-              orthogonal: Any = False) -> Arm:
-    """A SkewAdam arm: ``options`` are SkewAdam keyword arguments, ``tier_options`` per-tier group settings,
-    ``orthogonal`` which tensors take the orthogonal update (their state, as `param_groups` sets their groups)."""
+              orthogonal: Any = False, variant_of: Optional[str] = None) -> Arm:
+    """A SkewAdam arm: ``options`` are SkewAdam keyword arguments (``in_backward`` among them), ``tier_options``
+    per-tier group settings, ``orthogonal`` which tensors take the orthogonal update (their state, as
+    `param_groups` sets their groups)."""
     options, tier_options = dict(options or {}), dict(tier_options or {})
     flags = {(t.value, False): state_flags(group_settings(t.value, False, options, tier_options, {})) for t in Tier}
     if orthogonal:  # what param_groups gives the tensors `orthogonal` selects (in the backbone and expert tiers)
@@ -267,7 +273,7 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
         return max(BACKENDS[impl].step_transient_bytes(fused, dtype), ns)
 
     return Arm(name, label, make, state, transient, master=False, tier_options=tier_options, kernels=True, lr=lr,
-               orthogonal=orthogonal,
+               orthogonal=orthogonal, variant_of=variant_of, in_backward=bool(options.get("in_backward")),
                temporaries="as its kernel backend counts them (`step_transient_bytes` of skewadam.kernels.BACKENDS) "
                "and, for orthogonal groups, skewadam.kernels.orthogonal (the stacked Newton-Schulz iterates): the "
                "larger of the two")
@@ -316,6 +322,9 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
               lr=3e-2),
     _skewadam("skewadam-relative-step", "SkewAdam, update x max(1e-3, rms(p)) (Adafactor's relative step)",
               options={"relative_step": True}),
+    # skewadam's math in another place (bench --optimizers all leaves it out: it trains only at --grad-clip 0)
+    _skewadam("skewadam-in-backward", "SkewAdam stepped inside backward (in_backward=True: no gradients held)",
+              options={"in_backward": True}, variant_of="skewadam"),
 ]}
 
 PLAN_DEFAULT = ("adamw", "adamw8bit-bnb", "adamw8bit-torchao", "adafactor", "skewadam", "skewadam-expert-momentum",

@@ -137,6 +137,10 @@ def bench_step(
     unbuildable = [n for n in optimizers if arms.ARMS[n].make is None]
     if unbuildable:
         raise ValueError(f"{unbuildable}: memory models only; use any of {', '.join(arms.names(buildable=True))}")
+    inside = [n for n in optimizers if arms.ARMS[n].in_backward]
+    if inside:
+        raise ValueError(f"{inside} step inside backward, which bench-step does not run (it times step() over fixed "
+                         f"gradients); time them with benchmarks/in_backward.py, or bench-step skewadam")
     if clock not in ("wall", "cpu"):
         raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
     if dtype not in DTYPES:

@@ -68,6 +68,10 @@ class RunConfig:
             _check_float("weight_decay", self.weight_decay, ">= 0", lambda v: v >= 0)
         _check_float("warmup_frac", self.warmup_frac, "in [0, 1)", lambda v: 0.0 <= v < 1.0)
         _check_float("grad_clip", self.grad_clip, ">= 0 (0 = off)", lambda v: v >= 0)
+        if self.grad_clip and arms.ARMS[self.optimizer].in_backward:
+            raise ValueError(f"{self.optimizer} steps each tensor inside backward: no gradient is left to clip "
+                             f"globally (--grad-clip {self.grad_clip:g}); run it with --grad-clip 0 (SkewAdam "
+                             f"RMS-clips each update unit at 1.0 anyway)")
         if not isinstance(self.model, str) or not known(self.model):
             raise ValueError(f"unknown model {self.model!r} (--model): use a preset ({', '.join(preset_names())}) "
                              f"or a Hugging Face config.json path")

@@ -64,7 +64,7 @@ def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batch: int, seq: i
 
 
 def _measure_here(spec: str, overrides: dict, optimizer: str, batch: int, seq: int, param_dtype: str,
-                  device: str, steps: int, impl: str,
+                  device: str, steps: int, impl: str, in_backward: bool = False,
                   progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Train ``steps`` steps in this process and return the measured peak growth (see `measure_peak`); each stage is
     told to ``progress``."""
@@ -79,7 +79,7 @@ def _measure_here(spec: str, overrides: dict, optimizer: str, batch: int, seq: i
     # Warm up the same code paths on the tiny reference model, so that lazily loaded kernels and thread pools are
     # part of the baseline, not of the measurement.
     warm = load_model("tiny", device=device, dtype=dtype)
-    train_steps(warm, arm.build(warm, impl=impl), 2, 16, 2)
+    train_steps(warm, _build(arm, warm, impl, in_backward), 2, 16, 2)
     tell("warmed up on the tiny model")
     del warm
     gc.collect()
@@ -91,13 +91,22 @@ def _measure_here(spec: str, overrides: dict, optimizer: str, batch: int, seq: i
         base = rss()
     model = load_model(spec, device=device, dtype=dtype, overrides=overrides)
     tell(f"built {spec} on {device}")
-    train_steps(model, arm.build(model, impl=impl), batch, seq, steps, lambda step: tell(f"step {step}/{steps}"))
+    train_steps(model, _build(arm, model, impl, in_backward), batch, seq, steps,
+                lambda step: tell(f"step {step}/{steps}"))
     if device == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = peak_rss() - base
     return {"measured": peak, "method": "cuda max_memory_allocated" if device == "cuda" else "peak RSS growth"}
+
+
+def _build(arm: arms.Arm, model: nn.Module, impl: str, in_backward: bool):
+    """The arm's optimizer over ``model``; SkewAdam's arms stepped inside backward with ``in_backward``."""
+    opt = arm.build(model, impl=impl)
+    if in_backward and arm.kernels:
+        opt.in_backward = True
+    return opt
 
 
 def measure_peak(
@@ -111,6 +120,7 @@ def measure_peak(
     steps: int = 2,
     overrides: Optional[dict[str, Any]] = None,
     impl: Optional[str] = None,
+    in_backward: bool = False,
     progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Measure the peak memory of real training steps and set it beside `plan`'s estimate.
@@ -122,7 +132,8 @@ def measure_peak(
 
     SkewAdam steps with the kernel backend ``impl`` (a name of `skewadam.kernels.BACKENDS`; None or ``"auto"``: the
     one `skewadam.kernels.resolve` picks on ``device``), and the estimate is the plan's peak with that kernel (``impl``
-    in the result). ``progress`` is told each stage
+    in the result); with ``in_backward`` a SkewAdam arm steps inside backward (planned so too). ``progress`` is told
+    each stage
     (warm-up, model built, each step) as it ends.
 
     Returns:
@@ -141,9 +152,9 @@ def measure_peak(
         raise RuntimeError("device='cuda' but torch.cuda.is_available() is False")
     impl = kernels.resolve(impl or "auto", torch.device(device)).name  # raises if it does not run there
     estimate = plan(meta, batch=batch, seq=seq, param_dtype=param_dtype, optimizers=[optimizer], impl=impl,
-                    device=device)[optimizer].peak
+                    device=device, in_backward=in_backward)[optimizer].peak
     args = dict(spec=os.fspath(spec), overrides=overrides, optimizer=optimizer, batch=batch, seq=seq,
-                param_dtype=param_dtype, device=device, steps=steps, impl=impl)
+                param_dtype=param_dtype, device=device, steps=steps, impl=impl, in_backward=in_backward)
     if device == "cuda":
         result = _measure_here(**args, progress=progress)
     else:

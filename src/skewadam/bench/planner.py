@@ -55,11 +55,13 @@ def _plan_state(arm: arms.Arm, tensors: Sequence[tuple[tuple[int, ...], str, boo
 # ------------------------------------------------------------------------------------------------- activations
 class _Segment(NamedTuple):
     """A stretch of the network in forward order: what its forward keeps for backward, the parameter gradients its
-    backward creates, and the bytes alive only while its backward runs."""
+    backward creates, the bytes alive only while its backward runs, and the trainable parameters whose gradients
+    its backward completes (a tied embedding's: the lookup's segment)."""
 
     saved: int
     grads: int
     transient: int
+    names: tuple[str, ...] = ()
 
 
 def _layers(model: nn.Module) -> tuple[str, int]:
@@ -92,8 +94,9 @@ class _Unmodelled(Exception):
 
 def _activation_segments(
     model: nn.Module, labels: Mapping[str, str], *, tokens: int, itemsize: int, top_k: Optional[int]
-) -> tuple[list[_Segment], int, int]:
-    """``(segments, held, saved)`` of one training step of a language model over ``tokens`` tokens.
+) -> tuple[list[_Segment], int, int, int]:
+    """``(segments, held, saved, tied)`` of one training step of a language model over ``tokens`` tokens; ``tied``:
+    the bytes of a tied embedding's gradient (begun by the head's backward, completed by the lookup's).
 
     Rules (an estimate, no tracing): every matrix multiply keeps about its input and its output for backward, so a
     weight ``[out, in]`` that sees ``n`` tokens costs ``n * (in + out)`` activations (attention scores are not
@@ -126,10 +129,12 @@ def _activation_segments(
             seg_of[name] = head_seg if after_blocks else 0
     routers = {seg_of[n]: names[n].shape[0] for n, t in labels.items() if t == Tier.ROUTER.value and names[n].ndim == 2}
     saved, grads, biggest = [0] * (n_layers + 2), [0] * (n_layers + 2), [0] * (n_layers + 2)
+    completes: list[list[str]] = [[] for _ in range(n_layers + 2)]
     for name, p in names.items():
         s = seg_of[name]
         if p.requires_grad:
             grads[head_seg if p is head_w else s] += p.numel() * itemsize
+            completes[s].append(name)
         if p.ndim < 2 or id(p) in embeds or p is head_w:
             continue
         if labels.get(name) == Tier.EXPERT.value:
@@ -152,10 +157,10 @@ def _activation_segments(
     saved[-1] += tokens * d_model * itemsize + fp32_logits  # head input, log-softmax output
     lookup = (1 + tied) * vocab * d_model * itemsize
     head_transient = 2 * fp32_logits + (logits if itemsize != 4 else 0)  # + the cast back, for 16-bit logits
-    segments = [_Segment(saved[0], grads[0], lookup)]
-    segments += [_Segment(saved[i], grads[i], 2 * biggest[i]) for i in range(1, n_layers + 1)]
-    segments.append(_Segment(saved[-1], grads[-1], head_transient))
-    return segments, logits, sum(saved) + logits
+    transients = [lookup] + [2 * biggest[i] for i in range(1, n_layers + 1)] + [head_transient]
+    segments = [_Segment(saved[i], grads[i], transients[i], tuple(completes[i])) for i in range(n_layers + 2)]
+    tied_bytes = head_w.numel() * itemsize if tied and head_w.requires_grad else 0
+    return segments, logits, sum(saved) + logits, tied_bytes
 
 
 def _backward_peak(segments: Sequence[_Segment], held: int) -> tuple[int, int]:
@@ -168,6 +173,40 @@ def _backward_peak(segments: Sequence[_Segment], held: int) -> tuple[int, int]:
         peak = max(peak, mem)
         mem -= seg.saved
     return peak, mem
+
+
+def _in_flight(arm: arms.Arm, trainable: Sequence[tuple[str, tuple[int, ...], str]], orth: set[str],
+               stepped: torch.dtype, kernel: str, itemsize: int, segments: Sequence[_Segment],
+               tied: int) -> tuple[int, int, list[int]]:
+    """For ``arm`` stepped inside backward: ``(most gradient bytes alive at once, largest one tensor's step
+    temporaries, per segment its largest gradient with that gradient's step temporaries)``."""
+    cache: dict[tuple, int] = {}
+    own = {}
+    for name, shape, tier in trainable:
+        key = (shape, tier, name in orth)
+        if key not in cache:
+            cache[key] = arm.transient([key], stepped, kernel)
+        own[name] = (math.prod(shape) * itemsize, cache[key])
+    grads = max((g for g, _ in own.values()), default=0)
+    for i, seg in enumerate(segments):
+        between = tied if 0 < i < len(segments) - 1 else 0
+        grads = max(grads, between + max((own[n][0] for n in seg.names), default=0))
+    in_flight = [max((sum(own[n]) for n in seg.names), default=0) for seg in segments]
+    return grads, max((t for _, t in own.values()), default=0), in_flight
+
+
+def _backward_peak_stepped(segments: Sequence[_Segment], held: int, in_flight: Sequence[int], tied: int) -> int:
+    """The most bytes alive during a backward that steps and frees each gradient as it completes (an optimizer
+    stepped inside backward): a segment's backward holds its transients or ``in_flight[i]`` (its largest gradient
+    with that gradient's step temporaries), whichever is more, and a ``tied`` embedding's gradient is held from the
+    head's backward to the lookup's (whose transients count it)."""
+    mem = held + sum(s.saved for s in segments)
+    peak = mem
+    for i in range(len(segments) - 1, -1, -1):
+        between = tied if 0 < i < len(segments) - 1 else 0
+        peak = max(peak, mem + between + max(segments[i].transient, in_flight[i]))
+        mem -= segments[i].saved
+    return peak
 
 
 # --------------------------------------------------------------------------------------------------------- plan
@@ -185,6 +224,7 @@ class OptimizerPlan:
     step_temporaries: int  # alive during step(): the optimizer implementation's scratch tensors
     peak: Optional[int]  # estimate; None without an activation estimate
     gather_bytes: int = 0  # per rank and step under FSDP2 over `Plan.shards` ranks: the orthogonal tier's all-gathers
+    in_backward: bool = False  # stepped inside backward: ``grads`` is the most gradient bytes in flight, not all
 
     @property
     def static(self) -> int:
@@ -242,7 +282,7 @@ class Plan:
             for n, o in self.optimizers.items()])
         lines += ["", "training memory: params + grads + master + state (+ activations or step temporaries) -> peak"]
         lines += _table(["optimizer", "params", "grads", "master", "state", "activations", "step tmp", "peak"], [
-            [n, *("n/a" if c is None else format_bytes(c) for c in (
+            [n + (" (in backward)" if o.in_backward else ""), *("n/a" if c is None else format_bytes(c) for c in (
                 o.params, o.grads, o.master, o.state.total, o.activations, o.step_temporaries, o.peak))]
             for n, o in self.optimizers.items()])
         if any(o.gather_bytes for o in self.optimizers.values()):
@@ -325,6 +365,7 @@ def plan(
     impl: str = "auto",
     device: Optional[Union[str, torch.device]] = None,
     shards: int = 1,
+    in_backward: bool = False,
 ) -> Plan:
     """Plan the memory of training ``model`` with each optimizer arm named (default `skewadam.bench.arms.PLAN_DEFAULT`).
 
@@ -345,6 +386,10 @@ def plan(
         shards: FSDP2 ranks (``Shard(0)`` on every tensor), for the bytes an orthogonal tier all-gathers per step
             (``gather_bytes``: its 2-D matrices' updates, the full matrix less the rank's shard; a bank sharded
             on its expert dim gathers nothing). State and memory stay those of one process.
+        in_backward: SkewAdam's arms step each tensor inside backward (``SkewAdam(..., in_backward=True)``, as the
+            arm ``skewadam-in-backward`` always does): each gradient is freed as soon as backward completes it, so
+            the peak holds the largest gradient one backward node produces at once (a tensor's, or a tied
+            embedding's from the head to the lookup) with its step's temporaries, not every gradient.
 
     Example:
         >>> print(plan("paper-6.78b"))
@@ -385,12 +430,13 @@ def plan(
     seq = default_seq(model) if seq is None else seq
     k = top_k if top_k is not None else config_value(model, _TOP_K_KEYS)
     try:
-        segments, held, activations = _activation_segments(
+        segments, held, activations, tied = _activation_segments(
             model, labels, tokens=batch * seq, itemsize=itemsize, top_k=k)
         bwd_peak, after_bwd = _backward_peak(segments, held)
         unmodelled = None
     except _Unmodelled as e:
-        activations = bwd_peak = after_bwd = None
+        segments, held, tied, activations = [], 0, 0, None
+        bwd_peak = after_bwd = None
         unmodelled = str(e)
     rows = {}
     for arm in chosen:
@@ -401,12 +447,17 @@ def plan(
         state = _plan_state(arm, tensors, stepped)
         static = n_params * itemsize + master + state.total
         temporaries = arm.transient(tensors, stepped, kernel)
+        grads = n_trainable * itemsize
         peak = None if unmodelled else static + max(bwd_peak, after_bwd + temporaries)
+        inside = arm.in_backward or (in_backward and arm.kernels)
+        if inside:  # each gradient stepped and freed as backward completes it
+            grads, temporaries, in_flight = _in_flight(arm, trainable, orth, stepped, kernel, itemsize, segments, tied)
+            peak = None if unmodelled else static + _backward_peak_stepped(segments, held, in_flight, tied)
         # the update is gathered in the compute dtype (fp32 for 16-bit weights); an even share of it is the rank's own
         update_bytes = 4 if stepped.itemsize < 4 else stepped.itemsize
         gathered = sum(math.prod(s) for s, _, o in tensors if o and len(s) == 2) * update_bytes * (shards - 1) // shards
-        rows[arm.name] = OptimizerPlan(arm.name, arm.label, n_params * itemsize, n_trainable * itemsize, master, state,
-                                       activations, temporaries, peak, gathered)
+        rows[arm.name] = OptimizerPlan(arm.name, arm.label, n_params * itemsize, grads, master, state, activations,
+                                       temporaries, peak, gathered, inside)
     counted: dict[str, list[str]] = {}
     for arm in chosen:
         counted.setdefault(arm.temporaries, []).append(arm.name)
@@ -429,6 +480,14 @@ def plan(
         "above this on small models unless MALLOC_MMAP_THRESHOLD_ is set, and oneDNN's bf16 matmuls added ~81 MiB "
         "of their own buffers on a 25M-parameter model)",
     ]
+    inside = [n for n, o in rows.items() if o.in_backward]
+    if inside:
+        assumptions.insert(1, f"in backward ({', '.join(inside)}): each gradient is stepped and freed as soon as "
+                              "backward completes it; in flight: the largest gradient one backward node produces "
+                              "(one tensor's: a stacked expert bank is one; a tied embedding's is held from the "
+                              "head's backward to the lookup's) with its step's temporaries; 'grads' is the most "
+                              "gradient bytes alive at once" + ("; the other optimizers step after backward"
+                                                                 if len(inside) < len(rows) else ""))
     if unmodelled:
         assumptions.insert(0, f"no activation or peak estimate: {unmodelled}")
     return Plan(name, n_params, n_trainable, by_tier, param_dtype, batch, seq, k, rows, assumptions, shards, kernel)

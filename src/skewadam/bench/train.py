@@ -114,7 +114,10 @@ def _train_step(model, optimizer, x, y, grad_clip: float, device: torch.device) 
     t0 = time.perf_counter()
     out = lm_losses(model, x, y)
     out.loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    if getattr(optimizer, "in_backward", False):  # its gradients were stepped and freed: none to measure
+        grad_norm = torch.tensor(math.nan)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
     _sync(device)
     t1 = time.perf_counter()
     optimizer.step()
