@@ -147,6 +147,36 @@ def test_optimizer_cls_and_kwargs_with_the_factory_tiers_from_the_model(tmp_path
     assert all(int(s["step"].max()) == 4 for s in opt.state.values())
 
 
+def test_trainer_steps_inside_backward_as_the_regular_step_without_global_clipping(tmp_path):
+    """``optimizer_kwargs={"in_backward": True}``: Trainer's ``max_grad_norm`` (1.0 by default) is turned off with a
+    warning naming the per-unit clip, and training is bitwise a regular SkewAdamTrainer run at ``max_grad_norm=0``."""
+    runs = []
+    for in_backward in (False, True):
+        model = tiny_moe("mixtral")
+        args = training_args(tmp_path / str(in_backward), max_steps=4, **({} if in_backward else {"max_grad_norm": 0}))
+        trainer = SkewAdamTrainer(model=model, args=args, train_dataset=dataset(),
+                                  optimizer_kwargs={"in_backward": in_backward})
+        if in_backward:
+            with pytest.warns(UserWarning, match=r"max_grad_norm=1 turned off \(0\).*RMS-clips each update unit"):
+                trainer.train()
+            assert trainer.args.max_grad_norm == 0 and unwrap(trainer.optimizer).in_backward
+        else:
+            trainer.train()
+        runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+
+
+def test_trainer_settings_that_cannot_run_inside_backward_are_refused(tmp_path):
+    trainer = SkewAdamTrainer(model=tiny_moe("mixtral"), train_dataset=dataset(),
+                              args=training_args(tmp_path, max_steps=2, gradient_accumulation_steps=2),
+                              optimizer_kwargs={"in_backward": True})
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2: each backward's gradients are stepped at "
+                                         "once.*or use in_backward=False"):
+        trainer.train()
+    with pytest.raises(ValueError, match="SkewAdamFactory: in_backward=True needs Trainer's settings checked"):
+        SkewAdamFactory()(tiny_moe("mixtral"), lr=1e-2, in_backward=True)
+
+
 def test_optimizer_cls_and_kwargs_with_skewadam_itself_trains_untiered(tmp_path):
     # Trainer hands an optimizer class bare tensors in decay / no-decay groups: no names, no model, no tiers
     model = tiny_moe("mixtral")

@@ -75,3 +75,32 @@ def test_resume_from_a_lightning_checkpoint_is_bitwise(tmp_path):
     assert a.keys() == b.keys()
     assert all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
     assert all(int(s["step"].max()) == 6 for s in resumed_opt.state.values())
+
+
+class LitMoEInBackward(LitMoE):
+    def configure_optimizers(self):
+        return SkewAdam.from_model(self, lr=1e-2, weight_decay=0.1, in_backward=True)
+
+
+def test_from_model_in_backward_trains_as_the_regular_step(tmp_path):
+    """Lightning's loop runs backward inside ``optimizer.step(closure)``: the hooks step there, bitwise as the
+    regular step."""
+    regular, _ = fit(tmp_path / "regular", max_steps=3)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path / "ib")
+    inside = LitMoEInBackward(0)
+    trainer.fit(inside, data())
+    assert trainer.optimizers[0].in_backward and all(p.grad is None for p in inside.parameters())
+    for (name, p), q in zip(regular.named_parameters(), inside.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"gradient_clip_val": 1.0}, "gradient_clip_val=1.0: no gradient is left to clip"),
+    ({"accumulate_grad_batches": 2}, "accumulate_grad_batches=2: each backward's gradients are stepped at once"),
+])
+def test_trainer_settings_that_cannot_run_inside_backward_are_refused(tmp_path, setting, message):
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path, **setting)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(LitMoEInBackward(0), data())

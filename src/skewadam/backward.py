@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["BackwardSteps", "InBackward", "stacked"]
+__all__ = ["BackwardSteps", "InBackward", "check_trainer", "stacked"]
 
 #: Each parameter's `BackwardSteps`: a parameter is stepped in backward by one optimizer at most.
 _OWNERS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -171,6 +171,36 @@ class InBackward:
             if current is not None:
                 current.remove()
             obj._backward = BackwardSteps(obj) if value else None
+
+
+def check_trainer(model: Any) -> None:
+    """Refuse the settings of a trainer attached to ``model`` (a Lightning ``LightningModule``'s, in
+    ``configure_optimizers``) that cannot run inside backward: global gradient clipping (``gradient_clip_val``: it
+    would see no gradient), gradient accumulation, fp16 loss scaling (the hooks would step scaled gradients), DDP
+    (it all-reduces after the hooks); ValueError naming each fix. A model without a trainer passes.
+
+    Example:
+        >>> check_trainer(lightning_module)   # SkewAdam.from_model(module, in_backward=True) calls it
+    """
+    trainer = getattr(model, "_trainer", None)
+    if trainer is None:
+        return
+    fixes = []
+    if getattr(trainer, "gradient_clip_val", None):
+        fixes.append(f"gradient_clip_val={trainer.gradient_clip_val}: no gradient is left to clip after backward "
+                     f"(SkewAdam RMS-clips each update unit at 1.0 anyway); leave it unset")
+    if getattr(trainer, "accumulate_grad_batches", 1) > 1:
+        fixes.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}: each backward's gradients are "
+                     f"stepped at once; use 1 with a larger batch")
+    if str(getattr(trainer, "precision", "")).startswith("16"):
+        fixes.append(f"precision={trainer.precision!r} scales the loss and the hooks would step scaled gradients; "
+                     f"use 'bf16-mixed'")
+    if "DDP" in type(getattr(trainer, "strategy", None)).__name__ and getattr(trainer, "world_size", 1) > 1:
+        fixes.append("DDP all-reduces gradients after the hooks have stepped them; shard with FSDP2 "
+                     "(ModelParallelStrategy)")
+    if fixes:
+        raise ValueError("SkewAdam in_backward=True cannot train under this trainer: " + "; ".join(fixes)
+                         + "; or use in_backward=False")
 
 
 def stacked(flags: list[Tensor]) -> Tensor:

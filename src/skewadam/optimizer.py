@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from . import kernels
-from .backward import BackwardSteps, InBackward, stacked
+from .backward import BackwardSteps, InBackward, check_trainer, stacked
 from .functional import Reducer, StepGroup, skewadam_
 from .kernels.types import Group, ParamTensors
 from .state import StateBytes, is_bank, measure_state, state_flags
@@ -227,6 +227,8 @@ class SkewAdam(Optimizer):
         from .groups import param_groups, split_kwargs
 
         group_kwargs, opt_kwargs = split_kwargs(kwargs)
+        if opt_kwargs.get("in_backward"):
+            check_trainer(model)  # a Lightning trainer's clipping, accumulation, fp16 or DDP would be wrong
         return cls(param_groups(model, **group_kwargs, defaults=opt_kwargs), **opt_kwargs)
 
     def state_bytes(self) -> StateBytes:
@@ -253,9 +255,8 @@ class SkewAdam(Optimizer):
     in_backward = InBackward()
 
     def hold_gradients(self) -> ContextManager[None]:
-        """With ``in_backward``: backwards inside keep their gradients to accumulate, and the next backward (or
-        ``step()``) steps their sum; e.g. ``with opt.hold_gradients(): loss_1.backward()``, then ``loss_2.backward();
-        opt.step()``. No-op otherwise."""
+        """With ``in_backward``: backwards inside keep their gradients, and the next backward (or ``step()``) steps
+        their sum: ``with opt.hold_gradients(): loss_1.backward()``, then ``loss_2.backward(); opt.step()``."""
         return self._backward.hold() if self._backward is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ state dict
@@ -273,9 +274,7 @@ class SkewAdam(Optimizer):
             self.in_backward = in_backward
 
     def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        sd["skipped_steps"] = self.skipped_steps
-        return sd
+        return {**super().state_dict(), "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load like torch, after checking everything (`skewadam.validation.check_state_dict`: each saved group with

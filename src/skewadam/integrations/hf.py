@@ -20,6 +20,14 @@ logged warning, and training continues from the freshly initialised experts, wit
 `SkewAdamTrainer` loads such checkpoints through Transformers' own conversion (`load_pretrained_weights`) and refuses
 any key left unloaded. Families saved as held (GPT-OSS) and non-MoE models take Trainer's usual path.
 
+Stepping inside backward (``optimizer_kwargs={"in_backward": True}``, `skewadam.backward`): each tensor is stepped as
+soon as backward completes its gradient, and the gradient freed. What Trainer would do after backward is handled
+before training: its global clipping (``max_grad_norm``, on by default at 1.0) would see no gradient, so it is turned
+off with a warning (SkewAdam RMS-clips each update unit at 1.0 anyway); ``gradient_accumulation_steps > 1``, fp16
+loss scaling (``fp16=True``: the hooks would step scaled gradients) and DDP (``world_size > 1`` without FSDP: it
+all-reduces after the hooks) are refused naming the fix. `SkewAdamFactory`, which sees no `TrainingArguments`, refuses
+``in_backward``.
+
 Transformers is an optional dependency (``pip install 'skewadam[hf]'``): ``import skewadam`` never imports it; this
 module does.
 
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -46,7 +55,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from ..optimizer import SkewAdam
 
-__all__ = ["SkewAdamFactory", "SkewAdamTrainer", "create_optimizer", "load_pretrained_weights"]
+__all__ = ["SkewAdamFactory", "SkewAdamTrainer", "check_in_backward", "create_optimizer", "load_pretrained_weights"]
 
 
 class SkewAdamFactory:
@@ -64,6 +73,11 @@ class SkewAdamFactory:
     """
 
     def __call__(self, model: torch.nn.Module, **kwargs: Any) -> SkewAdam:
+        if kwargs.get("in_backward"):
+            raise ValueError("SkewAdamFactory: in_backward=True needs Trainer's settings checked (max_grad_norm, "
+                             "gradient accumulation, fp16, DDP), which Trainer does not hand a factory; use "
+                             "SkewAdamTrainer(..., optimizer_kwargs={'in_backward': True}), or "
+                             "Trainer(optimizers=(create_optimizer(model, args, in_backward=True), None))")
         return SkewAdam.from_model(model, **kwargs)
 
 
@@ -75,7 +89,8 @@ def create_optimizer(model: torch.nn.Module, args: Any = None, **kwargs: Any) ->
     it, ``eps_mode="add"``) rather than being added to its square root, so set it in ``kwargs`` if you need to.
 
     A plain `Trainer` trains with it, but resuming a checkpoint of the MoE families named in the module docstring
-    leaves their experts at their initial values; `SkewAdamTrainer` resumes them exactly.
+    leaves their experts at their initial values; `SkewAdamTrainer` resumes them exactly. With ``in_backward=True``,
+    ``args`` is checked (`check_in_backward`) and its ``max_grad_norm`` turned off.
 
     Example:
         >>> trainer = Trainer(model=model, args=args, optimizers=(create_optimizer(model, args), None))
@@ -87,7 +102,37 @@ def create_optimizer(model: torch.nn.Module, args: Any = None, **kwargs: Any) ->
             "betas": (args.adam_beta1, args.adam_beta2),
             "weight_decay": args.weight_decay,
         }
+        if kwargs.get("in_backward"):
+            check_in_backward(args)
     return SkewAdam.from_model(model, **{**defaults, **kwargs})
+
+
+def check_in_backward(args: Any) -> None:
+    """Make Trainer's ``args`` fit a SkewAdam stepping inside backward: ``max_grad_norm`` turned off with a warning
+    (global clipping would see no gradient; SkewAdam RMS-clips each update unit at 1.0); ValueError for gradient
+    accumulation, fp16 loss scaling and DDP, naming the fix.
+
+    Example:
+        >>> check_in_backward(args); trainer = Trainer(..., optimizers=(SkewAdam.from_model(m, in_backward=True), None))
+    """
+    fixes = []
+    if args.gradient_accumulation_steps > 1:
+        fixes.append(f"gradient_accumulation_steps={args.gradient_accumulation_steps}: each backward's gradients are "
+                     f"stepped at once, so micro-batches cannot be summed first; use gradient_accumulation_steps=1 "
+                     f"with a larger per_device_train_batch_size")
+    if args.fp16:
+        fixes.append("fp16=True scales the loss, and the hooks would step scaled gradients; use bf16=True")
+    if args.world_size > 1 and not args.fsdp:
+        fixes.append(f"world_size={args.world_size} without FSDP is DDP, which all-reduces gradients after the hooks "
+                     f"have stepped them; shard with FSDP2 (fsdp_version 2), whose hooks run after the reduce-scatter")
+    if fixes:
+        raise ValueError("SkewAdam in_backward=True cannot train with these TrainingArguments: " + "; ".join(fixes)
+                         + "; or use in_backward=False")
+    if args.max_grad_norm:
+        warnings.warn(f"SkewAdam in_backward=True: TrainingArguments.max_grad_norm={args.max_grad_norm:g} turned off "
+                      f"(0): each tensor is stepped inside backward, so no gradient is left to clip globally; "
+                      f"SkewAdam RMS-clips each update unit at 1.0", stacklevel=2)
+        args.max_grad_norm = 0.0
 
 
 def load_pretrained_weights(model: torch.nn.Module, checkpoint_dir: str | os.PathLike) -> None:
@@ -173,6 +218,8 @@ class SkewAdamTrainer(Trainer):
         if self.optimizer is None:
             model = self.model if model is None else model
             self.optimizer = create_optimizer(model, self.args, **self.optimizer_kwargs)
+        elif getattr(self.optimizer, "in_backward", False):  # passed in through optimizers=(opt, sched)
+            check_in_backward(self.args)
         return self.optimizer
 
     def _plain_loading(self) -> bool:
