@@ -131,3 +131,20 @@ def test_torchtitan_checkpoint_resume_is_bitwise(tmp_path):
     keys = resumed_opt.state_dict()
     assert "state.layers.0.moe.routed_experts.inner_experts.w1_EFD.row_var" in keys  # SkewAdam's state, FQN-keyed
     assert keys["param_groups.layers.0.moe.router.gate.weight.tier"] == "router"
+
+
+def test_the_container_steps_inside_backward_as_the_regular_step_and_warns_about_max_norm():
+    """``in_backward=True``: torchtitan's loop (backward, clip_grad_norm_, step) gives the regular step's bits; the
+    container says that torchtitan's clip finds no gradient."""
+    data = batches(3)
+    model, optimizers = build()
+    train(model, optimizers, data)
+    with pytest.warns(UserWarning, match=r"clip_grad_norm_ \(training.max_norm\) finds no gradient"):
+        inside, inside_opt = build(in_backward=True)
+    assert inside_opt.optimizers[0].in_backward
+    for tokens, labels in data:
+        loss_fn(inside, tokens, labels).backward()
+        assert torch.nn.utils.clip_grad_norm_(inside.parameters(), 1.0) == 0  # nothing left to clip
+        inside_opt.step()
+        inside_opt.zero_grad()
+    assert_equal(snapshot(model, optimizers), snapshot(inside, inside_opt))

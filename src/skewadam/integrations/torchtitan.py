@@ -26,6 +26,13 @@ What torchtitan expects of its optimizers, and how SkewAdam meets it:
 - DTensor parameters (FSDP2 ``Shard(0)``/``Shard(1)``, expert parallelism ``Shard(0)`` on the EP mesh): SkewAdam's
   own DTensor support (`skewadam.distributed`).
 
+- Stepping inside backward (``in_backward=True``, `skewadam.backward`): each tensor is stepped as soon as backward
+  completes its gradient, FSDP2 running the hooks on its sharded parameters after the reduce-scatter, and the
+  gradient freed. torchtitan's trainer still calls ``clip_grad_norm_`` after backward, which then finds no gradient
+  (its logged ``grad_norm`` is 0 and it clips nothing; SkewAdam RMS-clips each update unit at 1.0): the container
+  warns once. Gradient accumulation and pipeline microbatches run several backwards per step, which raises at the
+  second one.
+
 torchtitan is an optional dependency (``pip install 'skewadam[torchtitan]'``); ``import skewadam`` never imports it.
 """
 
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -81,6 +89,9 @@ class SkewAdamOptimizers(OptimizersContainer):
         """Norms, biases and scalars in groups without weight decay (automatic groups only)."""
         kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
         """Other `SkewAdam` arguments: ``eps``, ``eps_mode``, ``momentum_dtype``, ``seed``, ``impl``, ..."""
+        in_backward: bool = False
+        """Step each tensor inside backward and free its gradient (no global clipping: ``training.max_norm`` then
+        clips nothing; one backward per step: no gradient accumulation or pipeline microbatches)."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         if config.param_groups and (config.tier_options or config.exempt_1d):
@@ -93,7 +104,12 @@ class SkewAdamOptimizers(OptimizersContainer):
         self.model_parts = model_parts
         all_params: list[nn.Parameter] = []
         skewadam_kwargs = {"lr": config.lr, "betas": tuple(config.betas), "weight_decay": config.weight_decay,
-                           **config.kwargs, **config.optimizer_factory_kwargs_by_name.get(_NAME, {})}
+                           "in_backward": config.in_backward, **config.kwargs,
+                           **config.optimizer_factory_kwargs_by_name.get(_NAME, {})}
+        if skewadam_kwargs["in_backward"]:
+            warnings.warn("SkewAdamOptimizers(in_backward=True): each tensor is stepped inside backward, so the "
+                          "trainer's clip_grad_norm_ (training.max_norm) finds no gradient: it logs grad_norm 0 and "
+                          "clips nothing; SkewAdam RMS-clips each update unit at 1.0", stacklevel=2)
         for part_idx, model in enumerate(model_parts):
             if config.param_groups:
                 by_name, patterns = self._build_param_groups(model, config.param_groups, impl_kwargs)
