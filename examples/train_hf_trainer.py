@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--save-steps", type=int, default=100)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--in-backward", action="store_true",
+                   help="step each tensor inside backward and free its gradient (Trainer's max_grad_norm is then "
+                   "turned off, with a warning: SkewAdam RMS-clips each update unit)")
     args = p.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -84,6 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         save_total_limit=2, use_cpu=True, seed=args.seed, report_to=[], disable_tqdm=True,
     )
     optimizer_kwargs = {} if args.eps_mode is None else {"eps_mode": args.eps_mode}
+    if args.in_backward:
+        optimizer_kwargs["in_backward"] = True
     trainer = SkewAdamTrainer(
         model=model, args=training_args, optimizer_kwargs=optimizer_kwargs,
         train_dataset=Windows(corpus.train, args.block_size),

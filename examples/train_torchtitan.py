@@ -58,12 +58,14 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--ckpt", default="", help="checkpoint folder: resume from its latest step, save at the last")
     p.add_argument("--stop-at", type=int, default=0, help="save and stop at this step (an interrupted run)")
+    p.add_argument("--in-backward", action="store_true", help="step each tensor inside backward, freeing its gradient")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # SkewAdam logs its tier census
 
     torch.manual_seed(0)
     model = build_model(args.family, args.flavor, args.layers)
-    optimizers = SkewAdamOptimizers.Config(lr=args.lr, weight_decay=0.1).build(model_parts=[model])
+    optimizers = SkewAdamOptimizers.Config(lr=args.lr, weight_decay=0.1,
+                                           in_backward=args.in_backward).build(model_parts=[model])
     schedule = LRSchedulersContainer.Config(warmup_steps=5).build(optimizers=optimizers, training_steps=args.steps)
     stop = args.stop_at or args.steps
     manager = CheckpointManager(
