@@ -265,9 +265,9 @@ def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dt
     units are matrices and would fit `FUSE_BYTES` at one byte per element), per matrix ``[R, C]`` ``2 + R + C`` sums
     in float64 (plus ``C`` per block of rows when it has several) and ``R + C`` denominators in the statistics dtype,
     each parameter's 64-byte aligned; and the statistics of one batch of split units (fp64 slots: the larger of 1/16
-    of the largest unit's elements, `BLOCK`, and one unit's statistics); 64 bytes for the result and empty buffers. Not counted: row- and
-    unit-sized scratch outside torch's allocator (~0.02 MiB per step measured) and contiguous copies of
-    non-contiguous tensors."""
+    of the largest unit's elements, `BLOCK`, and one unit's statistics); 64 bytes for the result and empty buffers.
+    Not counted: row- and unit-sized scratch outside torch's allocator (~0.02 MiB per step measured) and contiguous
+    copies of non-contiguous tensors."""
     itemsize = (torch.float32 if param_dtype == torch.bfloat16 else param_dtype).itemsize
     kept, split, largest = 0, 0, 0
     for shape, bank in tensors:

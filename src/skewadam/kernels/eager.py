@@ -25,15 +25,17 @@ rowmean_i``, so a row-sharded tensor needs no extra collective (exact up to summ
 EMAs are ``s * beta + x * (1 - beta)``, each operation rounded on its own (`ema`), not ``torch.lerp``, whose CPU kernel
 fuses a multiply-add or not depending on the CPU's vector unit: the element-wise state (momentum in every storage, the
 full second moment, step counts) is then bitwise the C++ kernel's on any CPU. Sums (the factored statistics, the
-clip) are added in another order, so weights agree to rounding.
+clip) are added in another order, so weights agree to rounding. The exact order of operations is
+`skewadam.kernels.types`' (what the Triton kernels match).
 
 Range: pass 1 sums squares in float64 (`GradStats`), where no finite fp32 or bf16 gradient overflows them, so only
 inf/NaN gradients are non-finite; the second-moment EMAs are float64 too, rounded once into the fp32 state. A step is
 exact while that state holds ``beta2 * v + (1 - beta2) * mean(g^2)``: from a zero state up to ``|g| = sqrt(FLT_MAX /
 (1 - beta2))`` (5.8e20 at beta2 = 0.999); held at G, the state tends to G^2, so gradients sustained above
 ``sqrt(FLT_MAX)`` (1.8e19) overflow it. Beyond, the second moment holds inf and the update of what it covers vanishes
-(as fp32 AdamW's does: only the weight decay applies). fp64 parameters: their float64 squares overflow near 1.3e154 / sqrt(numel) (the
-step counts as non-finite) and underflow below 1.5e-162, so a unit's activity is its max ``|g|``.
+(as fp32 AdamW's does: only the weight decay applies). fp64 parameters: their float64 squares overflow near
+1.3e154 / sqrt(numel) (the step counts as non-finite) and underflow below 1.5e-162, so a unit's activity is its max
+``|g|``.
 
 Memory: a tensor is processed along dim 0, a chunk of whole dim-0 slices (rows of a matrix, bank slices) of at most
 `CHUNK_NUMEL` elements at a time (at least one slice), so the fp32 temporaries of a pass (about ten in a bf16 step)

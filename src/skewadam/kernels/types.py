@@ -22,6 +22,30 @@ Shape legend (here and in the kernels): ``E`` bank slices (dim 0 of a stacked ex
 rows (dim -2), ``C`` columns (dim -1). A *unit* gets its own RMS clip and step count: a bank slice, or the whole tensor.
 A unit with no elements (in the global shape) is left untouched, its step count included.
 
+Operation order, what every kernel computes (T: the statistics dtype, fp32 for bf16 parameters; "bitwise": the same
+IEEE operations, each rounded on its own, no fused multiply-add; sums are added in each kernel's own order, so what
+depends on them agrees to rounding):
+
+- Pass 1, float64: ``sq = double(g) * double(g)`` (exact for fp32 and bf16 values); ``sumsq`` per unit, ``row``/
+  ``col`` per row/column of each matrix, ``rc_sumsq`` per matrix: sums of ``sq``; ``row_var_sum``: of
+  ``double(row_var)``; ``p_sumsq`` (relative step): of ``double(p)^2`` per unit; ``absmax`` (fp64 parameters): max
+  ``|g|`` per unit. Active units: `active_units`, for a bank slice; every unit with elements otherwise.
+- Pass 2, per active unit with new step count t, in double: ``beta2_t = 1 - pow(t, beta2_decay)`` (libm pow: bitwise)
+  or ``beta2``; ``b = beta2_t``, ``w = 1.0 - beta2_t``; ``corr = sqrt(1 - pow(beta2, t))`` (1 with beta2_decay)
+  ``/ (1 - pow(beta1, t))`` (without momentum: no division); ``add``/``floor``: eps in its eps mode, else 0.
+
+  * full second moment (bitwise): ``v = T(double(v) * b + (double(x) * double(x) + add) * w)``, x the gradient in T.
+  * factored: ``row_var = T(double(row_var) * b + (row / C + add) * w)``, ``col_var`` the same with ``col / R`` (C, R:
+    global sizes); ``rmean = (row_var_sum * b + (rc_sumsq / C + R * add) * w) / R`` (an idle bank slice's:
+    ``row_var_sum / R``); then in T, floor mode: ``rinv = 1 / sqrt(max(T(double(row_var) / max(rmean, 1e-15)),
+    T(eps)))``, ``cinv = 1 / sqrt(max(col_var, T(eps)))``; add mode: ``rinv = 1 / sqrt(T(double(row_var) / max(rmean,
+    DBL_MIN)))``, ``cinv = 1 / sqrt(col_var)``.
+  * momentum, in T (bitwise): ``m = m * T(beta1) + x * T(1 - beta1)``, stored in its format (`skewadam.kernels.quant`).
+  * in T: ``u = src * (rinv * T(corr)) * cinv`` or ``src * T(corr) / sqrt(max(v, T(floor)))`` (src: the stored
+    momentum, else x); ``u_sumsq``: per unit, the sum of ``u * u``. ``Moments.corr = corr``, times
+    ``max(RELATIVE_STEP_EPS, sqrt(p_sumsq / n))`` with a relative step, in double (a bank's rounded to T).
+- Pass 3, in T: ``p = p * T(1 - lr * wd) - lr * u'``, u' as u with ``Moments.corr / max(1, sqrt(u_sumsq / n))`` for
+  its scale (bf16: rounded stochastically).
 """
 
 from __future__ import annotations
@@ -35,8 +59,8 @@ from torch import Tensor
 
 from ..state import num_blocks
 
-__all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS", "unit_dims",
-           "active_units", "unit_numel", "stat_dims", "check", "check_lr", "all_finite"]
+__all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS",
+           "unit_dims", "active_units", "unit_numel", "stat_dims", "check", "check_lr", "all_finite"]
 
 class MomFmt(enum.IntEnum):
     """How a parameter's first moment is stored: one numbering for every compiled kernel (the C++ kernel's

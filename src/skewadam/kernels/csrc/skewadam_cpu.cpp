@@ -77,9 +77,9 @@
 #include <vector>
 
 #if !defined(SKEWADAM_QBLOCK) || !defined(SKEWADAM_QMAX) || !defined(SKEWADAM_MOMENTUM_STREAM) || \
-    !defined(SKEWADAM_MUL1) || !defined(SKEWADAM_MUL2) || !defined(SKEWADAM_GOLDEN) || !defined(SKEWADAM_ROW_MEAN_FLOOR) || \
-    !defined(SKEWADAM_RELATIVE_STEP_EPS) || !defined(SKEWADAM_MOM_PLAIN) || !defined(SKEWADAM_MOM_BF16) || \
-    !defined(SKEWADAM_MOM_INT8) || !defined(SKEWADAM_MOM_NONE)
+    !defined(SKEWADAM_MUL1) || !defined(SKEWADAM_MUL2) || !defined(SKEWADAM_GOLDEN) || \
+    !defined(SKEWADAM_ROW_MEAN_FLOOR) || !defined(SKEWADAM_RELATIVE_STEP_EPS) || !defined(SKEWADAM_MOM_PLAIN) || \
+    !defined(SKEWADAM_MOM_BF16) || !defined(SKEWADAM_MOM_INT8) || !defined(SKEWADAM_MOM_NONE)
 #error "build this file with skewadam/kernels/cpu.py: it passes the constants of quant.py, rounding.py and types.py"
 #endif
 
@@ -1403,8 +1403,9 @@ void split_units(std::vector<Param>& qs, const std::vector<const Hyper*>& hs,
     int64_t size = 0, elements = 0;
     for (; next < units.size(); ++next) {
       const Param& q = qs[units[next].first];
-      const Geo& G = q.geo;  // (scratch in doubles)
-      const int64_t need = G.factored ? (Stats::bytes(G, G.mats_per_unit, c10::elementSize(math_dtype(q.dtype))) + 7) / 8 : 0;
+      const Geo& G = q.geo;
+      const int64_t t_size = c10::elementSize(math_dtype(q.dtype));
+      const int64_t need = G.factored ? (Stats::bytes(G, G.mats_per_unit, t_size) + 7) / 8 : 0;  // in doubles
       if (!batch.empty() && size + need > budget) break;
       batch.push_back(units[next]);
       offsets.push_back(size);
