@@ -92,6 +92,20 @@ def test_a_gradient_element_of_1_9e19_steps_finite(impl, three_pass, dtype, skip
     _assert_matches(params, opt, refs, 1e-5 if dtype == torch.float32 else 2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ordinary_huge_and_tiny_rows_of_one_tensor_step_like_the_reference(impl, three_pass, dtype):
+    """A matrix of several summation blocks (a kernel may add a block in float where that is safe, in double where
+    not): rows of 1e20 (their squares overflow fp32) and of 1e-18 (sums below 2^-90) among ordinary ones, in a
+    backbone matrix and an unfactored router."""
+    specs = [((300, 1000), "backbone", {}), ((256, 128), "router", {})]
+    grads = _grads(specs)
+    for g in grads:
+        g[7] *= 1e20
+        g[-40:] *= 1e-18
+    params, opt, refs = _train(impl, specs, [grads, _grads(specs, seed=2)], dtype, three_pass=three_pass)
+    _assert_matches(params, opt, refs, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
 def test_nonfinite_gradients_are_still_skipped(impl, three_pass):
     for bad in (float("inf"), float("nan")):
         grads = _grads(SPECS)

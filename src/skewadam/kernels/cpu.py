@@ -12,8 +12,9 @@ rounded square root on both): the step counts, the first moment in every storage
 int8 codes and scales) and the full second moment ``exp_avg_sq`` (its EMA in double, one rounding); bf16 parameters and
 momentum are rounded with exactly the bits of `skewadam.kernels.rounding`. The factored statistics and the weights
 depend on sums, which the two add in different orders: they agree to rounding (within a few ULPs; the fp64 reference
-to 1e-12). Pass 1's sums are float64 as eager's, in the order `skewadam.kernels.types` gives, with eager's range
-(`skewadam.kernels.eager`: the largest gradient that steps exactly).
+to 1e-12). Pass 1's sums are float64 tensors as eager's, with eager's range (`skewadam.kernels.eager`: the largest
+gradient that steps exactly): a block of fp32 or bf16 elements is added in float where all its sums are safely in
+range, else in double (`skewadam.kernels.types`' order of operations).
 
 The extension is compiled on first use with `torch.utils.cpp_extension.load` (``-O3 -march=native -fopenmp``, about
 a minute; a line on stderr before and after) and cached under ``$TORCH_EXTENSIONS_DIR`` (default

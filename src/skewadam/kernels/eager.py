@@ -328,12 +328,12 @@ def _update_moments(pt: ParamTensors, st: GradStats, group: Group) -> Moments:
         _ema64_(pt.col_var, st.col / max(R, 1) + add, beta2)
         b2, w2 = _coefficients(beta2)
         rmean = (st.row_var_sum * b2 + (st.rc_sumsq / C + R * add) * w2) / R
-        # the denominators in the state dtype, a row's ratio to the float64 row mean rounded into it first
+        # rinv in float64, rounded once (a row's ratio to the mean can be below fp32's range where rinv is not)
         if group.eps_mode == "floor":
-            rinv = (pt.row_var / rmean.clamp(min=ROW_MEAN_FLOOR)).to(dtype).clamp_(min=floor).rsqrt_()
+            rinv = (pt.row_var / rmean.clamp(min=ROW_MEAN_FLOOR)).clamp_(min=floor).rsqrt_().to(dtype)
             cinv = pt.col_var.clamp(min=floor).rsqrt()
         else:
-            rinv = (pt.row_var / rmean.clamp(min=torch.finfo(torch.float64).tiny)).to(dtype).rsqrt_()
+            rinv = (pt.row_var / rmean.clamp(min=torch.finfo(torch.float64).tiny)).rsqrt_().to(dtype)
             cinv = pt.col_var.rsqrt()
     key = 0  # only a bf16 first moment draws rounding bits
     if m is not None and m.dtype == torch.bfloat16 and dtype != torch.bfloat16:

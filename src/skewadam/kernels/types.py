@@ -29,7 +29,10 @@ depends on them agrees to rounding):
 - Pass 1, float64: ``sq = double(g) * double(g)`` (exact for fp32 and bf16 values); ``sumsq`` per unit, ``row``/
   ``col`` per row/column of each matrix, ``rc_sumsq`` per matrix: sums of ``sq``; ``row_var_sum``: of
   ``double(row_var)``; ``p_sumsq`` (relative step): of ``double(p)^2`` per unit; ``absmax`` (fp64 parameters): max
-  ``|g|`` per unit. Active units: `active_units`, for a bank slice; every unit with elements otherwise.
+  ``|g|`` per unit. A kernel may add a block's squares in float instead where every resulting sum lies in
+  [2^-90, FLT_MAX] (no square overflowed, what underflowed is below the sum's float rounding), and in double where
+  one does not (the C++ kernel does: as fast as float sums); the sums then agree to float rounding. Active units:
+  `active_units`, for a bank slice; every unit with elements otherwise.
 - Pass 2, per active unit with new step count t, in double: ``beta2_t = 1 - pow(t, beta2_decay)`` (libm pow: bitwise)
   or ``beta2``; ``b = beta2_t``, ``w = 1.0 - beta2_t``; ``corr = sqrt(1 - pow(beta2, t))`` (1 with beta2_decay)
   ``/ (1 - pow(beta1, t))`` (without momentum: no division); ``add``/``floor``: eps in its eps mode, else 0.
@@ -37,8 +40,8 @@ depends on them agrees to rounding):
   * full second moment (bitwise): ``v = T(double(v) * b + (double(x) * double(x) + add) * w)``, x the gradient in T.
   * factored: ``row_var = T(double(row_var) * b + (row / C + add) * w)``, ``col_var`` the same with ``col / R`` (C, R:
     global sizes); ``rmean = (row_var_sum * b + (rc_sumsq / C + R * add) * w) / R`` (an idle bank slice's:
-    ``row_var_sum / R``); then in T, floor mode: ``rinv = 1 / sqrt(max(T(double(row_var) / max(rmean, 1e-15)),
-    T(eps)))``, ``cinv = 1 / sqrt(max(col_var, T(eps)))``; add mode: ``rinv = 1 / sqrt(T(double(row_var) / max(rmean,
+    ``row_var_sum / R``); floor mode: ``rinv = T(1 / sqrt(max(double(row_var) / max(rmean, 1e-15), eps)))``, in T
+    ``cinv = 1 / sqrt(max(col_var, T(eps)))``; add mode: ``rinv = T(1 / sqrt(double(row_var) / max(rmean,
     DBL_MIN)))``, ``cinv = 1 / sqrt(col_var)``.
   * momentum, in T (bitwise): ``m = m * T(beta1) + x * T(1 - beta1)``, stored in its format (`skewadam.kernels.quant`).
   * in T: ``u = src * (rinv * T(corr)) * cinv`` or ``src * T(corr) / sqrt(max(v, T(floor)))`` (src: the stored

@@ -785,17 +785,35 @@ void check_input(const Param& q, const char* what, const OptTensor& t, bool need
 }
 
 // ------------------------------------------------------------------------------------------------ pass 1
-// Pass 1 accumulates in double: the square of an fp32 or bf16 value is exact there (so a fused multiply-add is
-// the same as its two operations) and no sum of finite ones overflows.
-// Pass 1, NS rows of n elements `stride` apart: each row's sum of g^2 into out[s * out_stride], column sums into col.
-template <class E, int NS>
-inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t n, double* __restrict col,
-                    double* __restrict out, int64_t out_stride) {
-  double acc[NS][kLanes] = {};
+// Pass 1's sums are double: the square of an fp32 or bf16 value is exact there and no sum of finite ones overflows.
+// Converting every element to double would make pass 1 twice as slow, so a block of fp32 or bf16 elements is summed
+// in float first (as fast as fp32 sums ever were) and its float sums are kept, as doubles, when each lies in
+// [kSafeMin, FLT_MAX]: then no square overflowed, and what underflowed (< 2^-150 an element, < 2^-119 a sum) moves a
+// sum of at least 2^-90 by less than its float rounding, so they agree with the double sums to float rounding. A
+// block with a sum outside (a gradient above ~1e19, a row or column of tiny or no nonzero elements) is summed again
+// in double.
+constexpr float kSafeMin = 0x1p-90f;
+
+// Whether sums x[0..n) all lie in [kSafeMin, FLT_MAX] (a NaN passes: the double sums would be NaN as well).
+inline bool safe(const float* x, int64_t n) {
+  float lo = std::numeric_limits<float>::max(), hi = kSafeMin;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+  }
+  return lo >= kSafeMin && hi <= std::numeric_limits<float>::max();
+}
+
+// Pass 1, NS rows of n elements `stride` apart, in A: each row's sum of g^2 into out[s * out_stride], column sums
+// into col.
+template <class E, class A, int NS>
+inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t n, A* __restrict col,
+                    A* __restrict out, int64_t out_stride) {
+  A acc[NS][kLanes] = {};
   for_lanes(n, [&](int64_t jk, int k) {
-    double c = col[jk];
+    A c = col[jk];
     for (int s = 0; s < NS; ++s) {
-      const double x = E::load(g[s * stride + jk]);
+      const A x = E::load(g[s * stride + jk]);
       acc[s][k] = madd(x, x, acc[s][k]);
       c = madd(x, x, c);
     }
@@ -804,13 +822,13 @@ inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t
   for (int s = 0; s < NS; ++s) out[s * out_stride] = lanes_sum(acc[s]);
 }
 
-// Pass 1, NS runs of n elements `stride` apart: sum of x^2 into acc.
-template <class E, int NS>
-inline void p1_run(const typename E::raw* __restrict g, int64_t stride, int64_t n, double* __restrict acc) {
+// Pass 1, NS runs of n elements `stride` apart: sum of x^2 into acc, in A.
+template <class E, class A, int NS>
+inline void p1_run(const typename E::raw* __restrict g, int64_t stride, int64_t n, A* __restrict acc) {
   for_lanes(n, [&](int64_t jk, int k) {
-    double sq[NS];
+    A sq[NS];
     for (int s = 0; s < NS; ++s) {
-      const double x = E::load(g[s * stride + jk]);
+      const A x = E::load(g[s * stride + jk]);
       sq[s] = x * x;
     }
     acc[k] += tree_sum<NS>(sq);
@@ -826,16 +844,26 @@ void block_elems(const Geo& G, int64_t b, int64_t& e0, int64_t& e1) {
   e1 = (m * G.R + i1) * G.C;
 }
 
-// Sum of x^2 over block b of a tensor of q's layout (its gradient or parameter).
-template <class E>
-double sumsq_block(const Param& q, const void* x, int64_t b) {
+// Sum of x^2 over block b of a tensor of q's layout (its gradient or parameter), in A.
+template <class E, class A>
+A sumsq_as(const Param& q, const void* x, int64_t b) {
   int64_t e0, e1;
   block_elems(q.geo, b, e0, e1);
-  double acc[kLanes] = {};
+  A acc[kLanes] = {};
   run_groups(e0, e1, [&](auto ns, int64_t e, int64_t n, int64_t stride) {
-    p1_run<E, decltype(ns)::value>(at_<typename E::raw>(x) + e, stride, n, acc);
+    p1_run<E, A, decltype(ns)::value>(at_<typename E::raw>(x) + e, stride, n, acc);
   });
   return lanes_sum(acc);
+}
+
+// Sum of x^2 over block b (in float where safe, see above).
+template <class E>
+double sumsq_block(const Param& q, const void* x, int64_t b) {
+  if constexpr (std::is_same_v<typename E::T, float>) {
+    const float sum = sumsq_as<E, float>(q, x, b);
+    if (safe(&sum, 1)) return sum;
+  }
+  return sumsq_as<E, double>(q, x, b);
 }
 
 // Max |g| over block b of an fp64 gradient (> 0 iff some element is nonzero, where its sum of squares can underflow).
@@ -848,21 +876,44 @@ double absmax_block(const Param& q, int64_t b) {
   return *std::max_element(mx, mx + kLanes);
 }
 
-// Factored block b: its rows' sums of g^2 and its column partials (or, for a one-block matrix, the column sums).
+// Factored block b in A: its rows' sums of g^2 into rows (its first row's first) and its column partials into col
+// (C of them).
+template <class E, class A>
+void p1_block_as(const Param& q, int64_t b, A* rows, A* col) {
+  const Geo& G = q.geo;
+  const auto* g = at_<typename E::raw>(q.g);
+  int64_t m, i0, i1;
+  G.rows(b, m, i0, i1);
+  const int64_t C = G.C;
+  std::fill_n(col, C, A(0));
+  row_groups(i0, i1, [&](auto ns, int64_t i, int64_t qr) {
+    p1_rows<E, A, decltype(ns)::value>(g + (m * G.R + i) * C, qr * C, C, col, rows + (i - i0), qr);
+  });
+}
+
+// Factored block b: its rows' sums of g^2 and its column partials (or, for a one-block matrix, the column sums), in
+// float where safe (see above).
 template <class E>
 void p1_block(const Param& q, const Stats& s, int64_t b) {
   const Geo& G = q.geo;
-  const auto* g = at_<typename E::raw>(q.g);
   int64_t m, i0, i1;
   G.rows(b, m, i0, i1);
   const int64_t C = G.C;
   double* row = s.at(s.row, m, G.R);
   double* col = G.blocks_per_mat > 1 ? s.at(s.colp, m, G.blocks_per_mat * C) + (b % G.blocks_per_mat) * C
                                      : s.at(s.col, m, C);
-  std::fill_n(col, C, 0.0);
-  row_groups(i0, i1, [&](auto ns, int64_t i, int64_t qr) {
-    p1_rows<E, decltype(ns)::value>(g + (m * G.R + i) * C, qr * C, C, col, row + i, qr);
-  });
+  if constexpr (std::is_same_v<typename E::T, float>) {
+    thread_local std::vector<float> scratch;  // the block's float sums: its rows', then its columns'
+    scratch.resize(size_t(G.rows_per_block + C));
+    float *rowf = scratch.data(), *colf = scratch.data() + G.rows_per_block;
+    p1_block_as<E, float>(q, b, rowf, colf);
+    if (safe(rowf, i1 - i0) && safe(colf, C)) {
+      std::copy(rowf, rowf + (i1 - i0), row + i0);
+      std::copy_n(colf, C, col);
+      return;
+    }
+  }
+  p1_block_as<E, double>(q, b, row + i0, col);
 }
 
 // Pass 1 of block b (the one-process step keeps a fused factored parameter's row and column sums in q.st); fp64
@@ -946,8 +997,8 @@ void count_steps(Param& q, const Hyper& h) {
 }
 
 // Matrices [m_begin, m_end): the factored EMAs (active units only), in double from pass 1's double sums, each new
-// state value rounded once into T; the row/column inverse denominators in T from the state (the row's ratio to the
-// double row mean rounded into T first).
+// state value rounded once into T; the row inverse denominators in double from the state, rounded once (a row's
+// ratio to the mean can be below T's range where rinv is not), the column ones in T.
 template <class T>
 void update_factored(const Param& q, const Stats& s, const Hyper& h, int64_t m_begin, int64_t m_end) {
   const Geo& G = q.geo;
@@ -970,11 +1021,11 @@ void update_factored(const Param& q, const Stats& s, const Hyper& h, int64_t m_b
     if (!h.add_mode) {
       const double rm = std::max(rmean, kRowMeanFloor);
       const T fl = T(floor);
-      for (int64_t i = 0; i < R; ++i) rinv[i] = T(1) / std::sqrt(std::max(T(double(rv[i]) / rm), fl));
+      for (int64_t i = 0; i < R; ++i) rinv[i] = T(1.0 / std::sqrt(std::max(double(rv[i]) / rm, floor)));
       for (int64_t j = 0; j < C; ++j) cinv[j] = T(1) / std::sqrt(std::max(cv[j], fl));
     } else {
       const double rm = std::max(rmean, std::numeric_limits<double>::min());
-      for (int64_t i = 0; i < R; ++i) rinv[i] = T(1) / std::sqrt(T(double(rv[i]) / rm));
+      for (int64_t i = 0; i < R; ++i) rinv[i] = T(1.0 / std::sqrt(double(rv[i]) / rm));
       for (int64_t j = 0; j < C; ++j) cinv[j] = T(1) / std::sqrt(cv[j]);
     }
   }
