@@ -246,9 +246,10 @@ def compile_only(arch: int, model_spec: dict) -> dict[str, Any]:
         seen.setdefault(key, (kernel, sig, dict(meta), warps))
 
     from skewadam import SkewAdam
+    from skewadam.kernels.triton import entry, tables
 
-    saved = tk._launch, tk._check_device, tk.available
-    tk._launch, tk._check_device, tk.available = record, lambda device: None, lambda device="cuda": True
+    saved = entry.launch, tables.interpreted
+    entry.launch, tables.interpreted = record, lambda: True  # record, and take CPU tensors as the interpreter does
     try:
         for dtype in ("fp32", "bf16"):
             m = build_model(DRY_MODEL, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], torch.device("cpu"))
@@ -267,7 +268,7 @@ def compile_only(arch: int, model_spec: dict) -> dict[str, Any]:
                             tk.apply_updates_(g, tk.update_moments_(g, tk.grad_stats(g), skip=skip), skip=skip)
         tk.stochastic_round_bf16(torch.zeros(3), 1)
     finally:
-        tk._launch, tk._check_device, tk.available = saved
+        entry.launch, tables.interpreted = saved
     target = GPUTarget("cuda", arch, 32)
     failures, t0 = [], time.perf_counter()
     for (name, _, consts, warps), (kernel, sig, meta, _) in seen.items():

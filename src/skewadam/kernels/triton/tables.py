@@ -1,0 +1,239 @@
+"""Host side of the Triton kernels: the checks before any launch, the buckets a group is split into, and the tensor
+table the kernels read addresses, sizes and hyperparameters from.
+
+Checks, from shapes and metadata only (no device read): `types.check` on every record (the sizes every index is
+computed from, naming the parameter), `types.check_lr`, then the dtypes, devices and contiguity the tables assume.
+A bucket holds the tensors of one group that share the compiled code: (parameter dtype, kind, first-moment format).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import struct
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import triton.language as tl
+from torch import Tensor
+
+from .. import quant
+from ..rounding import mix32
+from ..triton_layout import TABLE_WIDTH, Layout, layout, upload
+from ..types import ROW_MEAN_FLOOR, Group, MomFmt, ParamTensors, check, check_lr
+from .device import TAB_G, TAB_M, TAB_P, TAB_V, addr
+
+TILE = 4096  # elements per tile of the item kernels
+TL = {torch.float32: tl.float32, torch.float64: tl.float64, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+      torch.int8: tl.int8}
+_LR_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)  # a tensor lr's, read in the kernel
+_STATE = ("step", "exp_avg", "exp_avg_scale", "exp_avg_sq", "row_var", "col_var")
+
+
+class Bucket(NamedTuple):
+    """Tensors of one group that share the compiled code: parameter dtype, kind, first-moment format."""
+
+    index: list[int]  # positions in the group
+    layout: Layout
+    pd: torch.dtype  # parameter (and gradient) dtype
+    T: torch.dtype  # math and statistics dtype
+    mom: MomFmt
+    md: torch.dtype  # first-moment storage dtype (T when absent)
+
+    @property
+    def factored(self) -> bool:
+        return self.layout.kind == "factored"
+
+    def tiles(self) -> dict[str, int]:
+        """Tile shapes of the item kernels: [RB, BC] (rows layouts; BC one int8 block for int8 momentum) or [BLOCK],
+        from a few sizes only (each is a compiled variant)."""
+        widths = (16, 64, 256)
+        bc = quant.BLOCK if self.mom == MomFmt.INT8 else next(w for w in widths if w >= min(self.layout.max_c, 256))
+        return dict(RB=TILE // bc, BC=bc, BLOCK=TILE)
+
+
+class Work(NamedTuple):
+    """One group's call: its buckets, and the tensors the kernels read and write (contiguous)."""
+
+    group: Group
+    buckets: list[Bucket]
+    params: list[Tensor]  # contiguous: the parameter itself or a copy written back by `written`
+    grads: list[Tensor]
+    device: torch.device
+
+
+def prepare(group: Group, *, write: bool) -> Work:
+    """Check every record of ``group`` (`skewadam.kernels.types.check`: the sizes the kernels index with; then the
+    dtypes, devices and layouts they assume) and the lr, then bucket the tensors. Nothing is launched before."""
+    if not isinstance(group, Group):
+        raise TypeError(f"the Triton kernel takes a skewadam.kernels.types.Group, got {type(group).__name__}")
+    if group.eps_mode not in ("add", "floor"):
+        raise ValueError(f"eps_mode must be 'add' or 'floor', got {group.eps_mode!r}")
+    check_lr(group.lr)
+    if isinstance(group.lr, Tensor) and group.lr.dtype not in _LR_DTYPES:
+        raise TypeError(f"a tensor lr must be floating point, got {group.lr.dtype}")
+    params = list(group.params)
+    for pt in params:
+        check(pt)
+    device = params[0].param.device if params else torch.device("cpu")
+    if params:
+        check_device(device)
+    keyed: dict[tuple, list[int]] = {}
+    for i, pt in enumerate(params):
+        keyed.setdefault(_bucket_key(pt, i, device), []).append(i)
+    buckets = []
+    for (pd, T, kind, mom, md), index in keyed.items():
+        specs = tuple((tuple(params[i].param.shape), bool(params[i].bank)) for i in index)
+        buckets.append(Bucket(index, layout(specs, kind), pd, T, mom, md))
+    works = [pt.param if pt.param.is_contiguous() or not write else pt.param.contiguous() for pt in params]
+    grads = [pt.grad.contiguous() for pt in params]
+    return Work(group, buckets, works, grads, device)
+
+
+def on(device: torch.device):
+    """Launch on ``device``: Triton launches on the current CUDA device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def written(work: Work, *, state: bool, params: bool) -> None:
+    """After the launches that write them: bump the version counters of the state (``state``) and write back the
+    parameters updated through a contiguous copy, bumping the others' (``params``), as torch's in-place ops do, so
+    autograd refuses a backward through a tensor the step changed (the kernels write through raw addresses)."""
+    bump = []
+    if state:
+        bump += [t for pt in work.group.params for t in (getattr(pt, k) for k in _STATE) if t is not None]
+    if params:
+        for pt, p in zip(work.group.params, work.params):
+            if p is not pt.param:
+                pt.param.copy_(p)  # (an in-place op: it bumps the version itself)
+            else:
+                bump.append(p)
+    if bump:
+        torch.autograd.graph.increment_version(bump)
+
+
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter: ``TRITON_INTERPRET=1`` was set before ``triton`` was first
+    imported (Triton decorates its own library then) and before this package was."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(addr, InterpretedFunction) and isinstance(tl.zeros, InterpretedFunction)
+
+
+def available(device: torch.device | str = "cuda") -> bool:
+    """Whether the kernels can run on tensors on ``device``: CUDA with a GPU, or CPU under the interpreter."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return interpreted()
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def check_device(device: torch.device) -> None:
+    """Raise unless the kernels run on ``device``'s tensors (CUDA, or CPU under the interpreter)."""
+    if device.type == "cuda" or (device.type == "cpu" and interpreted()):
+        return
+    if device.type == "cpu":
+        raise ValueError("the Triton kernel runs on CUDA tensors; for CPU tensors use impl='eager' or 'cpp' (or, to "
+                         "test it, set TRITON_INTERPRET=1 before triton is first imported)")
+    raise ValueError(f"the Triton kernel runs on CUDA tensors, got tensors on {device}; use impl='eager'")
+
+
+def _bucket_key(pt: ParamTensors, i: int, device: torch.device) -> tuple:
+    """The bucket key of one parameter whose sizes `check` has accepted, after checking the dtypes, devices and
+    layouts the kernels assume (a table row holds addresses of contiguous tensors on one device)."""
+    p = pt.param
+    where = pt.name or f"parameter {i} of its group"
+    if p.dtype not in (torch.float32, torch.bfloat16, torch.float64):
+        raise TypeError(f"{where}: the Triton kernel takes float32, bfloat16 or float64 parameters, got {p.dtype}")
+    T = torch.float32 if p.dtype == torch.bfloat16 else p.dtype
+
+    def state(name: str, t: Tensor, dtype: torch.dtype) -> None:
+        if t.dtype != dtype:
+            raise ValueError(f"{where}: state {name!r} has dtype {t.dtype}, the Triton kernel needs {dtype}")
+        if t.device != device:
+            raise ValueError(
+                f"{where}: {name} is on {t.device}, the parameters on {device}; the Triton kernel reads and writes "
+                "all state on the parameters' device (step counts included: it advances them there, with no host "
+                "sync, so keep state['step'] on the parameter's device)")
+        if not t.is_contiguous():
+            raise ValueError(f"{where}: state {name!r} must be contiguous")
+
+    for name, t in (("the parameter", p), ("the gradient", pt.grad)):
+        if t.device != device:
+            raise ValueError(f"{where}: {name} is on {t.device}, other parameters of the group on {device}")
+    state("step", pt.step, torch.float32)
+    factored = pt.row_var is not None
+    for name in ("row_var", "col_var") if factored else ("exp_avg_sq",):
+        state(name, getattr(pt, name), T)
+    m = pt.exp_avg
+    if m is None:
+        mom, md = MomFmt.NONE, T
+    elif m.dtype == torch.int8:
+        state("exp_avg", m, torch.int8)
+        state("exp_avg_scale", pt.exp_avg_scale, torch.float32)
+        mom, md = MomFmt.INT8, torch.int8
+    elif m.dtype == torch.bfloat16 and T == torch.float32:
+        state("exp_avg", m, torch.bfloat16)
+        mom, md = MomFmt.BF16, torch.bfloat16
+    else:
+        state("exp_avg", m, T)
+        mom, md = MomFmt.PLAIN, T
+    kind = "factored" if factored else "rows" if mom == MomFmt.INT8 else "flat"
+    return p.dtype, T, kind, mom, md
+
+
+def _key_base(seed: int, stream: int) -> int:
+    """``rounding_key(seed, stream, step) == mix32(base + step)``: the part that does not depend on the step."""
+    return mix32(mix32(seed) ^ stream)
+
+
+def addrs(base: Tensor, offsets: Sequence[int]) -> list[int]:
+    """Addresses of elements ``offsets`` of ``base``."""
+    p, size = base.data_ptr(), base.element_size()
+    return [p + o * size for o in offsets]
+
+
+def _ptr(t: Optional[Tensor]) -> int:
+    return t.data_ptr() if t is not None else 0
+
+
+class Table(NamedTuple):
+    tensor: Tensor  # the header row, then one row per tensor of the bucket
+    aligned: bool  # parameter-sized tensors 16-byte aligned, rows and items multiples of 8 elements
+
+
+def tensor_table(b: Bucket, work: Work, stats: list[list[int]], moments: list[list[int]]) -> Table:
+    """The hyperparameters, then one row per tensor of the bucket: addresses (``stats``: sumsq, rc, rvs, row,
+    col; ``moments``: u_sumsq, corr, rinv, cinv, active; absent ones 0), then sizes."""
+    rows = [_header(work.group, b.T, work.device)]
+    L, seed = b.layout, work.group.seed
+    for j, i in enumerate(b.index):
+        pt = work.group.params[i]
+        E, R, C, NB = L.dims[j]
+        shape = pt.shape
+        ng = math.prod(shape[1:] if pt.bank else shape)
+        rows.append([
+            work.params[i].data_ptr(), work.grads[i].data_ptr(), _ptr(pt.exp_avg), _ptr(pt.exp_avg_scale),
+            _ptr(pt.exp_avg_sq), _ptr(pt.row_var), _ptr(pt.col_var), pt.step.data_ptr(), *stats[j], *moments[j],
+            E, R, C, NB, shape[-2] if b.factored else 1, shape[-1] if shape else 1, ng, int(bool(pt.bank)),
+            _key_base(seed, pt.stream), L.unit0[j],
+        ])
+    aligned = L.aligned8 and all(r[c] % 16 == 0 for r in rows[1:] for c in (TAB_P, TAB_G, TAB_M, TAB_V))
+    return Table(upload(rows, work.device), aligned)
+
+
+def _header(group: Group, T: torch.dtype, device: torch.device) -> list[int]:
+    """Row 0 of a tensor table: the group's hyperparameters as float64 bits (and the lr tensor's address: the
+    kernel reads it on the device; a tensor elsewhere, on the host, is read here, which is no device sync)."""
+    lr, lr_addr = group.lr, 0
+    if isinstance(lr, Tensor):
+        if lr.device == device:
+            lr_addr, lr = lr.data_ptr(), 0.0
+        else:
+            lr = float(lr)
+    add, floor = (group.eps, 0.0) if group.eps_mode == "add" else (0.0, group.eps)
+    rm_floor = ROW_MEAN_FLOOR if group.eps_mode == "floor" else torch.finfo(T).tiny
+    values = [1.0 - group.beta1, 1.0 - group.beta2, group.beta1, group.beta2, add, floor, rm_floor, float(lr),
+              group.weight_decay]
+    bits = [struct.unpack("<q", struct.pack("<d", float(v)))[0] for v in values]
+    return bits + [lr_addr] + [0] * (TABLE_WIDTH - len(bits) - 1)
