@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from skewadam import SkewAdam
-from skewadam.models import MoETransformer, get_config
+from skewadam.bench.models import MoETransformer, get_config
 
 
 def _warnings(build) -> list[str]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from skewadam.models import MoETransformer, expert_dispatch, get_config
+from skewadam.bench.models import MoETransformer, expert_dispatch, get_config
 
 
 def _tiny(**overrides):

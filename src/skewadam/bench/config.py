@@ -8,27 +8,30 @@ Presets are functions returning a `BenchConfig`; command-line flags override the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .. import arms
-from ..models import CONFIGS
+from . import arms
+from .models import CONFIGS
 
-__all__ = ["RunConfig", "BenchConfig", "PRESETS", "ALL", "get_preset", "run_name", "default_jobs"]
+__all__ = ["RunConfig", "BenchConfig", "PRESETS", "ALL", "get_preset", "run_name", "run_name_of", "run_identity",
+           "config_hash", "with_defaults", "default_jobs"]
 
 
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
-    """One training run. ``optimizer`` is an arm of `skewadam.arms` (an alias becomes its name); ``lr`` and
+    """One training run. ``optimizer`` is an arm of `skewadam.bench.arms`; ``lr`` and
     ``weight_decay`` ``None`` mean the arm's defaults."""
 
     optimizer: str = "adamw"
     lr: Optional[float] = None
     weight_decay: Optional[float] = None
     seed: int = 0  # initial weights, batch order and router noise
-    model: str = "cpu"  # a `skewadam.models.get_config` preset
+    model: str = "cpu"  # a `skewadam.bench.models.get_config` preset
     data: Optional[str] = None  # text file or folder; None = the embedded Shakespeare
     steps: int = 200
     batch_size: int = 16
@@ -71,9 +74,36 @@ class RunConfig:
         return arms.ARMS[self.optimizer].weight_decay if self.weight_decay is None else self.weight_decay
 
 
+def run_identity(cfg: RunConfig) -> dict[str, Any]:
+    """Every setting of a run, its lr and weight decay resolved: what its log's ``config`` records."""
+    return dataclasses.asdict(cfg) | {"lr": cfg.resolved_lr, "weight_decay": cfg.resolved_weight_decay}
+
+
+def run_name_of(identity: dict[str, Any]) -> str:
+    """File stem of a run's log, from its `run_identity`: ``{optimizer}_lr{lr}_seed{seed}``."""
+    return f"{identity['optimizer']}_lr{identity['lr']:g}_seed{identity['seed']}"
+
+
 def run_name(cfg: RunConfig) -> str:
     """File stem of a run's log: ``{optimizer}_lr{lr}_seed{seed}``."""
-    return f"{cfg.optimizer}_lr{cfg.resolved_lr:g}_seed{cfg.seed}"
+    return run_name_of(run_identity(cfg))
+
+
+#: Settings a run's config hash leaves out: they change its timings, not what it computes.
+IGNORED_BY_HASH = ("threads",)
+
+
+def with_defaults(identity: dict[str, Any]) -> dict[str, Any]:
+    """A logged `run_identity` with the settings it predates at their defaults."""
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig) if f.default is not dataclasses.MISSING}
+    return {**defaults, **identity}
+
+
+def config_hash(identity: dict[str, Any]) -> str:
+    """A short hash of a run's settings (`run_identity`, settings it predates at their defaults), all but
+    `IGNORED_BY_HASH`: two logs with the same hash ran the same thing."""
+    kept = {k: v for k, v in with_defaults(identity).items() if k not in IGNORED_BY_HASH}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 #: RunConfig fields that differ between the runs of one bench; all others must match to resume a run directory.
@@ -205,17 +235,15 @@ STUDY_ORTH_LRS: dict[str, tuple[float, ...]] = {
     "skewadam-orthogonal": (3e-3, 1e-2, 3e-2),
     "skewadam-orthogonal-experts": (1e-2, 3e-2, 1e-1),
     "skewadam-orthogonal-experts-momentum-int8m": (1e-2, 3e-2, 1e-1),
-    # the 2-D sweep: (lr of the rest, lr of the orthogonal groups) = (lr, 3 lr) and (lr, 10 lr)
-    "skewadam-orthogonal-lr3x": (1e-3, 3e-3, 1e-2),
-    "skewadam-orthogonal-lr10x": (3e-4, 1e-3, 3e-3),
     "skewadam-relative-step": (3e-2, 1e-1, 3e-1),
-    "skewadam-beta2-decay": (3e-4, 1e-3, 3e-3),
 }
 
 
 def study_orth() -> BenchConfig:
-    """The orthogonal tier's and Adafactor's options' study: 3 lrs x 3 seeds, 200 steps, with the base settings of
-    `study` (so ``--out`` may be that study's directory, whose runs it leaves as they are)."""
+    """The orthogonal tier's and Adafactor's relative step's study: 3 lrs x 3 seeds, 200 steps, with the base
+    settings of `study` (so ``--out`` may be that study's directory, whose runs it leaves as they are). The arms
+    it found no better (a separate orthogonal lr, Adafactor's beta2 decay) are no longer arms; their rows stay in
+    ``docs/study/orthogonal.md``."""
     return BenchConfig(base=study().base, optimizers=tuple(STUDY_ORTH_LRS), lrs=dict(STUDY_ORTH_LRS), seeds=3)
 
 

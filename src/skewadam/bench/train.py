@@ -1,6 +1,6 @@
 """One benchmark training run: the reference MoE on a corpus with one optimizer, logged to one JSON file.
 
-`skewadam bench` runs each of these in a fresh process (``python -m skewadam.harness.train RUN.json``) so that
+`skewadam bench` runs each of these in a fresh process (``python -m skewadam.bench.train RUN.json``) so that
 the peak RSS it reports belongs to that optimizer alone. Same seed => same initial weights (checked by
 ``init_checksum`` in the log), same batches in the same order, same router noise, whatever the optimizer.
 
@@ -23,13 +23,13 @@ from typing import Any, Optional
 
 import torch
 
-from .. import arms
 from ..classify import classify
-from ..data import eval_batches, get_batch, load_corpus
-from ..models import MoETransformer, get_config
 from ..state import measure_state
-from .config import RunConfig, run_name
+from . import arms
+from .config import RunConfig, config_hash, run_identity, run_name
+from .data import eval_batches, get_batch, load_corpus
 from .measure import peak_rss
+from .models import MoETransformer, get_config
 
 __all__ = ["train", "lr_factor", "evaluate", "main", "write_json", "die_with_parent"]
 
@@ -240,11 +240,13 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
     monitor.close()
 
     summary = _summary(optimizer, steps_log, evals_log, device, baseline_memory, cfg.batch_size * T)
+    identity = run_identity(cfg)
     summary["wall_time_s"] = wall
     summary["loadavg_1min"] = [load_start, os.getloadavg()[0]]  # machine load at start and end: context for timings
     log = {
         "name": name,
-        "config": dataclasses.asdict(cfg) | {"lr": lr, "weight_decay": wd},
+        "config": identity,
+        "config_hash": config_hash(identity),
         "model": dataclasses.asdict(model_cfg) | {"params": model.num_params(), "params_by_tier": params_by_tier},
         "data": {"name": corpus.name, "train_tokens": corpus.train.numel(), "val_tokens": corpus.val.numel(),
                  "val_docs": list(corpus.val_docs)},
@@ -264,12 +266,12 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m skewadam.harness.train JOB.json``: JOB holds ``config`` (RunConfig fields), ``log_path`` and
+    """``python -m skewadam.bench.train JOB.json``: JOB holds ``config`` (RunConfig fields), ``log_path`` and
     optional ``tensorboard``, ``progress`` (see `train`) and ``parent_pid`` (the bench: this run dies with it). This
     is how `skewadam bench` starts each run in a fresh process."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        raise SystemExit("usage: python -m skewadam.harness.train JOB.json")
+        raise SystemExit("usage: python -m skewadam.bench.train JOB.json")
     job = json.loads(Path(argv[0]).read_text())
     if job.get("parent_pid"):
         die_with_parent(job["parent_pid"])

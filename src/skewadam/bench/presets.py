@@ -5,7 +5,7 @@ that holds one) and builds the model on the meta device by default, so a 671B mo
 and parameter counts are exact, the values are not allocated.
 
 Presets:
-  * every `skewadam.models` config (``tiny``, ``cpu``, ``paper-6.78b``): the reference MoE transformer;
+  * every `skewadam.bench.models` config (``tiny``, ``cpu``, ``paper-6.78b``): the reference MoE transformer;
   * Hugging Face architectures, written from each model's public ``config.json`` (architecture keys only; tokenizer
     ids, quantization and runtime keys left out). Their parameter counts, as Transformers builds them, match the
     published totals (`HF_PRESETS` lists each source and total; tests check them).
@@ -94,7 +94,7 @@ def load_model(
         spec: a preset (`preset_names`; case-insensitive) or a ``config.json`` path, or the folder holding one.
         device: where the parameters live; ``"meta"`` allocates nothing.
         dtype: parameter dtype, allocated directly (no fp32 copy first); default the model's own (fp32).
-        overrides: config values to change, e.g. ``{"num_hidden_layers": 2}`` (`skewadam.models.MoEConfig` fields
+        overrides: config values to change, e.g. ``{"num_hidden_layers": 2}`` (`skewadam.bench.models.MoEConfig` fields
             for the reference presets).
 
     Example:
@@ -119,7 +119,7 @@ def _build(spec: Union[str, os.PathLike], device: Union[str, torch.device], over
         try:
             config = models.get_config(name, **overrides)
         except TypeError as e:
-            raise ValueError(f"preset {name!r}: {e}; fields are those of skewadam.models.MoEConfig") from None
+            raise ValueError(f"preset {name!r}: {e}; fields are those of skewadam.bench.models.MoEConfig") from None
         with torch.device(device):
             model = models.MoETransformer(config)
     elif name in HF_PRESETS:
