@@ -223,7 +223,8 @@ def _signature(a) -> str:
 
 def compile_only(arch: int, model_spec: dict) -> dict[str, Any]:
     """Record every kernel launch of steps over the benchmark's parameters and a coverage set (every dtype, first
-    moment format, eps mode, lr as a float and a tensor, the three passes with and without a skip flag), on CPU
+    moment format, eps mode, lr as a float and a tensor, the three passes with and without a skip flag, Adafactor's
+    relative step and beta2 decay), on CPU
     tensors without launching, then compile each distinct configuration for ``arch`` (Triton's whole pipeline to a
     cubin; no GPU is used)."""
     import torch
@@ -266,6 +267,9 @@ def compile_only(arch: int, model_spec: dict) -> dict[str, Any]:
                         _, g = opt._init_group(opt.param_groups[i], i, 0, True)
                         for skip in (None, torch.zeros((), dtype=torch.bool)):
                             tk.apply_updates_(g, tk.update_moments_(g, tk.grad_stats(g), skip=skip), skip=skip)
+                        adafactor = g._replace(relative_step=True, beta2_decay=-0.8)  # Adafactor's options
+                        tk.step_([adafactor], skip_nonfinite=True)
+                        tk.apply_updates_(adafactor, tk.update_moments_(adafactor, tk.grad_stats(adafactor)))
         tk.stochastic_round_bf16(torch.zeros(3), 1)
     finally:
         entry.launch, tables.interpreted = saved

@@ -123,13 +123,13 @@ def make_states(specs, dtype, momentum_dtype="fp32", device="cpu") -> list[Param
 HP = dict(lr=0.02, beta1=0.9, beta2=0.99, weight_decay=0.1, seed=3)
 
 
-def record_group(states, grads, *, eps_mode="add", first=0, **hp) -> Group:
+def record_group(states, grads, *, eps_mode="add", first=0, relative_step=False, beta2_decay=None, **hp) -> Group:
     """The `Group` record of ``states`` with ``grads`` (`HP` unless given; eps 1e-30 in "add" mode, 1e-8 in
     "floor"); parameter ``i`` draws rounding stream ``first + i``."""
     hp = {**HP, **hp}
     eps = hp.pop("eps", 1e-30 if eps_mode == "add" else 1e-8)
     return Group([p.record(g, first + i) for i, (p, g) in enumerate(zip(states, grads))], hp["lr"], hp["beta1"],
-                 hp["beta2"], eps, eps_mode, hp["weight_decay"], hp["seed"])
+                 hp["beta2"], eps, eps_mode, hp["weight_decay"], hp["seed"], relative_step, beta2_decay)
 
 
 def eager_step(g: Group) -> bool:

@@ -102,10 +102,17 @@ def assert_state_equal(a, b, keys=None):
 
 
 # ---------------------------------------------------------------------------------------------- the math
-@pytest.mark.parametrize("eps_mode,items,steps", [("add", "whole", 3), ("floor", "cut", 2)])
-def test_fp64_step_matches_the_reference(eps_mode, items, steps, request):
+@pytest.mark.parametrize("eps_mode,items,steps,options,path", [
+    ("add", "whole", 3, {}, "fused"),
+    ("floor", "cut", 2, {}, "fused"),
+    ("add", "whole", 3, {"relative_step": True}, "three-pass"),
+    ("floor", "cut", 3, {"beta2_decay": -0.8}, "fused"),
+    ("add", "cut", 3, {"relative_step": True, "beta2_decay": -0.5}, "three-pass"),
+])
+def test_fp64_step_matches_the_reference(eps_mode, items, steps, options, path, request):
     """Every tier and rank, banks with idle slices (and, at step 3, slices at different step counts), three groups
-    in one step_ with their own hyperparameters."""
+    in one call with their own hyperparameters; Adafactor's relative step and beta2 decay per unit (a bank slice's
+    own rms(p) and step count), in the fused step and in the three passes."""
     if items == "cut":
         request.getfixturevalue("cut_items")
     ps = make(TRITON_SPECS, torch.float64)
@@ -117,14 +124,14 @@ def test_fp64_step_matches_the_reference(eps_mode, items, steps, request):
     refs = [RefParam(p.param.cpu(), momentum=p.momentum, factored=p.factored, bank=p.bank) for p in ps]
     eps = 1e-30 if eps_mode == "add" else 1e-8
     for grads in grads_for(TRITON_SPECS, steps, torch.float64):
-        groups = [record_group([ps[i] for i in idx], [grads[i] for i in idx], eps_mode=eps_mode, first=idx[0], **hps[t])
-                  for t, idx in tiers.items()]
-        triton_step(groups)
+        groups = [record_group([ps[i] for i in idx], [grads[i] for i in idx], eps_mode=eps_mode, first=idx[0],
+                               **options, **hps[t]) for t, idx in tiers.items()]
+        (triton_step if path == "fused" else triton_three_passes)(groups)
         for t, idx in tiers.items():
             h = hps[t]
             for i in idx:
                 refs[i].step(grads[i].cpu(), lr=h["lr"], betas=(h["beta1"], h["beta2"]), eps=eps, eps_mode=eps_mode,
-                             weight_decay=h["weight_decay"])
+                             weight_decay=h["weight_decay"], **options)
     for (shape, _, _), p, ref in zip(TRITON_SPECS, ps, refs):
         assert (p.param.cpu() - ref.value).abs().max().item() <= 1e-12, shape
         units = [u.t for u in ref.units]
@@ -404,15 +411,19 @@ def test_work_items_cover_every_element_once_inside_one_unit(specs, kind):
         assert L.colp <= sum(math.prod(s) for s, _ in specs) // triton_layout.MIN_ROWS + 700
 
 
-def test_step_allocates_what_step_transient_bytes_says():
+@pytest.mark.parametrize("relative_step", [True, False])
+def test_step_allocates_what_step_transient_bytes_says(relative_step):
+    """Exactly what it says for a group with a relative step (the upper bound it counts), less without one (no sums
+    of p^2)."""
     specs = [s for s in SMALL if s[1] != "router" and s[2].get("use_factored", True)]  # factored where >= 2 dims
     ps = make(specs, torch.bfloat16)
     all_grads = grads_for(specs, 2, torch.bfloat16)
     run(ps, all_grads[:1], triton_step)  # the cached item tables exist from here on
-    g = record_group(ps, all_grads[1])
+    g = record_group(ps, all_grads[1], relative_step=relative_step)
     with Allocations(DEVICE) as tracked:
         tk.step_([g], skip_nonfinite=True)
-    assert tracked.peak == tk.step_transient_bytes([(s, p.bank) for (s, _, _), p in zip(specs, ps)], torch.bfloat16)
+    planned = tk.step_transient_bytes([(s, p.bank) for (s, _, _), p in zip(specs, ps)], torch.bfloat16)
+    assert tracked.peak == planned if relative_step else 0 < tracked.peak < planned
 
 
 @pytest.mark.parametrize("d_expert", [4096, 1024])

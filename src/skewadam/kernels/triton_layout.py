@@ -31,7 +31,7 @@ __all__ = ["Layout", "layout", "upload", "workspace_numel", "step_transient_byte
 
 TARGET = 1 << 18  # elements per work item
 MIN_ROWS = 512  # rows per strip of a matrix cut into several: bounds its column partials at numel / 512
-TABLE_WIDTH = 28  # int64 columns of a row of the kernels' tensor table (its header row has as many)
+TABLE_WIDTH = 30  # int64 columns of a row of the kernels' tensor table (its header row has as many)
 
 
 class Layout:
@@ -50,8 +50,8 @@ class Layout:
         self.dims: list[tuple[int, int, int, int]] = []  # per tensor: E, R, C, NB
         self.unit0: list[int] = []  # per tensor: index of its first unit in the bucket
         self.stats: list[tuple[int, ...]] = []  # per tensor: offsets of sumsq, rc, rvs, row, col (elements)
-        self.moments: list[tuple[int, ...]] = []  # per tensor: offsets of u_sumsq, corr (all tensors' first), rinv,
-        # cinv
+        self.moments: list[tuple[int, ...]] = []  # per tensor: offsets of u_sumsq, corr, scale (all tensors'
+        # first), rinv, cinv
         self.act: list[int] = []  # per tensor: offset in the bank-activity buffer (-1: not a bank)
         self.n_units = self.colp = self.stats_numel = self.moments_numel = self.act_numel = 0
         self.max_c = self.max_rc = 1  # the longest row, the most rows or columns of a matrix
@@ -60,12 +60,13 @@ class Layout:
         self._rc_sizes: list[tuple[int, int]] = []
         for t, (shape, bank) in enumerate(specs):
             self._add(t, shape, bank)
-        start = 2 * self.n_units  # u_sumsq and corr of every tensor, then rinv and cinv (`step_` keeps only these)
+        start = 3 * self.n_units  # u_sumsq, corr, scale of every tensor, then rinv and cinv (`step_` keeps the first)
         for t, (rows, cols) in enumerate(self._rc_sizes):
-            unit0, E = self.unit0[t], self.dims[t][0]
-            self.moments.append((2 * unit0, 2 * unit0 + E) + ((start, start + rows) if self.kind == "factored" else ()))
+            u, E = 3 * self.unit0[t], self.dims[t][0]
+            self.moments.append((u, u + E, u + 2 * E) + ((start, start + rows) if self.kind == "factored" else ()))
             start += rows + cols
         self.moments_numel = start
+        self.psq_numel = len(self.items) + self.n_units  # float64: per item then per unit, a relative step's sum p^2
 
     def _add(self, t: int, shape: tuple[int, ...], bank: bool) -> None:
         numel = math.prod(shape)
@@ -155,17 +156,17 @@ def upload(rows: list[list[int]], device: torch.device) -> Tensor:
 
 
 def workspace_numel(L: Layout) -> int:
-    """Elements of T one bucket's `step_` uses: statistics, u_sumsq and corr, column and item partials, clips (rinv
-    and cinv overwrite the row and column sums)."""
-    return L.stats_numel + 2 * L.n_units + L.colp + len(L.items) + L.n_units
+    """Elements of T one bucket's `step_` uses: statistics, u_sumsq, corr and scale, column and item partials, clips
+    (rinv and cinv overwrite the row and column sums)."""
+    return L.stats_numel + 3 * L.n_units + L.colp + len(L.items) + L.n_units
 
 
 def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dtype: torch.dtype) -> int:
     """Bytes `step_` allocates for parameters ``[(shape, bank), ...]`` of one group: the workspace, the activity of
-    bank slices, the rounding keys, the tensor table and the finite flag. An upper bound where the state is unknown:
-    a tensor whose slices have >= 2 dims is counted factored (the larger workspace). Not counted: contiguous copies
-    of non-contiguous parameters or gradients, and the item, matrix and unit tables (cached across steps; 64 bytes
-    per ~2^18 elements).
+    bank slices, the rounding keys, the tensor table, the finite flag and a relative step's float64 sums of ``p^2``.
+    An upper bound where the state is unknown: a tensor whose slices have >= 2 dims is counted factored (the larger
+    workspace), the group as a relative step's. Not counted: contiguous copies of non-contiguous parameters or
+    gradients, and the item, matrix and unit tables (cached across steps; 64 bytes per ~2^18 elements).
 
     Example:
         >>> step_transient_bytes([((8, 64, 32), True)], torch.float32)
@@ -181,5 +182,5 @@ def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dt
         if specs:
             L = layout(tuple(specs), kind)
             tables = (len(specs) + 1) * TABLE_WIDTH * 8
-            total += workspace_numel(L) * itemsize + L.act_numel + 2 * len(specs) * 8 + tables
+            total += workspace_numel(L) * itemsize + L.psq_numel * 8 + L.act_numel + 2 * len(specs) * 8 + tables
     return total

@@ -33,6 +33,13 @@ Passes (eager's, with the distributed seam between them):
 
 Passes 2 and 3 compute the update direction ``u`` with one kernel (`passes.direction_tiles`).
 
+Adafactor's options (`skewadam.kernels.types.Group`) are inside the passes, per unit, as eager has them: with
+``relative_step`` pass 1 also sums ``p^2`` in float64 (`GradStats.p_sumsq`) and pass 2 returns pass 3's scale of u,
+``corr * max(RELATIVE_STEP_EPS, sqrt(p_sumsq / n))`` in float64 rounded once, as `Moments.corr` (the weight decay
+keeps ``lr``); with ``beta2_decay`` d every second-moment EMA of a unit uses ``beta2_t = 1 - t**d`` at its new step
+count t, and the bias correction drops ``sqrt(1 - beta2^t)``. ``t**d`` is ``exp(d * log(t))`` in float64 on the
+device (eager takes the host's pow): with a beta2 decay the full second moment agrees with eager's to that rounding.
+
 `step_` runs the three passes of every group back to back. Its finite check is pass 1's: the per-unit sums of
 ``g^2`` set a device flag (an atomic max) that every later kernel reads, writing nothing when it is set (as fused
 AdamW's ``found_inf``); the returned ``skipped`` is that flag, on the device.

@@ -10,29 +10,31 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import quant, rounding
+from .. import quant, rounding, types
 from ..triton_layout import TABLE_WIDTH
 from ..types import MomFmt
 
 # Globals of a Triton kernel must be constexpr: the other modules' constants as the kernels see them.
 QMAX = tl.constexpr(quant.QMAX)  # int8 momentum: the largest code
+RELATIVE_STEP_EPS = tl.constexpr(types.RELATIVE_STEP_EPS)  # the floor of rms(p) that scales a relative step
 MOMENTUM_STREAM = tl.constexpr(quant.MOMENTUM_STREAM)  # bf16 momentum's rounding key: mix32(key + this)
 MUL1, MUL2, GOLDEN = (tl.constexpr(c) for c in (rounding._MUL1, rounding._MUL2, rounding._GOLDEN))
 MOM_PLAIN, MOM_BF16, MOM_INT8, MOM_NONE = (tl.constexpr(f.value) for f in
                                            (MomFmt.PLAIN, MomFmt.BF16, MomFmt.INT8, MomFmt.NONE))
 
 # Columns of the tensor table (one row per tensor): addresses, then sizes. Addresses of absent tensors are 0 (never
-# dereferenced). Statistics: sumsq, rc, rvs, row, col; moments: u_sumsq, corr, rinv, cinv, active.
+# dereferenced). Statistics: sumsq, rc, rvs, row, col, psq (a relative step's sum of p^2, float64); moments: u_sumsq,
+# corr (pass 2's scale of u), scale (pass 3's: corr, times max(eps2, rms(p)) for a relative step), rinv, cinv, active.
 (TAB_P, TAB_G, TAB_M, TAB_MS, TAB_V, TAB_RV, TAB_CV, TAB_STEP,
- TAB_SUMSQ, TAB_RC, TAB_RVS, TAB_ROW, TAB_COL,
- TAB_USQ, TAB_CORR, TAB_RINV, TAB_CINV, TAB_ACT,
+ TAB_SUMSQ, TAB_RC, TAB_RVS, TAB_ROW, TAB_COL, TAB_PSQ,
+ TAB_USQ, TAB_CORR, TAB_SCALE, TAB_RINV, TAB_CINV, TAB_ACT,
  TAB_E, TAB_R, TAB_C, TAB_NB, TAB_RG, TAB_CG, TAB_NG, TAB_BANK, TAB_KBASE, TAB_UNIT0) = (
     tl.constexpr(i) for i in range(TABLE_WIDTH))
 TAB_WIDTH = tl.constexpr(TABLE_WIDTH)
 # Row 0 of the tensor table holds the group's hyperparameters (float64 bits; the lr tensor's address or 0), the
 # tensors' rows follow: kernel arguments would reach the interpreter as untyped floats (fp32 constants).
-HDR_W1, HDR_W2, HDR_B1, HDR_B2, HDR_ADD, HDR_FLOOR, HDR_RM_FLOOR, HDR_LR, HDR_WD, HDR_LR_ADDR = (
-    tl.constexpr(i) for i in range(10))
+HDR_W1, HDR_W2, HDR_B1, HDR_B2, HDR_ADD, HDR_FLOOR, HDR_RM_FLOOR, HDR_LR, HDR_WD, HDR_DECAY, HDR_LR_ADDR = (
+    tl.constexpr(i) for i in range(11))
 # Items (`triton_layout.Layout.items`): tensor, unit, matrix (factored), first row and rows (rows layouts), first
 # element and elements, and the offset of the item's column partials in the scratch (-1: the column sums themselves).
 ITEM_T, ITEM_U, ITEM_B, ITEM_ROW0, ITEM_NROWS, ITEM_E0, ITEM_N, ITEM_COLP = (tl.constexpr(i) for i in range(8))
@@ -171,6 +173,21 @@ def updated(row, u, skip, HAS_SKIP: tl.constexpr):
     if HAS_SKIP:
         act = act & (tl.load(skip) == 0)
     return act
+
+
+@triton.jit
+def second_moment_beta(tab, row, u, T: tl.constexpr, DECAY: tl.constexpr):
+    """``(beta2, 1 - beta2)`` of unit ``u``'s second-moment EMAs, each rounded from float64 to T: the group's, or
+    with a beta2 decay ``d`` (DECAY), ``1 - t**d`` at the unit's (new) step count ``t >= 1``, with ``t**d`` as
+    ``exp(d * log(t))`` in float64 (Triton has no float64 pow on every target: within a few ulps of the host's)."""
+    if DECAY:
+        t = tl.maximum(tl.load(addr(row, TAB_STEP, tl.float32) + u).to(tl.float64), 1.0)  # (idle: masked out)
+        b = 1.0 - tl.exp(hyper(tab, HDR_DECAY) * tl.log(t))
+        w = 1.0 - b
+    else:
+        b = hyper(tab, HDR_B2)
+        w = hyper(tab, HDR_W2)
+    return b.to(T), w.to(T)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from ..triton_layout import Layout, workspace_numel
 from ..types import GradStats, Group, Moments, MomFmt, ParamTensors
 from .passes import (count_steps, direction_tiles, factored_moments, prepare_apply, round_kernel, stats_matrices,
                      stats_tiles, unit_sums)
-from .device import TAB_SUMSQ, TAB_USQ
+from .device import TAB_PSQ, TAB_SUMSQ, TAB_USQ
 from .tables import TL, Bucket, Table, Work, addrs, check_device, on, prepare, tensor_table, written
 
 _MAT_BLOCK = 1024  # rows or columns per program of the per-matrix kernels
@@ -30,16 +30,19 @@ def launch(kernel, grid: tuple[int, ...], *args, warps: int = 4, **meta) -> None
         kernel[grid](*args, num_warps=warps, enable_fp_fusion=False, **meta)
 
 
-def _pass1(b: Bucket, table: Table, scratch: Tensor, flag: Optional[Tensor]) -> None:
+def _pass1(b: Bucket, table: Table, scratch: Tensor, pbuf: Optional[Tensor], flag: Optional[Tensor]) -> None:
+    """Pass 1 of a bucket; ``pbuf`` (a relative step's): float64 item partials, then per unit, of ``sum p^2``."""
     L, T, tab = b.layout, TL[b.T], table.tensor
     items, mats, units = L.tables(tab.device)
-    tiles = b.tiles()
-    launch(stats_tiles, (len(L.items),), tab, items, scratch, L.colp, PD=TL[b.pd], T=T, FACTORED=b.factored,
-           ALIGNED=table.aligned, warps=8, **tiles)
+    launch(stats_tiles, (len(L.items),), tab, items, scratch, L.colp, pbuf if pbuf is not None else tab, PD=TL[b.pd],
+           T=T, FACTORED=b.factored, RELATIVE=pbuf is not None, ALIGNED=table.aligned, warps=8, **b.tiles())
     launch(stats_matrices, (len(L.mats), triton.cdiv(L.max_rc, _MAT_BLOCK)), tab, mats, scratch, T=T,
            BLK=_MAT_BLOCK, SB=8)
     launch(unit_sums, (L.n_units,), tab, units, scratch, L.colp, flag if flag is not None else tab, DST=TAB_SUMSQ,
            T=T, FROM_MATS=b.factored, HAS_FLAG=flag is not None, TMAX=torch.finfo(b.T).max, BLOCK=_SMALL_BLOCK)
+    if pbuf is not None:
+        launch(unit_sums, (L.n_units,), tab, units, pbuf, 0, tab, DST=TAB_PSQ, T=tl.float64, FROM_MATS=False,
+               HAS_FLAG=False, TMAX=0.0, BLOCK=_SMALL_BLOCK)
 
 
 def _directions(b: Bucket, group: Group, table: Table, scratch: Tensor, clips: Tensor, keys: Tensor,
@@ -52,8 +55,8 @@ def _directions(b: Bucket, group: Group, table: Table, scratch: Tensor, clips: T
     launch(direction_tiles, (len(L.items),), tab, L.tables(tab.device)[0], scratch, L.colp, clips, keys,
            skip if skip is not None else tab, len(b.index), PD=TL[b.pd], T=TL[b.T], MD=TL[b.md],
            FACTORED=b.factored, FLAT=L.kind == "flat", MOM=b.mom.value, EPS_ADD=group.eps_mode == "add",
-           HAS_SKIP=skip is not None, APPLY=apply, LR_PTR=lr_ptr, LRD=TL[lr.dtype] if lr_ptr else tl.float32,
-           ALIGNED=table.aligned, warps=8, **b.tiles())
+           HAS_SKIP=skip is not None, DECAY=group.beta2_decay is not None, APPLY=apply, LR_PTR=lr_ptr,
+           LRD=TL[lr.dtype] if lr_ptr else tl.float32, ALIGNED=table.aligned, warps=8, **b.tiles())
 
 
 def _pass2(b: Bucket, group: Group, table: Table, scratch: Tensor, keys: Tensor, skip: Optional[Tensor]) -> None:
@@ -61,11 +64,12 @@ def _pass2(b: Bucket, group: Group, table: Table, scratch: Tensor, keys: Tensor,
     _, mats, units = L.tables(tab.device)
     skip_arg = skip if skip is not None else tab
     nt = len(b.index)
+    decay = group.beta2_decay is not None
     launch(count_steps, (nt,), tab, keys, skip_arg, nt, T=T, HAS_MOM=b.mom != MomFmt.NONE, HAS_SKIP=skip is not None,
-           UB=_SMALL_BLOCK)
+           RELATIVE=bool(group.relative_step), DECAY=decay, UB=_SMALL_BLOCK)
     if b.factored:
         launch(factored_moments, (len(L.mats), triton.cdiv(L.max_rc, _MAT_BLOCK)), tab, mats, skip_arg, T=T,
-               EPS_ADD=group.eps_mode == "add", HAS_SKIP=skip is not None, BLK=_MAT_BLOCK)
+               EPS_ADD=group.eps_mode == "add", HAS_SKIP=skip is not None, DECAY=decay, BLK=_MAT_BLOCK)
     _directions(b, group, table, scratch, tab, keys, skip, apply=False)
     launch(unit_sums, (L.n_units,), tab, units, scratch, L.colp, tab, DST=TAB_USQ, T=T, FROM_MATS=False,
            HAS_FLAG=False, TMAX=0.0, BLOCK=_SMALL_BLOCK)
@@ -83,7 +87,8 @@ def _keepdim(shape: Sequence[int], bank: bool) -> tuple[int, ...]:
 
 
 def _stat_shapes(pt: ParamTensors, factored: bool) -> list[tuple[int, ...]]:
-    """Shapes of sumsq, rc, rvs, row, col (`GradStats`); u_sumsq, corr, rinv, cinv are the 1st, 1st, 4th, 5th."""
+    """Shapes of sumsq, rc, rvs, row, col (`GradStats`); p_sumsq, u_sumsq, corr and scale are the 1st, rinv and cinv
+    the 4th and 5th."""
     shape, unit = tuple(pt.param.shape), _keepdim(pt.param.shape, pt.bank)
     if not factored:
         return [unit]
@@ -129,14 +134,27 @@ def _grad_stats(work: Work) -> list[GradStats]:
         L = b.layout
         stats = torch.zeros(L.stats_numel, dtype=b.T, device=work.device)
         scratch = torch.empty(L.colp + len(L.items), dtype=b.T, device=work.device)
-        tab = tensor_table(b, work, [addrs(stats, o) + [0] * (5 - len(o)) for o in L.stats],
-                           [[0] * 5] * len(b.index))
-        _pass1(b, tab, scratch, None)
+        pbuf = _pbuf(work, L)
+        tab = tensor_table(b, work, [addrs(stats, o) + [0] * (5 - len(o)) + [_psq_addr(pbuf, L, j)]
+                                     for j, o in enumerate(L.stats)], [[0] * 6] * len(b.index))
+        _pass1(b, tab, scratch, pbuf, None)
         for j, i in enumerate(b.index):
-            v = [_view(stats, o, s) for o, s in zip(L.stats[j], _stat_shapes(group.params[i], b.factored))]
+            shapes = _stat_shapes(group.params[i], b.factored)
+            v = [_view(stats, o, s) for o, s in zip(L.stats[j], shapes)]
             v += [None] * (5 - len(v))
-            out[i] = GradStats(sumsq=v[0], rc_sumsq=v[1], row_var_sum=v[2], row=v[3], col=v[4])
+            psq = _view(pbuf, len(L.items) + L.unit0[j], shapes[0]) if pbuf is not None else None
+            out[i] = GradStats(sumsq=v[0], rc_sumsq=v[1], row_var_sum=v[2], row=v[3], col=v[4], p_sumsq=psq)
     return out
+
+
+def _pbuf(work: Work, L: Layout) -> Optional[Tensor]:
+    """A relative step's float64 sums of ``p^2`` of a bucket: per item, then per unit (None without one)."""
+    return torch.empty(L.psq_numel, dtype=torch.float64, device=work.device) if work.group.relative_step else None
+
+
+def _psq_addr(pbuf: Optional[Tensor], L: Layout, j: int) -> int:
+    """The address of tensor j's per-unit sums of ``p^2`` in ``pbuf`` (0 without a relative step)."""
+    return addrs(pbuf, [len(L.items) + L.unit0[j]])[0] if pbuf is not None else 0
 
 
 def update_moments_(group: Group, stats: Sequence[GradStats], *, skip: Optional[Tensor] = None) -> list[Moments]:
@@ -159,6 +177,7 @@ def update_moments_(group: Group, stats: Sequence[GradStats], *, skip: Optional[
 def _update_moments(work: Work, stats: Sequence[GradStats], skip: Optional[Tensor]) -> list[Moments]:
     group = work.group
     out: list[Optional[Moments]] = [None] * len(work.grads)
+    names = ("sumsq", "rc_sumsq", "row_var_sum", "row", "col")
     for b in work.buckets:
         L = b.layout
         moments = torch.empty(L.moments_numel, dtype=b.T, device=work.device)
@@ -169,25 +188,27 @@ def _update_moments(work: Work, stats: Sequence[GradStats], skip: Optional[Tenso
         for j, i in enumerate(b.index):
             st = stats[i]
             fields = (st.sumsq, st.rc_sumsq, st.row_var_sum, st.row, st.col)
-            names = ("sumsq", "rc_sumsq", "row_var_sum", "row", "col")
             shapes = _stat_shapes(group.params[i], b.factored)
-            stat_addrs.append([_checked(n, f, s, b.T, work.device, i) for n, f, s in zip(names, fields, shapes)]
-                              + [0] * (5 - len(shapes)))
+            a = [_checked(n, f, s, b.T, work.device, i) for n, f, s in zip(names, fields, shapes)]
+            a += [0] * (5 - len(shapes))
+            a.append(_checked("p_sumsq", st.p_sumsq, shapes[0], torch.float64, work.device, i)
+                     if group.relative_step else 0)
+            stat_addrs.append(a)
         tab = tensor_table(b, work, stat_addrs, [_moment_addrs(moments, active, L, j) for j in range(len(b.index))])
         _pass2(b, group, tab, scratch, keys, skip)
         for j, i in enumerate(b.index):
             pt = group.params[i]
             shapes = _stat_shapes(pt, b.factored)
-            usq, corr, *rc = [_view(moments, o, s) for o, s in zip(L.moments[j], [shapes[0], shapes[0]] + shapes[3:])]
+            usq, _, scale, *rc = [_view(moments, o, s) for o, s in zip(L.moments[j], [shapes[0]] * 3 + shapes[3:])]
             act = _view(active, L.act[j], shapes[0]) if pt.bank else None
-            out[i] = Moments(usq, corr, rc[0] if rc else None, rc[1] if rc else None, act)
+            out[i] = Moments(usq, scale, rc[0] if rc else None, rc[1] if rc else None, act)  # corr: pass 3's scale
     return out
 
 
 def _moment_addrs(moments: Tensor, active: Tensor, L: Layout, j: int) -> list[int]:
-    """Addresses of u_sumsq, corr, rinv, cinv and active of tensor j of a bucket (0 where absent)."""
+    """Addresses of u_sumsq, corr, scale, rinv, cinv and active of tensor j of a bucket (0 where absent)."""
     a = addrs(moments, L.moments[j])
-    return a + [0] * (4 - len(a)) + [addrs(active, [L.act[j]])[0] if L.act[j] >= 0 else 0]
+    return a + [0] * (5 - len(a)) + [addrs(active, [L.act[j]])[0] if L.act[j] >= 0 else 0]
 
 
 def apply_updates_(group: Group, moments: Sequence[Moments], *, skip: Optional[Tensor] = None) -> None:
@@ -216,8 +237,8 @@ def _apply_updates(work: Work, moments: Sequence[Moments], skip: Optional[Tensor
         for j, i in enumerate(b.index):
             mo, pt = moments[i], group.params[i]
             shapes = _stat_shapes(pt, b.factored)
-            a = [_checked("u_sumsq", mo.u_sumsq, shapes[0], b.T, work.device, i),
-                 _checked("corr", mo.corr, shapes[0], b.T, work.device, i)]
+            a = [_checked("u_sumsq", mo.u_sumsq, shapes[0], b.T, work.device, i), 0,
+                 _checked("corr", mo.corr, shapes[0], b.T, work.device, i)]  # (pass 3 reads the scale column)
             if b.factored:
                 a += [_checked("rinv", mo.rinv, shapes[3], b.T, work.device, i),
                       _checked("cinv", mo.cinv, shapes[4], b.T, work.device, i)]
@@ -225,7 +246,7 @@ def _apply_updates(work: Work, moments: Sequence[Moments], skip: Optional[Tensor
                 a += [0, 0]
             a.append(_checked("active", mo.active, shapes[0], torch.bool, work.device, i) if pt.bank else 0)
             per_tensor.append(a)
-        tab = tensor_table(b, work, [[0] * 5] * len(b.index), per_tensor)
+        tab = tensor_table(b, work, [[0] * 6] * len(b.index), per_tensor)
         _pass3(b, group, tab, clips, keys, skip)
 
 
@@ -255,32 +276,33 @@ def _step(works: list[Work], device: torch.device, skip_nonfinite: bool) -> Tens
     for work in works:
         for b in work.buckets:
             runs.append((work, b, *_workspace(work, b)))
-    for work, b, tab, ws, active, keys in runs:
-        _pass1(b, tab, ws[b.layout.stats_numel + 2 * b.layout.n_units:], flag)
-    for work, b, tab, ws, active, keys in runs:
-        _pass2(b, work.group, tab, ws[b.layout.stats_numel + 2 * b.layout.n_units:], keys, flag)
-    for work, b, tab, ws, active, keys in runs:
-        L = b.layout
-        _pass3(b, work.group, tab, ws[ws.numel() - L.n_units:], keys, flag)
+    for work, b, tab, ws, pbuf, active, keys in runs:
+        _pass1(b, tab, ws[b.layout.stats_numel + 3 * b.layout.n_units:], pbuf, flag)
+    for work, b, tab, ws, pbuf, active, keys in runs:
+        _pass2(b, work.group, tab, ws[b.layout.stats_numel + 3 * b.layout.n_units:], keys, flag)
+    for work, b, tab, ws, pbuf, active, keys in runs:
+        _pass3(b, work.group, tab, ws[ws.numel() - b.layout.n_units:], keys, flag)
     for work in works:
         written(work, state=True, params=True)
     return flag[0] != 0 if flag is not None else torch.zeros((), dtype=torch.bool, device=device)
 
 
-def _workspace(work: Work, b: Bucket) -> tuple[Table, Tensor, Tensor, Tensor]:
-    """One bucket's scratch for `step_` (statistics zeroed) and its tensor table."""
+def _workspace(work: Work, b: Bucket) -> tuple[Table, Tensor, Optional[Tensor], Tensor, Tensor]:
+    """One bucket's tensor table and the scratch of `step_` it points into, kept alive by the caller until the last
+    launch: the workspace (statistics zeroed), a relative step's sums of p^2, the bank activity, the keys."""
     L = b.layout
     ws = torch.empty(workspace_numel(L), dtype=b.T, device=work.device)
     ws[: L.stats_numel].zero_()
+    pbuf = _pbuf(work, L)
     active = torch.empty(L.act_numel, dtype=torch.bool, device=work.device)
     keys = torch.empty(2 * len(b.index), dtype=torch.int64, device=work.device)
-    stats = [addrs(ws, o) + [0] * (5 - len(o)) for o in L.stats]
+    stats = [addrs(ws, o) + [0] * (5 - len(o)) + [_psq_addr(pbuf, L, j)] for j, o in enumerate(L.stats)]
     moments = []
     for j, st in enumerate(stats):
-        usq, corr = addrs(ws, [L.stats_numel + o for o in L.moments[j][:2]])
+        usq, corr, scale = addrs(ws, [L.stats_numel + o for o in L.moments[j][:3]])
         act = addrs(active, [L.act[j]])[0] if L.act[j] >= 0 else 0
-        moments.append([usq, corr, st[3], st[4], act])  # rinv, cinv: over the row and column sums
-    return tensor_table(b, work, stats, moments), ws, active, keys
+        moments.append([usq, corr, scale, st[3], st[4], act])  # rinv, cinv: over the row and column sums
+    return tensor_table(b, work, stats, moments), ws, pbuf, active, keys
 
 
 def stochastic_round_bf16(x: Tensor, key: int, offset: int = 0) -> Tensor:

@@ -15,25 +15,29 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .device import (HDR_ADD, HDR_B1, HDR_B2, HDR_FLOOR, HDR_LR, HDR_LR_ADDR, HDR_RM_FLOOR, HDR_W1, HDR_W2, HDR_WD,
-                     ITEM_B, ITEM_COLP, ITEM_E0, ITEM_N, ITEM_NROWS, ITEM_ROW0, ITEM_T, ITEM_U, ITEM_WIDTH, MAT_B,
-                     MAT_COLP, MAT_S, MAT_T, MAT_U, MAT_WIDTH, MOMENTUM_STREAM, TAB_ACT, TAB_BANK, TAB_C, TAB_CG,
-                     TAB_CINV, TAB_COL, TAB_CORR, TAB_CV, TAB_E, TAB_G, TAB_KBASE, TAB_M, TAB_MS, TAB_NB, TAB_NG,
-                     TAB_P, TAB_R, TAB_RC, TAB_RG, TAB_RINV, TAB_ROW, TAB_RV, TAB_RVS, TAB_STEP, TAB_SUMSQ, TAB_UNIT0,
-                     TAB_USQ, TAB_V, UNIT_ITEM0, UNIT_MAT0, UNIT_NITEMS, UNIT_NMATS, UNIT_T, UNIT_U, UNIT_WIDTH, addr,
-                     big, div, factor_ema, first_moment, full_direction, hyper, inv_sqrt, load8, mix32, powi, round_bf16,
-                     sqrt, tensor_row, updated, write_param)
+from .device import (HDR_ADD, HDR_B1, HDR_B2, HDR_FLOOR, HDR_LR, HDR_LR_ADDR, HDR_RM_FLOOR, HDR_W1, HDR_WD, ITEM_B,
+                     ITEM_COLP, ITEM_E0, ITEM_N, ITEM_NROWS, ITEM_ROW0, ITEM_T, ITEM_U, ITEM_WIDTH, MAT_B, MAT_COLP,
+                     MAT_S, MAT_T, MAT_U, MAT_WIDTH, MOMENTUM_STREAM, RELATIVE_STEP_EPS, TAB_ACT, TAB_BANK, TAB_C,
+                     TAB_CG, TAB_CINV, TAB_COL, TAB_CORR, TAB_CV, TAB_E, TAB_G, TAB_KBASE, TAB_M, TAB_MS, TAB_NB,
+                     TAB_NG, TAB_P, TAB_PSQ, TAB_R, TAB_RC, TAB_RG, TAB_RINV, TAB_ROW, TAB_RV, TAB_RVS, TAB_SCALE,
+                     TAB_STEP, TAB_SUMSQ, TAB_UNIT0, TAB_USQ, TAB_V, UNIT_ITEM0, UNIT_MAT0, UNIT_NITEMS, UNIT_NMATS,
+                     UNIT_T, UNIT_U, UNIT_WIDTH, addr, big, div, factor_ema, first_moment, full_direction, hyper,
+                     inv_sqrt, load8, mix32, powi, round_bf16, second_moment_beta, sqrt, tensor_row, updated,
+                     write_param)
 
 
 # ================================================================================================ pass 1
 @triton.jit
-def stats_tiles(tab, items, scratch, part0, PD: tl.constexpr, T: tl.constexpr, FACTORED: tl.constexpr,
-                ALIGNED: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr, BLOCK: tl.constexpr):
-    """Per item: factored, its rows' sums of g^2 and its column partials; otherwise its sum of g^2 (a partial)."""
+def stats_tiles(tab, items, scratch, part0, pbuf, PD: tl.constexpr, T: tl.constexpr, FACTORED: tl.constexpr,
+                RELATIVE: tl.constexpr, ALIGNED: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """Per item: factored, its rows' sums of g^2 and its column partials; otherwise its sum of g^2 (a partial). A
+    relative step (RELATIVE) also sums p^2 in float64, the item's partial into ``pbuf``."""
     pid = tl.program_id(0)
     it = items + pid * ITEM_WIDTH
     row = tensor_row(tab, tl.load(it + ITEM_T))
     g = big(row, TAB_G, PD, ALIGNED)
+    p = big(row, TAB_P, PD, ALIGNED)
     if FACTORED:
         C = load8(row + TAB_C, ALIGNED)
         r0 = tl.load(it + ITEM_ROW0)
@@ -44,6 +48,8 @@ def stats_tiles(tab, items, scratch, part0, PD: tl.constexpr, T: tl.constexpr, F
             col_out = addr(row, TAB_COL, T) + tl.load(it + ITEM_B) * C
         else:
             col_out = scratch + colp
+        if RELATIVE:
+            pacc = tl.zeros([RB, BC], tl.float64)
         for c in range(0, C, BC):
             cols = c + tl.arange(0, BC)
             cm = cols < C
@@ -51,22 +57,36 @@ def stats_tiles(tab, items, scratch, part0, PD: tl.constexpr, T: tl.constexpr, F
             for r in range(r0, r1, RB):
                 rows = r + tl.arange(0, RB)
                 rm = rows < r1
-                x = tl.load(g + rows[:, None] * C + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(T)
+                offs = rows[:, None] * C + cols[None, :]
+                mask = rm[:, None] & cm[None, :]
+                x = tl.load(g + offs, mask=mask, other=0.0).to(T)
                 sq = x * x
                 acc += tl.sum(sq, 0)
                 prev = tl.load(row_out + rows, mask=rm, other=0.0)  # the rows' sums so far (zero-initialised)
                 tl.store(row_out + rows, prev + tl.sum(sq, 1), mask=rm)
+                if RELATIVE:
+                    xp = tl.load(p + offs, mask=mask, other=0.0).to(tl.float64)
+                    pacc += xp * xp
             tl.store(col_out + cols, acc, mask=cm)
             tl.debug_barrier()  # this chunk's row sums are stored before the next chunk reads them
+        if RELATIVE:
+            tl.store(pbuf + pid, tl.sum(pacc))
     else:
         e0 = load8(it + ITEM_E0, ALIGNED)
         e1 = e0 + tl.load(it + ITEM_N)
         acc = tl.zeros([BLOCK], T)
+        if RELATIVE:
+            pacc = tl.zeros([BLOCK], tl.float64)
         for s in range(e0, e1, BLOCK):
             offs = s + tl.arange(0, BLOCK)
             x = tl.load(g + offs, mask=offs < e1, other=0.0).to(T)
             acc += x * x
+            if RELATIVE:
+                xp = tl.load(p + offs, mask=offs < e1, other=0.0).to(tl.float64)
+                pacc += xp * xp
         tl.store(scratch + part0 + pid, tl.sum(acc, 0))
+        if RELATIVE:
+            tl.store(pbuf + pid, tl.sum(pacc))
 
 
 @triton.jit
@@ -134,9 +154,11 @@ def unit_sums(tab, units, scratch, part0, flag, DST: tl.constexpr, T: tl.constex
 # ================================================================================================ pass 2
 @triton.jit
 def count_steps(tab, keys, skip, n_tensors, T: tl.constexpr, HAS_MOM: tl.constexpr, HAS_SKIP: tl.constexpr,
-                UB: tl.constexpr):
+                RELATIVE: tl.constexpr, DECAY: tl.constexpr, UB: tl.constexpr):
     """Per tensor: which units are active (bank: a non-zero gradient), step counts advanced, the bias corrections
-    ``sqrt(1 - beta2^t) [/ (1 - beta1^t)]`` in float64, and the rounding keys of the weight and of a bf16 momentum."""
+    ``corr = sqrt(1 - beta2^t) [/ (1 - beta1^t)]`` in float64 (a beta2 decay, DECAY: no ``sqrt(1 - beta2^t)``), pass
+    3's ``scale`` (``corr``; a relative step, RELATIVE: ``corr * max(eps2, sqrt(sum p^2 / n))``, rounded once), and
+    the rounding keys of the weight and of a bf16 momentum."""
     t = tl.program_id(0)
     row = tensor_row(tab, t)
     E = tl.load(row + TAB_E)
@@ -145,6 +167,7 @@ def count_steps(tab, keys, skip, n_tensors, T: tl.constexpr, HAS_MOM: tl.constex
     sumsq = addr(row, TAB_SUMSQ, T)
     step = addr(row, TAB_STEP, tl.float32)
     corr = addr(row, TAB_CORR, T)
+    scale = addr(row, TAB_SCALE, T)
     beta1 = hyper(tab, HDR_B1)
     beta2 = hyper(tab, HDR_B2)
     total = tl.zeros([UB], tl.int64)
@@ -161,10 +184,18 @@ def count_steps(tab, keys, skip, n_tensors, T: tl.constexpr, HAS_MOM: tl.constex
         tl.store(step + us, new, mask=write)
         tl.store(addr(row, TAB_ACT, tl.int1) + us, active, mask=tl.where(bank != 0, um, False))
         tt = tl.maximum(new.to(tl.int64), 1)  # idle bank slices (t = 0) are masked out later: keep them finite
-        c = tl.sqrt(1.0 - powi(beta2, tt))
+        if DECAY:
+            c = tl.full([UB], 1.0, tl.float64)
+        else:
+            c = tl.sqrt(1.0 - powi(beta2, tt))
         if HAS_MOM:
             c = c / (1.0 - powi(beta1, tt))
         tl.store(corr + us, c.to(T), mask=um)
+        if RELATIVE:
+            n = tl.maximum(ng, 1).to(tl.float64)
+            c = c * tl.maximum(tl.sqrt(tl.load(addr(row, TAB_PSQ, tl.float64) + us, mask=um, other=0.0) / n),
+                               RELATIVE_STEP_EPS)
+        tl.store(scale + us, c.to(T), mask=um)
         total += tl.where(um, new.to(tl.int64), 0)
     key = mix32(((tl.load(row + TAB_KBASE) + tl.sum(total, 0)) & 0xFFFFFFFF).to(tl.uint32))
     tl.store(keys + t, key.to(tl.int64))
@@ -173,11 +204,11 @@ def count_steps(tab, keys, skip, n_tensors, T: tl.constexpr, HAS_MOM: tl.constex
 
 @triton.jit
 def factored_moments(tab, mats, skip, T: tl.constexpr, EPS_ADD: tl.constexpr, HAS_SKIP: tl.constexpr,
-                     BLK: tl.constexpr):
+                     DECAY: tl.constexpr, BLK: tl.constexpr):
     """Per (matrix, chunk k): the row and column EMAs of chunk k (active units only) and ``rinv``/``cinv``:
     floor: ``rinv = 1/sqrt(max(row_var / max(mean_i row_var, 1e-15), eps))``, ``cinv = 1/sqrt(max(col_var, eps))``;
     add: ``rinv = 1/sqrt(row_var / max(mean_i row_var, tiny))``, ``cinv = 1/sqrt(col_var)``. The row mean is carried
-    as a sum: ``b2 * sum_i row_var + (rc / C + R * add) * (1 - b2)``."""
+    as a sum: ``b2 * sum_i row_var + (rc / C + R * add) * (1 - b2)``; ``b2`` is the unit's (`second_moment_beta`)."""
     x, k, row, b, R, C = _matrix_chunk(tab, mats)
     u = tl.load(x + MAT_U)
     Rg = tl.load(row + TAB_RG).to(T)
@@ -185,8 +216,7 @@ def factored_moments(tab, mats, skip, T: tl.constexpr, EPS_ADD: tl.constexpr, HA
     active = updated(row, u, skip, False)
     write = updated(row, u, skip, HAS_SKIP)
     add = hyper(tab, HDR_ADD)
-    b2 = hyper(tab, HDR_B2).to(T)
-    w2 = hyper(tab, HDR_W2).to(T)
+    b2, w2 = second_moment_beta(tab, row, u, T, DECAY)
     a = add.to(T)
     f = hyper(tab, HDR_FLOOR).to(T)
     rvs = tl.load(addr(row, TAB_RVS, T) + b)
@@ -211,13 +241,13 @@ def factored_moments(tab, mats, skip, T: tl.constexpr, EPS_ADD: tl.constexpr, HA
 @triton.jit
 def direction_tiles(tab, items, scratch, part0, clips, keys, skip, n_tensors, PD: tl.constexpr, T: tl.constexpr,
                     MD: tl.constexpr, FACTORED: tl.constexpr, FLAT: tl.constexpr, MOM: tl.constexpr,
-                    EPS_ADD: tl.constexpr, HAS_SKIP: tl.constexpr, APPLY: tl.constexpr, LR_PTR: tl.constexpr,
-                    LRD: tl.constexpr, ALIGNED: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    EPS_ADD: tl.constexpr, HAS_SKIP: tl.constexpr, DECAY: tl.constexpr, APPLY: tl.constexpr,
+                    LR_PTR: tl.constexpr, LRD: tl.constexpr, ALIGNED: tl.constexpr, RB: tl.constexpr,
+                    BC: tl.constexpr, BLOCK: tl.constexpr):
     """Per item of an updated unit, the update direction ``u = src * (rinv_i * scale) * cinv_j`` (factored) or
     ``src * scale / sqrt(v)`` (`full_direction`), with ``src`` the first moment (`first_moment`) and ``scale`` the
-    bias correction. Pass 2 (not APPLY): the first moment and the full second moment advanced in place, and the
-    item's partial ``sum u^2``. Pass 3 (APPLY): ``scale`` times the unit's clip, and
+    bias correction (`count_steps`'s corr). Pass 2 (not APPLY): the first moment and the full second moment advanced
+    in place, and the item's partial ``sum u^2``. Pass 3 (APPLY): ``scale`` is count_steps' times the unit's clip, and
     ``p = p * (1 - lr*wd) - u * lr`` (eager's operations, each rounded; lr and the decay float64 rounded to T, a
     tensor lr read here on the device), rounded stochastically for bf16 parameters."""
     pid = tl.program_id(0)
@@ -230,11 +260,9 @@ def direction_tiles(tab, items, scratch, part0, clips, keys, skip, n_tensors, PD
     m = big(row, TAB_M, MD, ALIGNED)
     ms = addr(row, TAB_MS, tl.float32)
     v = big(row, TAB_V, T, ALIGNED)
-    scale = tl.load(addr(row, TAB_CORR, T) + u)
     b1 = hyper(tab, HDR_B1).to(T)
     w1 = hyper(tab, HDR_W1).to(T)
-    b2 = hyper(tab, HDR_B2).to(T)
-    w2 = hyper(tab, HDR_W2).to(T)
+    b2, w2 = second_moment_beta(tab, row, u, T, DECAY)
     add = hyper(tab, HDR_ADD).to(T)
     floor = hyper(tab, HDR_FLOOR).to(T)
     if APPLY:
@@ -245,9 +273,10 @@ def direction_tiles(tab, items, scratch, part0, clips, keys, skip, n_tensors, PD
             lr64 = hyper(tab, HDR_LR)
         decay = (1.0 - lr64 * hyper(tab, HDR_WD)).to(T)
         lr = lr64.to(T)
-        scale = scale * tl.load(clips + tl.load(row + TAB_UNIT0) + u)
+        scale = tl.load(addr(row, TAB_SCALE, T) + u) * tl.load(clips + tl.load(row + TAB_UNIT0) + u)
         key = tl.load(keys + t).to(tl.uint32)
     else:
+        scale = tl.load(addr(row, TAB_CORR, T) + u)
         key = tl.load(keys + n_tensors + t).to(tl.uint32)  # the bf16 momentum's
     if FLAT:
         e0 = load8(it + ITEM_E0, ALIGNED)

@@ -203,8 +203,8 @@ class Table(NamedTuple):
 
 
 def tensor_table(b: Bucket, work: Work, stats: list[list[int]], moments: list[list[int]]) -> Table:
-    """The hyperparameters, then one row per tensor of the bucket: addresses (``stats``: sumsq, rc, rvs, row,
-    col; ``moments``: u_sumsq, corr, rinv, cinv, active; absent ones 0), then sizes."""
+    """The hyperparameters, then one row per tensor of the bucket: addresses (``stats``: sumsq, rc, rvs, row, col,
+    psq; ``moments``: u_sumsq, corr, scale, rinv, cinv, active; absent ones 0), then sizes."""
     rows = [_header(work.group, b.T, work.device)]
     L, seed = b.layout, work.group.seed
     for j, i in enumerate(b.index):
@@ -233,7 +233,8 @@ def _header(group: Group, T: torch.dtype, device: torch.device) -> list[int]:
             lr = float(lr)
     add, floor = (group.eps, 0.0) if group.eps_mode == "add" else (0.0, group.eps)
     rm_floor = ROW_MEAN_FLOOR if group.eps_mode == "floor" else torch.finfo(T).tiny
+    decay = group.beta2_decay if group.beta2_decay is not None else 0.0
     values = [1.0 - group.beta1, 1.0 - group.beta2, group.beta1, group.beta2, add, floor, rm_floor, float(lr),
-              group.weight_decay]
+              group.weight_decay, decay]
     bits = [struct.unpack("<q", struct.pack("<d", float(v)))[0] for v in values]
     return bits + [lr_addr] + [0] * (TABLE_WIDTH - len(bits) - 1)
