@@ -4,6 +4,7 @@ optional packages found once before any run, the C++ kernel built before the fir
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from skewadam.bench import run as bench_mod
 from skewadam.bench import logs, report
@@ -73,6 +75,18 @@ def test_a_text_shorter_than_the_block_size_is_refused_before_any_run(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_the_bench_prints_the_tier_census_of_the_model_it_trains_before_any_run(tmp_path, monkeypatch):
+    from skewadam.bench.models import MoETransformer, get_config
+    from skewadam.groups import describe
+
+    monkeypatch.setattr(bench_mod, "_run_all", lambda *args: [])
+    lines: list[str] = []
+    run_bench(_smoke(), tmp_path / "out", progress=False, plots=False, echo=lines.append)
+    with torch.device("meta"):
+        model = MoETransformer(get_config("tiny"))
+    assert lines == [describe(model).table()] and lines[0].startswith("SkewAdam tiers of MoETransformer")
+
+
 def test_a_users_folder_is_one_printed_line_counting_the_files_skipped_before_any_run(tmp_path, monkeypatch):
     for i in range(3):
         (tmp_path / f"m{i}.py").write_text("def f():\n    return 1\n" * 20)
@@ -81,12 +95,18 @@ def test_a_users_folder_is_one_printed_line_counting_the_files_skipped_before_an
     monkeypatch.setattr(bench_mod, "_run_all", lambda *args: [])  # the runs are not what this test is about
     lines = []
     run_bench(bench, tmp_path / "out", progress=False, plots=False, echo=lines.append)
-    assert lines == [f"--data {tmp_path}: 2 train docs (882 tokens), 1 val docs (440 tokens), byte vocabulary 256; "
-                     f"skipped 1 binary"]
+    assert lines[1:] == [f"--data {tmp_path}: 2 train docs (882 tokens), 1 val docs (440 tokens), byte vocabulary "
+                         f"256; skipped 1 binary"]
 
 
 # ------------------------------------------------------------------------------------------ optional packages
+def _terminal(monkeypatch) -> None:
+    """As if stderr were a terminal (progress bars are drawn only there)."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+
+
 def test_missing_optional_packages_are_found_once_before_any_run(monkeypatch, tmp_path):
+    _terminal(monkeypatch)
     for module in ("tqdm", "matplotlib", "torchao"):
         monkeypatch.setitem(sys.modules, module, None)  # as if not installed
     bench = BenchConfig(base=get_preset("smoke").base, optimizers=("adamw", "adamw8bit-torchao"))
@@ -101,11 +121,24 @@ def test_missing_optional_packages_are_found_once_before_any_run(monkeypatch, tm
 
 
 def test_missing_packages_are_one_line_from_the_command(monkeypatch, tmp_path, capsys):
+    _terminal(monkeypatch)
     monkeypatch.setitem(sys.modules, "tqdm", None)
     with pytest.raises(SystemExit) as e:
         main(["bench", "--preset", "smoke", "--out", str(tmp_path / "out")])
     assert str(e.value.code).startswith("skewadam bench: missing optional package(s): tqdm (progress bars")
     assert "\n" not in str(e.value.code)
+
+
+def test_no_progress_bars_when_output_is_not_a_terminal(monkeypatch):
+    """A bar only on a terminal and for one run at a time; a pipe or a file gets a line per evaluation (and needs
+    no tqdm)."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert [bench_mod._progress(True, jobs) for jobs in (1, 2)] == ["lines", "lines"]
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    preflight(_smoke(), progress=True, plots=False)  # tqdm not asked for
+    _terminal(monkeypatch)
+    assert [bench_mod._progress(True, jobs) for jobs in (1, 2)] == ["bar", "lines"]
+    assert bench_mod._progress(False, 1) is None
 
 
 # ---------------------------------------------------------------------------------------------------- locking
@@ -290,13 +323,14 @@ def test_the_config_hash_covers_every_setting_but_threads():
     base = run_identity(cfg)
     changed = {"optimizer": "adafactor", "lr": 0.5, "weight_decay": 0.5, "seed": 3, "model": "cpu", "data": "x",
                "steps": 9, "batch_size": 9, "block_size": 9, "eval_interval": 9, "eval_batches": 9,
-               "warmup_frac": 0.5, "grad_clip": 0.5, "device": "cuda"}
+               "warmup_frac": 0.5, "grad_clip": 0.5, "device": "cuda", "overrides": {"n_layer": 4}}
     assert set(changed) | {"threads"} == set(base)  # every setting is tried
     for key, value in changed.items():
         assert config_hash({**base, key: value}) != config_hash(base), key
     assert config_hash({**base, "threads": 7}) == config_hash(base)
-    older = {k: v for k, v in base.items() if k != "eval_batches"}  # a log written before a setting existed
-    assert config_hash(older) == config_hash({**base, "eval_batches": RunConfig().eval_batches})
+    for key in ("eval_batches", "overrides"):  # a log written before a setting existed: its default
+        older = {k: v for k, v in base.items() if k != key}
+        assert config_hash(older) == config_hash({**base, key: getattr(RunConfig(), key)}), key
 
 
 # ---------------------------------------------------------------------------------------- dies with the bench
@@ -429,3 +463,22 @@ def test_no_kernel_name_is_spelled_outside_the_kernels_package():
     found = [f"{p.name}:{n.lineno} {n.value!r}" for p in sources for n in ast.walk(ast.parse(p.read_text()))
              if isinstance(n, ast.Constant) and n.value in BACKENDS]
     assert not found, found
+
+
+def test_the_memory_plot_sets_the_full_size_plan_beside_the_measured_peaks(two_seeds, tmp_path):
+    """At the bench's size activations dominate the measured peak; the plot adds the planner's peaks of the full-size
+    model (the paper's 6.78B for the reference presets, a Transformers config unscaled), where the state matters."""
+    from skewadam.bench.planner import plan
+    from skewadam.bench.report import FULL_SIZE_PLAN, full_size_peaks
+
+    (what, peaks), why = full_size_peaks("tiny", ["adamw", "skewadam", "adamw8bit-bnb"])
+    expected = plan("paper-6.78b", optimizers=["adamw", "skewadam", "adamw8bit-bnb"], **FULL_SIZE_PLAN)
+    assert why == "" and what.startswith("paper-6.78b (6.78B), bf16") and peaks == {
+        o: row.peak for o, row in expected.optimizers.items()}
+    assert peaks["skewadam"] < peaks["adamw"] / 3
+    assert full_size_peaks("tiny", ["lion"]) == (None, "no optimizer of this bench has a memory model")
+    if importlib.util.find_spec("transformers"):  # a Transformers bench plans its config without the bench's --set
+        assert full_size_peaks("mixtral-8x7b", ["adamw"])[0][0].startswith("mixtral-8x7b (46.70B), bf16")
+    out = _copy(two_seeds, tmp_path / "out")
+    report.render(out, plots=True)
+    assert (out / "memory.png").stat().st_size > 10_000

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -291,7 +292,8 @@ def test_report_on_a_folder_without_runs_or_with_a_damaged_log_is_one_line_namin
     (tmp_path / "runs" / "adamw_lr0.001_seed0.json").write_text('{"name": "adamw_lr0.001_seed0", "conf')
     (tmp_path / "runs" / "skewadam_lr0.001_seed0.json").write_bytes(b"\x80\x81")
     line = _one_line_error(["report", str(tmp_path)], capsys)
-    assert "no valid run log in" in line and "(2 skipped: " in line and "adamw_lr0.001_seed0.json: not valid JSON" in line
+    assert "no valid run log in" in line and "(2 skipped: " in line
+    assert "adamw_lr0.001_seed0.json: not valid JSON" in line
     assert "skewadam_lr0.001_seed0.json: not UTF-8 text" in line and "runs them again" in line
 
 
@@ -359,7 +361,8 @@ def _study_best_lrs() -> dict[str, float]:
 
 
 def test_every_arm_trains_by_default_at_its_best_lr_of_the_study():
-    from skewadam.bench.config import STUDY_ARMS, default, study
+    from skewadam.bench.config import (DEFAULT_EVAL_INTERVAL, DEFAULT_OPTIMIZERS, DEFAULT_STEPS, STUDY_ARMS, default,
+                                       study)
 
     best = _study_best_lrs()
     assert set(best) == set(STUDY_ARMS)  # the study covers every arm of its grid
@@ -371,8 +374,9 @@ def test_every_arm_trains_by_default_at_its_best_lr_of_the_study():
     assert "skewadam-orthogonal" in bold
 
     bench = default()
-    assert {r.optimizer: r.resolved_lr for r in bench.runs()} == {n: best[n] for n in arms.BENCH_DEFAULT}
-    assert bench.base == dataclasses.replace(study().base, steps=60, eval_interval=15, threads=1)  # shorter
+    assert {r.optimizer: r.resolved_lr for r in bench.runs()} == {n: best[n] for n in DEFAULT_OPTIMIZERS}
+    assert bench.base == dataclasses.replace(study().base, steps=DEFAULT_STEPS, eval_interval=DEFAULT_EVAL_INTERVAL,
+                                             threads=1)  # shorter
 
 
 def test_the_default_bench_runs_one_single_threaded_run_per_core():
@@ -415,3 +419,59 @@ def test_plan_measure_names_the_estimate_it_compares_with_and_shows_progress(cap
     assert estimate == resolve("auto", "cpu").name
     assert f"SkewAdam's kernel: {estimate}" in out  # the table was planned with the kernel that was measured
     assert "measuring adamw on cpu" in err and "step 2/2" in err  # as it goes, on stderr
+
+
+# ------------------------------------------------------------------------------------------- --model of Transformers
+def test_bench_of_a_transformers_preset_runs_and_prints_no_third_party_load_lines(tmp_path):
+    """``skewadam bench --model <Transformers preset> --set ... --steps 1``: it trains and reports, and no library's
+    import failures (torchao's ``_C_mxfp8`` on a CPU build, say) reach the user."""
+    pytest.importorskip("transformers")
+    sets = ["hidden_size=32", "intermediate_size=64", "num_hidden_layers=2", "num_attention_heads=4",
+            "num_key_value_heads=2", "num_local_experts=4"]
+    proc = _subprocess("bench", "--model", "mixtral-8x7b", "--set", *sets, "--steps", "1", "--batch-size", "2",
+                       "--block-size", "16", "--eval-batches", "1", "--optimizers", "skewadam", "--no-plots",
+                       "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Model `mixtral-8x7b` with `--set hidden_size=32" in proc.stdout and "| skewadam |" in proc.stdout
+    assert "SkewAdam tiers of MixtralForCausalLM" in proc.stdout  # the census, before the runs
+    text = proc.stdout + proc.stderr
+    assert not re.search(r"_C_\w+|Failed to load|Traceback|warn", text, re.I), text[-3000:]
+    assert "\r" not in text and "step 1/1, val ppl" in proc.stderr  # a pipe: lines, no progress bar
+    assert "device cpu, 1 thread," in proc.stdout  # not "1 threads"
+    bad = _subprocess("bench", "--model", "mixtral-8x7b", "--set", "hiden_size=3", "--out", str(tmp_path / "x"),
+                      cwd=tmp_path)
+    assert bad.returncode == 1 and "'hiden_size' not a key of its config" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------------------------------------ first-hour polish
+def test_bench_help_shows_each_presets_real_defaults_and_whole_descriptions(capsys):
+    from skewadam.bench.config import PRESETS
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    presets = {name: make() for name, make in PRESETS.items()}
+    steps = ", ".join(f"{b.base.steps} ({name})" for name, b in presets.items()).replace(
+        "200 (study), 200 (study-orth)", "200 (study, study-orth)")
+    assert f"training steps (default: the preset's: {steps})" in text
+    interval = presets["default"].base.eval_interval
+    assert f"steps between evaluations (default: the preset's: {interval} (default)" in text
+    for name, make in PRESETS.items():
+        whole = " ".join(make.__doc__.split("\n\n")[0].split()).split(". ")[0].rstrip(".") + "."
+        assert f"{name}: {whole} ({', '.join(presets[name].optimizers)}; {len(presets[name].runs())} runs" in text
+
+
+def test_importing_the_command_line_and_the_bench_loads_no_third_party_model_library():
+    """torchao is imported only when its arm runs, Transformers only when a Transformers model is built."""
+    code = textwrap.dedent("""
+        import importlib, pkgutil, sys
+        import skewadam.bench, skewadam.cli
+        for m in pkgutil.iter_modules(skewadam.bench.__path__):
+            importlib.import_module(f"skewadam.bench.{m.name}")
+        skewadam.cli.build_parser()
+        loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torchao", "transformers"))
+        assert not loaded, loaded
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr[-3000:]

@@ -106,3 +106,26 @@ def test_tensorboard_event_files_are_written_per_run(tmp_path):
     pytest.importorskip("tensorboard")
     train(RunConfig(optimizer="skewadam", **TINY), tensorboard=str(tmp_path), progress=False)
     assert list((tmp_path / "skewadam_lr0.001_seed0").glob("events.out.tfevents.*"))
+
+
+def test_a_transformers_moe_trains_in_the_harness_with_tiers_logs_and_plots(tmp_path):
+    """`--model` a Transformers preset scaled by `--set`: the same loop, its own losses, state by tier, the report."""
+    pytest.importorskip("transformers")
+    from test_models import HF_TINY
+
+    from skewadam.bench import report
+    from skewadam.bench.train import write_json
+
+    (tmp_path / "runs").mkdir()
+    for optimizer in ("adamw", "skewadam"):
+        cfg = RunConfig(optimizer=optimizer, **{**TINY, "model": "qwen3-30b-a3b", "block_size": 16},
+                        overrides=HF_TINY["qwen3-30b-a3b"])
+        log = train(cfg, tmp_path / "runs" / f"{run_name(cfg)}.json", progress=None)
+        by_tier = log["model"]["params_by_tier"]
+        assert by_tier["expert"] > 0 and by_tier["router"] > 0 and log["model"]["block_size"] == 16
+        assert log["model"]["config"]["model_type"] == "qwen3_moe" and log["model"]["balance_floor"] == 0.002
+        assert all(s["balance_loss"] > 0 and math.isfinite(s["loss"]) for s in log["steps"])
+    write_json(tmp_path / "bench.json", {"base": {"steps": 2}, "optimizers": ["adamw", "skewadam"]})
+    text = report.render(tmp_path, plots=True)
+    assert "Model `qwen3-30b-a3b` with `--set hidden_size=32" in text and "| skewadam | 0.001 | 1 |" in text
+    assert (tmp_path / "balance.png").exists()

@@ -10,7 +10,8 @@ every import against this list.
 
     1. tiers                        tier labels (they import nothing of ours)
     2. state, structure             state_spec, state_flags, check_state, measure_state; the MoE structure of a model
-    3. kernels, classify, validation  the update kernels; automatic tiers; param group checks
+    3. kernels, classify, validation, recipes  the update kernels; automatic tiers; param group checks; named
+                                    configurations of from_model
     4. distributed, groups, steppers  DTensor placements and the cross-shard reducer; param groups and their census;
                                     the groups stepped outside the fused kernels (orthogonal tier, Adafactor's options)
     5. optimizer                    SkewAdam

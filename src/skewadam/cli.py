@@ -1,7 +1,8 @@
 """The ``skewadam`` command (also ``python -m skewadam``): every argument parser and every printed line lives here.
 
-Subcommands: ``tiers`` (`skewadam.classify`), ``plan`` (`skewadam.bench.planner`, ``--measure``: `skewadam.bench.measure`),
-``bench`` and ``report`` (`skewadam.bench`), ``bench-step`` (`skewadam.bench.bench_step`). Optimizer names are
+Subcommands: ``tiers`` (`skewadam.classify`), ``plan`` (`skewadam.bench.planner`, ``--measure``:
+`skewadam.bench.measure`), ``bench`` and ``report`` (`skewadam.bench`), ``bench-step`` (`skewadam.bench.bench_step`);
+the kernel choices of ``--impl`` are `skewadam.kernels.BACKENDS`'. Optimizer names are
 the arms of `skewadam.bench.arms`, the same for every subcommand.
 
 A user's mistake (a bad value, a missing file, malformed JSON, a missing optional package) is one line on stderr and
@@ -136,7 +137,7 @@ def _add_plan(sub) -> None:
     p.add_argument("--optimizer", action="append", type=_arm, default=None, metavar="NAME",
                    help="plan only these (repeatable; default: " + ", ".join(arms.PLAN_DEFAULT) + "; any of "
                    + ", ".join(arms.names(planned=True)) + ")")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="override a config value (VALUE parsed as JSON), e.g. --set num_hidden_layers=4; repeatable")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
     p.add_argument("--measure", metavar="OPTIMIZER", type=_arm, default=None,
@@ -184,7 +185,8 @@ def _plan(args: argparse.Namespace) -> int:
             kernel = BACKENDS[measured["impl"]].summary
             print(f"\nmeasured: {args.measure} on {args.device} with {kernel}, {measured['method']}: "
                   f"{format_bytes(measured['measured'])} ({measured['measured']:,} B), vs the estimate in the table "
-                  f"(row {args.measure}, column peak, --impl {measured['impl']}): {format_bytes(measured['estimate'])}; "
+                  f"(row {args.measure}, column peak, --impl {measured['impl']}): "
+                  f"{format_bytes(measured['estimate'])}; "
                   f"measured / estimate = {measured['ratio']:.3f}")
     return 0
 
@@ -197,14 +199,14 @@ _RUN_FLAGS = ("model", "data", "steps", "batch_size", "block_size", "eval_interv
 
 def parse_optimizers(text: str) -> tuple[str, ...]:
     """``"adamw,skewadam"`` -> arm names; ``all`` = every arm the bench trains, ``default`` = the default five."""
-    from .bench.config import ALL
+    from .bench.config import ALL, DEFAULT_OPTIMIZERS
 
     names: list[str] = []
     for token in text.replace(" ", ",").split(","):
         if token == "all":
             names += ALL
         elif token == "default":
-            names += arms.BENCH_DEFAULT
+            names += DEFAULT_OPTIMIZERS
         elif token:
             try:
                 names.append(arms.get(token).name)
@@ -236,35 +238,63 @@ def parse_lrs(specs: list[str], optimizers: tuple[str, ...]) -> dict[str, tuple[
     return out
 
 
+def _first_sentence(doc: str) -> str:
+    """A docstring's first sentence, whole, on one line."""
+    text = " ".join(doc.split("\n\n")[0].split())
+    return text.split(". ")[0].rstrip(".") + "."
+
+
+def _preset_runs(bench) -> str:
+    """What a preset runs, from its settings: ``(adamw, muon; 2 runs of 60 steps)``."""
+    return f"({', '.join(bench.optimizers)}; {len(bench.runs())} runs of {bench.base.steps} steps)"
+
+
+def _preset_defaults(presets: dict[str, Any], field: str) -> str:
+    """What each preset sets ``field`` to, for a flag's help: ``default: the preset's: 60 (default), 2 (smoke)``."""
+    by_value: dict[str, list[str]] = {}
+    for name, bench in presets.items():
+        value = getattr(bench.base, field)
+        by_value.setdefault("the model's" if value is None else str(value), []).append(name)
+    if len(by_value) == 1:
+        return f"default: {next(iter(by_value))}, every preset's"
+    return "default: the preset's: " + ", ".join(f"{v} ({', '.join(names)})" for v, names in by_value.items())
+
+
 def _add_bench(sub) -> None:
     from .bench import run
-    from .bench.config import ALL, PRESETS, RunConfig
+    from .bench.config import ALL, DEFAULT_OPTIMIZERS, PRESETS
 
     p = sub.add_parser(
         "bench", help="compare optimizers training the reference MoE (memory, speed, quality), with plots",
         description=run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="optimizers: " + ", ".join(ALL) + "\npresets: " + ", ".join(
-            f"{k} ({v.__doc__.splitlines()[0].rstrip('.')})" for k, v in PRESETS.items()))
+        epilog="optimizers: " + ", ".join(ALL) + "\npresets:\n" + "\n".join(
+            f"  {k}: {_first_sentence(v.__doc__)} {_preset_runs(v())}" for k, v in PRESETS.items()))
     p.add_argument("--preset", default="default", choices=sorted(PRESETS), help="starting settings (default: default)")
     p.add_argument("--optimizers", metavar="LIST",
-                   help="comma-separated names, 'default' or 'all' (default: " + ",".join(arms.BENCH_DEFAULT) + ")")
+                   help="comma-separated names, 'default' or 'all' (default: the preset's; default preset: "
+                        + ",".join(DEFAULT_OPTIMIZERS) + ")")
     p.add_argument("--lrs", nargs="+", metavar="SPEC", default=[],
                    help="learning rates: '1e-4,3e-4' (all), 'adamw=1e-4,3e-4' (one) or 'x0.3,x1,x3' (multiples "
                         "of each default)")
     p.add_argument("--seeds", type=int, help="repeat each run with seeds 0..N-1 (default 1)")
-    p.add_argument("--model", help="model preset of skewadam.bench.models: tiny, cpu, paper-6.78b (default: cpu)")
+    p.add_argument("--model", help="what `skewadam plan` takes: a reference preset (tiny, cpu, paper-6.78b), a "
+                                   "Transformers MoE preset (mixtral-8x7b, qwen3-30b-a3b, olmoe-1b-7b, ...) or a "
+                                   "config.json path; built from the config with the corpus's vocabulary, nothing "
+                                   "downloaded (default: cpu)")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="the model config's own keys, to scale it (VALUE parsed as JSON), e.g. --set hidden_size=128 "
+                        "num_hidden_layers=2 num_local_experts=8; repeatable")
     p.add_argument("--data", help="a UTF-8 text file, or a folder: every UTF-8 text file under it, judged by content "
                                   "(a source tree works; binary files are skipped and counted) (default: the "
                                   "embedded Shakespeare)")
-    base = RunConfig()
+    presets = {name: make() for name, make in PRESETS.items()}
     for flag, kind, what in (("steps", int, "training steps"), ("batch-size", int, "sequences per step"),
-                             ("block-size", int, "tokens per sequence (default: the model's)"),
+                             ("block-size", int, "tokens per sequence"),
                              ("eval-interval", int, "steps between evaluations"),
                              ("eval-batches", int, "fixed validation batches"),
                              ("warmup-frac", float, "linear warm-up fraction of the steps, then cosine to 0"),
                              ("grad-clip", float, "max global grad norm, 0 = off")):
-        default = getattr(base, flag.replace("-", "_"))
-        p.add_argument(f"--{flag}", type=kind, help=what + ("" if default is None else f" (default: {default})"))
+        p.add_argument(f"--{flag}", type=kind, help=f"{what} ({_preset_defaults(presets, flag.replace('-', '_'))})")
     p.add_argument("--device", choices=("cpu", "cuda"), help="cuda: bf16 weights (default cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads per run (default: the preset's; default 1, "
                                                  "study and smoke: torch's)")
@@ -288,6 +318,8 @@ def _bench(args: argparse.Namespace) -> int:
     try:
         bench = get_preset(args.preset)
         overrides = {f: getattr(args, f) for f in _RUN_FLAGS if getattr(args, f) is not None}
+        if args.set:
+            overrides["overrides"] = parse_sets(args.set)
         base = dataclasses.replace(bench.base, **overrides)
         optimizers = parse_optimizers(args.optimizers) if args.optimizers else bench.optimizers
         lrs = {**{k: v for k, v in bench.lrs.items() if k in optimizers}, **parse_lrs(args.lrs, optimizers)}
@@ -355,9 +387,10 @@ def _add_bench_step(sub) -> None:
         "bench-step", help="time one optimizer step: SkewAdam vs fused/foreach AdamW and Adafactor, with memory",
         description=bench_step.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--preset", default="cpu", help="model preset of skewadam.bench.models: tiny, cpu, ... (default: cpu)")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="override model config fields, e.g. --set n_layer=18 d_ff=512 d_expert=384")
+    p.add_argument("--preset", default="cpu",
+                   help="model preset of skewadam.bench.models: tiny, cpu, ... (default: cpu)")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="override model config fields, e.g. --set n_layer=18 d_ff=512 d_expert=384; repeatable")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter dtype (default: fp32)")
     p.add_argument("--optimizers", nargs="+", type=_arm, metavar="NAME",
                    help=f"compared with {first} (default: {', '.join(others)}; any of "

@@ -57,7 +57,7 @@ from ..state import StateTensor, state_flags
 from ..tiers import Tier
 from .extras import quiet_imports
 
-__all__ = ["Arm", "ARMS", "get", "names", "ChainedOptimizer", "BENCH_DEFAULT", "PLAN_DEFAULT", "BENCH_STEP_DEFAULT"]
+__all__ = ["Arm", "ARMS", "get", "names", "ChainedOptimizer", "PLAN_DEFAULT", "BENCH_STEP_DEFAULT"]
 
 #: ``(param groups, lr, SkewAdam kernel impl) -> optimizer``; the impl is ignored by the others.
 Builder = Callable[[list[dict[str, Any]], float, str], Any]
@@ -151,8 +151,8 @@ class ChainedOptimizer:
 # ----------------------------------------------------------------------------------------------------- builders
 def _adamw8bit_torchao(groups, lr, impl):
     """torchao's AdamW8bit. It compiles its per-tensor step with ``torch.compile``; on CPU that costs minutes of
-    compilation in every fresh run process (209 s measured for the first step), so parameters on CPU take the same
-    step eagerly (``torch.compiler.set_stance("force_eager")``): the same math and state, not torchao's speed."""
+    compilation in every fresh run process (``docs/bench/design.md``), so parameters on CPU take the same step
+    eagerly (``torch.compiler.set_stance("force_eager")``): the same math and state, not torchao's speed."""
     try:
         with quiet_imports():  # on a CPU-only build, each of its CUDA extensions logs a failure to load
             from torchao.optim import AdamW8bit
@@ -318,7 +318,6 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
               options={"relative_step": True}),
 ]}
 
-BENCH_DEFAULT = ("adamw", "adafactor", "muon", "skewadam")  # `skewadam bench`, budgeted in skewadam.bench.config
 PLAN_DEFAULT = ("adamw", "adamw8bit-bnb", "adamw8bit-torchao", "adafactor", "skewadam", "skewadam-expert-momentum",
                 "skewadam-factored-router", "skewadam-uniform", "skewadam-bf16m", "skewadam-int8m")
 BENCH_STEP_DEFAULT = ("skewadam", "adamw", "adamw-foreach", "adafactor")  # the first is the one compared with

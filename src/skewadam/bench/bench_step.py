@@ -1,7 +1,7 @@
 """``skewadam bench-step``: the time and transient memory of one optimizer step, SkewAdam against torch's optimizers.
 
-Each optimizer steps its own copy of a `skewadam.bench.models` preset (same weights, same fixed random gradients, the same
-per-tier param groups from `skewadam.groups.param_groups`). Steps are timed in interleaved rounds: every round runs
+Each optimizer steps its own copy of a `skewadam.bench.models` preset (same weights, same fixed random gradients, the
+same per-tier param groups from `skewadam.groups.param_groups`). Steps are timed in interleaved rounds: every round runs
 each optimizer ``--steps`` times, in an order that rotates from round to round, so load from other processes falls
 on all of them alike. A ratio is the median over rounds of the ratio of the two optimizers' per-round medians
 (paired), printed with its spread over the rounds (interquartile range and min..max); a time is the median over
@@ -128,8 +128,8 @@ def bench_step(
     Returns:
         The settings, the model's ``params``, ``tensors`` and ``largest`` tensor (elements), the SkewAdam
         ``kernel`` used on CPU (a backend's name), the ``cpu`` model and its ``isa`` flags (`cpu_info`), the load
-        average before and after, and ``results``: per optimizer ``median_s``, ``ratio`` (paired median of the first optimizer's time
-        over this one's), ``ratios`` (one per round) and ``transient_bytes``.
+        average before and after, and ``results``: per optimizer ``median_s``, ``ratio`` (paired median of the first
+        optimizer's time over this one's), ``ratios`` (one per round) and ``transient_bytes``.
     """
     if not optimizers:
         raise ValueError("bench_step needs at least one optimizer")

@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 from .config import IGNORED_BY_HASH, config_hash, run_name_of, with_defaults
 
-__all__ = ["NUMBER", "LOG_SCHEMA", "BENCH_SCHEMA", "read_log", "schema_problem", "identity_problem", "load_runs", "bench_order",
-           "balance_floor"]
+__all__ = ["NUMBER", "LOG_SCHEMA", "BENCH_SCHEMA", "read_log", "schema_problem", "identity_problem", "load_runs",
+           "bench_order", "balance_floor"]
 
 NUMBER = (int, float)  # NaN and inf included: a diverged run logs them
 #: What a complete run log (`skewadam.bench.train`) holds, as far as the report reads it: a dict is an object with

@@ -19,9 +19,8 @@ from torch import nn
 
 from .. import kernels
 from . import arms
-from .models import MoETransformer
 from .planner import DTYPES, config_value, default_seq, plan
-from .presets import load_model
+from .presets import lm_losses, load_model
 
 __all__ = ["measure_peak", "train_steps", "peak_rss", "rss"]
 
@@ -55,7 +54,7 @@ def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batch: int, seq: i
     for step in range(1, steps + 1):
         idx = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
         tgt = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
-        out = model(idx, tgt) if isinstance(model, MoETransformer) else model(input_ids=idx, labels=tgt)
+        out = lm_losses(model, idx, tgt)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -117,9 +116,9 @@ def measure_peak(
     """Measure the peak memory of real training steps and set it beside `plan`'s estimate.
 
     The model (``spec``: preset or ``config.json``, with config ``overrides``) is built on ``device`` and trained
-    ``steps`` steps on random tokens by the arm ``optimizer`` (`skewadam.bench.arms`). CPU: the growth of the peak resident
-    set size (``VmHWM``) over the resident size after a warm-up, in a fresh Python process (the peak RSS of this one
-    is not resettable). CUDA: ``torch.cuda.max_memory_allocated`` growth, in this process.
+    ``steps`` steps on random tokens by the arm ``optimizer`` (`skewadam.bench.arms`). CPU: the growth of the peak
+    resident set size (``VmHWM``) over the resident size after a warm-up, in a fresh Python process (the peak RSS of
+    this one is not resettable). CUDA: ``torch.cuda.max_memory_allocated`` growth, in this process.
 
     SkewAdam steps with the kernel backend ``impl`` (a name of `skewadam.kernels.BACKENDS`; None or ``"auto"``: the
     one `skewadam.kernels.resolve` picks on ``device``), and the estimate is the plan's peak with that kernel (``impl``

@@ -36,7 +36,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _plan_state(arm: arms.Arm, tensors: Sequence[tuple[tuple[int, ...], str, bool]], dtype: torch.dtype) -> StateBytes:
-    """The state ``arm`` allocates for trainable ``tensors`` ``[(shape, tier, orthogonal), ...]`` stepped in ``dtype``."""
+    """The state ``arm`` allocates for trainable ``tensors`` ``[(shape, tier, orthogonal), ...]`` stepped in
+    ``dtype``."""
     tally = Tally()
     quantized = False
     for shape, tier, orth in tensors:
@@ -278,9 +279,10 @@ def kernel_for(impl: str = "auto", device: Optional[Union[str, torch.device]] = 
     """The kernel backend whose step temporaries a plan counts for SkewAdam, and why: ``(name, reason)``.
 
     ``impl`` a backend's name: that one (its temporaries are counted on any machine; a ``device`` it does not run on
-    is refused). ``"auto"``: what SkewAdam would run on ``device`` (default CPU): `skewadam.kernels.resolve`'s choice where this machine has the device (it checks
-    that the backend builds or imports, and honours ``SKEWADAM_IMPL``), else the backend ``SKEWADAM_IMPL`` names or
-    ``auto`` prefers on that device type (`skewadam.kernels.Backend.auto`), as a machine that has it would run.
+    is refused). ``"auto"``: what SkewAdam would run on ``device`` (default CPU): `skewadam.kernels.resolve`'s choice
+    where this machine has the device (it checks that the backend builds or imports, and honours ``SKEWADAM_IMPL``),
+    else the backend ``SKEWADAM_IMPL`` names or ``auto`` prefers on that device type (`skewadam.kernels.Backend.auto`),
+    as a machine that has it would run.
 
     Example:
         >>> kernel_for("auto", "cpu")[0]   # 'cpp' where the C++ kernel builds, else 'eager'

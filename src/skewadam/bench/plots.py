@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from ..state import format_bytes
 from .logs import balance_floor
@@ -38,9 +38,12 @@ def _smooth(ys: list[float], window: int) -> list[float]:
     return out
 
 
-def plot(run_dir: Path, runs: list[dict[str, Any]], best: dict[str, tuple[float, dict[str, Any]]]) -> list[Path]:
+def plot(run_dir: Path, runs: list[dict[str, Any]], best: dict[str, tuple[float, dict[str, Any]]],
+         full: Optional[tuple[str, dict[str, int]]] = None) -> list[Path]:
     """Write val_ppl.png, memory.png, balance.png into ``run_dir`` for each optimizer at its best lr (``best``,
-    `skewadam.bench.report.best_by_optimizer`, in plot order); return their paths."""
+    `skewadam.bench.report.best_by_optimizer`, in plot order); return their paths. ``full``: (what was planned, the
+    planner's peak per optimizer) for the full-size model, drawn beside the measured peaks: at the bench's size the
+    activations dominate, at full size the optimizer state does."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -70,7 +73,8 @@ def plot(run_dir: Path, runs: list[dict[str, Any]], best: dict[str, tuple[float,
     axes[0].legend(fontsize=8)
     paths.append(_save(fig, run_dir / "val_ppl.png"))
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.6 * len(best) + 2), sharey=True)
+    panels = 3 if full else 2
+    fig, (ax1, ax2, *ax3) = plt.subplots(1, panels, figsize=(5.5 * panels, 0.6 * len(best) + 2), sharey=True)
     names = list(best)
     tiers = (("backbone", "tab:blue"), ("expert", "tab:orange"), ("router", "tab:green"))
     height = 0.8 / len(tiers)
@@ -95,7 +99,18 @@ def plot(run_dir: Path, runs: list[dict[str, Any]], best: dict[str, tuple[float,
     ax2.set_xlim(right=ax2.get_xlim()[1] * 1.2)
     kind = runs[0]["summary"]["memory_kind"]
     ax2.set(xlabel="peak memory above the loaded model (MiB)", title=f"Training peak ({kind})")
-    for ax in (ax1, ax2):
+    if full:
+        what, peaks = full
+        planned = [peaks.get(o) for o in names]
+        ax3[0].barh(range(len(names)), [v / 2**30 if v else float("nan") for v in planned],
+                    color=[colors[o] for o in names])
+        for i, v in enumerate(planned):
+            ax3[0].annotate(format_bytes(v) if v else "not planned", (v / 2**30 if v else 0, i), xytext=(3, 0),
+                            textcoords="offset points", va="center", fontsize=7)
+        ax3[0].set_xlim(right=ax3[0].get_xlim()[1] * 1.25)
+        ax3[0].set(xlabel="planned peak (GiB), skewadam plan", title=f"Planned peak at full size\n{what}")
+        ax3[0].title.set_fontsize(9)
+    for ax in (ax1, ax2, *ax3):
         ax.grid(alpha=0.3, axis="x")
     paths.append(_save(fig, run_dir / "memory.png"))
 

@@ -4,7 +4,8 @@
 ``balance.png``; `skewadam bench` calls the same code when its runs finish.
 
 Per optimizer the table shows the learning rate with the best mean validation perplexity; each figure is the mean over
-seeds (``± std`` with several seeds) and, in parentheses, its ratio to the baseline optimizer (AdamW) at its own best lr.
+seeds (``± std`` with several seeds) and, in parentheses, its ratio to the baseline optimizer (AdamW) at its own best
+lr. Only logs `skewadam.bench.logs` accepts count; the others are listed, skipped.
 """
 
 from __future__ import annotations
@@ -146,6 +147,37 @@ def _load_range(runs) -> str:
     return f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not logged"
 
 
+#: How the memory plot plans the full-size model: as one trains it, bf16 weights on a GPU, one sequence per step.
+FULL_SIZE_PLAN = dict(param_dtype="bf16", device="cuda", batch=1)
+
+
+def full_size_peaks(model: str, optimizers: list[str]) -> tuple[Optional[tuple[str, dict[str, int]]], str]:
+    """The planner's peak per optimizer for the full-size model of a bench's ``model`` (`presets.full_size`:
+    paper-6.78b for the reference presets, a Transformers config without the bench's ``--set``), planned as
+    `FULL_SIZE_PLAN`: ``((what, {optimizer: bytes}), "")``, or ``(None, why not)``."""
+    from . import arms
+    from .planner import plan
+    from .presets import full_size
+
+    spec = full_size(model)
+    planned = [o for o in optimizers if o in arms.ARMS and arms.ARMS[o].state is not None]
+    if not planned:
+        return None, "no optimizer of this bench has a memory model"
+    try:
+        p = plan(spec, optimizers=planned, **FULL_SIZE_PLAN)
+    except (ValueError, OSError, ImportError) as e:
+        return None, f"{spec} could not be planned ({e})"
+    peaks = {o: row.peak for o, row in p.optimizers.items() if row.peak is not None}
+    what = f"{spec} ({p.params / 1e9:.2f}B), bf16, batch 1 x {p.seq}, {p.kernel} kernel"
+    return (what, peaks), ""
+
+
+def _overrides(cfg: dict[str, Any]) -> str:
+    sets = cfg.get("overrides")
+    return f" with `--set {' '.join(f'{k}={json.dumps(v)}' for k, v in sets.items())}`" if isinstance(sets, dict) \
+        and sets else ""
+
+
 def _threads(runs) -> str:
     counts = sorted({r["threads"] for r in runs})
     return f"{' or '.join(map(str, counts))} thread{'s' if counts != [1] else ''}"
@@ -176,7 +208,7 @@ def render(run_dir: str | Path, baseline: str = "adamw", plots: bool = True) -> 
     lines = [
         f"# skewadam bench: {run_dir.name}",
         "",
-        f"Model `{cfg['model']}` ({model['params']:,} parameters: "
+        f"Model `{cfg['model']}`{_overrides(cfg)} ({model['params']:,} parameters: "
         + ", ".join(f"{t} {n:,}" for t, n in model["params_by_tier"].items())
         + f"), data {first['data']['name']}, {cfg['steps']} steps of {cfg['batch_size']} x {model['block_size']} "
         f"tokens, device {cfg['device']}, {_threads(runs)}, "
@@ -205,7 +237,10 @@ def render(run_dir: str | Path, baseline: str = "adamw", plots: bool = True) -> 
         from .plots import plot
 
         best = best_by_optimizer(summary)
-        paths = plot(run_dir, runs, {o: best[o] for o in _ordered(list(best), order)})
+        full, why = full_size_peaks(cfg["model"], list(best))
+        paths = plot(run_dir, runs, {o: best[o] for o in _ordered(list(best), order)}, full)
+        if why:
+            lines += ["", f"The memory plot has no full-size panel: {why}."]
         lines += ["", "Plots: " + ", ".join(f"[{p.name}]({p.name})" for p in paths)]
     text = "\n".join(lines) + "\n"
     (run_dir / "results.md").write_text(text)

