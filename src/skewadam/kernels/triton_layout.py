@@ -165,8 +165,8 @@ def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dt
     """Bytes `step_` allocates for parameters ``[(shape, bank), ...]`` of one group: the workspace, the activity of
     bank slices, the rounding keys, the tensor table, the finite flag and a relative step's float64 sums of ``p^2``.
     An upper bound where the state is unknown: a tensor whose slices have >= 2 dims is counted factored (the larger
-    workspace), the group as a relative step's. Not counted: contiguous copies of non-contiguous parameters or
-    gradients, and the item, matrix and unit tables (cached across steps; 64 bytes per ~2^18 elements).
+    workspace), the group as a relative step's. Not counted: contiguous copies of non-contiguous parameters,
+    gradients or state, and the item, matrix and unit tables (cached across steps; 64 bytes per ~2^18 elements).
 
     Example:
         >>> step_transient_bytes([((8, 64, 32), True)], torch.float32)

@@ -56,7 +56,8 @@ Memory traffic per element of an expert bank (factored, no momentum): ``g`` read
 and by pass 3 with ``p`` read and written: 20 bytes in fp32 (fused AdamW: 28), 10 in bf16. Transient memory: the
 statistics (rows, columns, units), the column partials of matrices cut into several strips, one float per item, and
 the tables (`step_transient_bytes`); in `step_` ``rinv``/``cinv`` overwrite the row and column sums they are
-computed from. A non-contiguous parameter or gradient is also copied (and the parameter written back).
+computed from. A non-contiguous parameter, gradient or state tensor is also copied (and written back if the pass
+writes it).
 
 Under ``TRITON_INTERPRET=1`` (set before triton is first imported) the kernels run on CPU tensors, slowly, which is how
 they are tested without a GPU.

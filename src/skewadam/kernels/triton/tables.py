@@ -2,7 +2,8 @@
 table the kernels read addresses, sizes and hyperparameters from.
 
 Checks, from shapes and metadata only (no device read): `types.check` on every record (the sizes every index is
-computed from, naming the parameter), `types.check_lr`, then the dtypes, devices and contiguity the tables assume.
+computed from, naming the parameter), `types.check_lr`, then the dtypes and devices the tables assume (a
+non-contiguous parameter, gradient or state tensor goes through a contiguous copy, written back where the pass writes).
 A bucket holds the tensors of one group that share the compiled code: (parameter dtype, kind, first-moment format).
 """
 
@@ -59,6 +60,7 @@ class Work(NamedTuple):
     buckets: list[Bucket]
     params: list[Tensor]  # contiguous: the parameter itself or a copy written back by `written`
     grads: list[Tensor]
+    states: list[dict[str, Optional[Tensor]]]  # per parameter, `_STATE` contiguous, as `params`
     device: torch.device
 
 
@@ -85,9 +87,15 @@ def prepare(group: Group, *, write: bool) -> Work:
     for (pd, T, kind, mom, md), index in keyed.items():
         specs = tuple((tuple(params[i].param.shape), bool(params[i].bank)) for i in index)
         buckets.append(Bucket(index, layout(specs, kind), pd, T, mom, md))
-    works = [pt.param if pt.param.is_contiguous() or not write else pt.param.contiguous() for pt in params]
+    reads_param = write or group.relative_step  # (pass 1 of a relative step sums p^2)
+    works = [pt.param if pt.param.is_contiguous() or not reads_param else pt.param.contiguous() for pt in params]
     grads = [pt.grad.contiguous() for pt in params]
-    return Work(group, buckets, works, grads, device)
+    states = [{k: _contiguous(getattr(pt, k)) for k in _STATE} for pt in params]
+    return Work(group, buckets, works, grads, states, device)
+
+
+def _contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
+    return t if t is None or t.is_contiguous() else t.contiguous()
 
 
 def on(device: torch.device):
@@ -96,18 +104,20 @@ def on(device: torch.device):
 
 
 def written(work: Work, *, state: bool, params: bool) -> None:
-    """After the launches that write them: bump the version counters of the state (``state``) and write back the
-    parameters updated through a contiguous copy, bumping the others' (``params``), as torch's in-place ops do, so
-    autograd refuses a backward through a tensor the step changed (the kernels write through raw addresses)."""
-    bump = []
+    """After the launches that write them: write back the state (``state``) and the parameters (``params``) updated
+    through a contiguous copy, and bump the version counters of the others, as torch's in-place ops do, so autograd
+    refuses a backward through a tensor the step changed (the kernels write through raw addresses)."""
+    pairs = []
     if state:
-        bump += [t for pt in work.group.params for t in (getattr(pt, k) for k in _STATE) if t is not None]
+        pairs += [(getattr(pt, k), used[k]) for pt, used in zip(work.group.params, work.states) for k in _STATE]
     if params:
-        for pt, p in zip(work.group.params, work.params):
-            if p is not pt.param:
-                pt.param.copy_(p)  # (an in-place op: it bumps the version itself)
-            else:
-                bump.append(p)
+        pairs += list(zip((pt.param for pt in work.group.params), work.params))
+    bump = []
+    for t, used in pairs:
+        if used is not t:
+            t.copy_(used)  # (an in-place op: it bumps the version itself)
+        elif t is not None:
+            bump.append(t)
     if bump:
         torch.autograd.graph.increment_version(bump)
 
@@ -139,8 +149,8 @@ def check_device(device: torch.device) -> None:
 
 
 def _bucket_key(pt: ParamTensors, i: int, device: torch.device) -> tuple:
-    """The bucket key of one parameter whose sizes `check` has accepted, after checking the dtypes, devices and
-    layouts the kernels assume (a table row holds addresses of contiguous tensors on one device)."""
+    """The bucket key of one parameter whose sizes `check` has accepted, after checking the dtypes and devices the
+    kernels assume (a table row holds addresses of tensors on one device; non-contiguous ones go through copies)."""
     p = pt.param
     where = pt.name or f"parameter {i} of its group"
     if p.dtype not in (torch.float32, torch.bfloat16, torch.float64):
@@ -155,8 +165,6 @@ def _bucket_key(pt: ParamTensors, i: int, device: torch.device) -> tuple:
                 f"{where}: {name} is on {t.device}, the parameters on {device}; the Triton kernel reads and writes "
                 "all state on the parameters' device (step counts included: it advances them there, with no host "
                 "sync, so keep state['step'] on the parameter's device)")
-        if not t.is_contiguous():
-            raise ValueError(f"{where}: state {name!r} must be contiguous")
 
     for name, t in (("the parameter", p), ("the gradient", pt.grad)):
         if t.device != device:
@@ -208,13 +216,14 @@ def tensor_table(b: Bucket, work: Work, stats: list[list[int]], moments: list[li
     rows = [_header(work.group, b.T, work.device)]
     L, seed = b.layout, work.group.seed
     for j, i in enumerate(b.index):
-        pt = work.group.params[i]
+        pt, st = work.group.params[i], work.states[i]
         E, R, C, NB = L.dims[j]
         shape = pt.shape
         ng = math.prod(shape[1:] if pt.bank else shape)
         rows.append([
-            work.params[i].data_ptr(), work.grads[i].data_ptr(), _ptr(pt.exp_avg), _ptr(pt.exp_avg_scale),
-            _ptr(pt.exp_avg_sq), _ptr(pt.row_var), _ptr(pt.col_var), pt.step.data_ptr(), *stats[j], *moments[j],
+            work.params[i].data_ptr(), work.grads[i].data_ptr(),
+            *(_ptr(st[k]) for k in ("exp_avg", "exp_avg_scale", "exp_avg_sq", "row_var", "col_var", "step")),
+            *stats[j], *moments[j],
             E, R, C, NB, shape[-2] if b.factored else 1, shape[-1] if shape else 1, ng, int(bool(pt.bank)),
             _key_base(seed, pt.stream), L.unit0[j],
         ])
