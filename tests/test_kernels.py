@@ -442,7 +442,7 @@ def test_every_kernel_checks_the_int8_scales_and_bank_step_counts(impl):
 
 
 @needs_cpp
-@pytest.mark.parametrize("field", ["sumsq", "rc_sumsq", "row", "col", "row_var_sum"])
+@pytest.mark.parametrize("field", ["sumsq", "rc_sumsq", "row", "col", "row_var_sum", "absmax"])
 def test_cpp_checks_the_statistics_it_indexes_with(field):
     mod, group = _record("cpp")
     stats = mod.grad_stats(group)

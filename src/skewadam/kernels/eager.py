@@ -13,6 +13,11 @@ statistics across shards (nothing here calls torch.distributed):
    per-unit sum of ``u^2`` for the RMS clip.
 3. `apply_updates_`: ``p = p*(1 - lr*wd) - lr * u / max(1, rms(u))``, rounded stochastically for bf16 parameters.
 
+Adafactor's options (`skewadam.kernels.types.Group`) live inside these passes, per unit: ``relative_step`` adds the sum
+of ``p^2`` to pass 1 and scales the update term by ``max(RELATIVE_STEP_EPS, rms(p))`` (pass 2 folds it into
+``Moments.corr``; the weight decay keeps ``lr``); ``beta2_decay`` gives every second-moment EMA of a unit its own
+``1 - t**d`` and drops the second moment's bias correction. An idle bank slice is left untouched either way.
+
 Means use the *global* shapes passed in, so a shard divides its partial sums by the full row or column count.
 The row-statistic mean is carried as a sum updated by linearity, ``sum_i row_i' = b2*sum_i row_i + (1-b2)*sum_i
 rowmean_i``, so a row-sharded tensor needs no extra collective (exact up to summation order).
@@ -21,6 +26,14 @@ EMAs are ``s * beta + x * (1 - beta)``, each operation rounded on its own (`ema`
 fuses a multiply-add or not depending on the CPU's vector unit: the element-wise state (momentum in every storage, the
 full second moment, step counts) is then bitwise the C++ kernel's on any CPU. Sums (the factored statistics, the
 clip) are added in another order, so weights agree to rounding.
+
+Range: pass 1 sums squares in float64 (`GradStats`), where no finite fp32 or bf16 gradient overflows them, so only
+inf/NaN gradients are non-finite; the second-moment EMAs are float64 too, rounded once into the fp32 state. A step is
+exact while that state holds ``beta2 * v + (1 - beta2) * mean(g^2)``: from a zero state up to ``|g| = sqrt(FLT_MAX /
+(1 - beta2))`` (5.8e20 at beta2 = 0.999); held at G, the state tends to G^2, so gradients sustained above
+``sqrt(FLT_MAX)`` (1.8e19) overflow it. Beyond, the second moment holds inf and the update of what it covers vanishes
+(as fp32 AdamW's does: only the weight decay applies). fp64 parameters: their float64 squares overflow near 1.3e154 / sqrt(numel) (the
+step counts as non-finite) and underflow below 1.5e-162, so a unit's activity is its max ``|g|``.
 
 Memory: a tensor is processed along dim 0, a chunk of whole dim-0 slices (rows of a matrix, bank slices) of at most
 `CHUNK_NUMEL` elements at a time (at least one slice), so the fp32 temporaries of a pass (about ten in a bf16 step)
@@ -43,8 +56,8 @@ from torch import Tensor
 
 from .quant import load_momentum, store_momentum_
 from .rounding import rounding_key, stochastic_round_bf16
-from .types import (ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, all_finite, check, check_lr,
-                    stat_dims, unit_dims, unit_numel)
+from .types import (RELATIVE_STEP_EPS, ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, active_units,
+                    all_finite, check, check_lr, stat_dims, unit_dims, unit_numel)
 
 __all__ = ["GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "step_", "unit_dims",
            "stat_dims", "chunk_slices", "ema", "step_key", "CHUNK_NUMEL", "BLOCK_NUMEL", "SKIP_ON_HOST",
@@ -55,24 +68,39 @@ BLOCK_NUMEL = 1 << 20  # sums are taken per block of whole dim-0 slices of about
 SKIP_ON_HOST = True  # a tensor ``skip`` is read on the host (one sync on GPU); the optimizer reads it once per step
 
 Scalar = Union[float, Tensor]
+Beta = Union[float, tuple[Tensor, Tensor]]  # an EMA's beta: a float, or per-slice coefficients (beta, 1 - beta)
 
 
 def _compute(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def ema(s: Tensor, x: Tensor, beta: float) -> Tensor:
+def _coefficients(beta: Beta) -> tuple[Scalar, Scalar]:
+    return beta if isinstance(beta, tuple) else (beta, 1.0 - beta)
+
+
+def ema(s: Tensor, x: Tensor, beta: Beta) -> Tensor:
     """``s * beta + x * (1 - beta)``, every operation rounded on its own (no fused multiply-add, which torch.lerp's CPU
-    kernel uses or not depending on the CPU's vector unit), the coefficients rounded from float64."""
-    return torch.mul(x, 1.0 - beta).add_(torch.mul(s, beta))
+    kernel uses or not depending on the CPU's vector unit), the coefficients rounded from float64 (a float ``beta``,
+    or per-slice ``(beta, 1 - beta)`` tensors already rounded)."""
+    b, w = _coefficients(beta)
+    return torch.mul(x, w).add_(torch.mul(s, b))
 
 
-def _ema_(s: Tensor, x: Tensor, beta: float, active: Optional[Tensor] = None) -> None:
+def _ema_(s: Tensor, x: Tensor, beta: Beta, active: Optional[Tensor] = None) -> None:
     """``s = ema(s, x, beta)`` in place; with ``active`` (a bank's live slices) only where it holds."""
     if active is None:
-        s.mul_(beta).add_(torch.mul(x, 1.0 - beta))
+        b, w = _coefficients(beta)
+        s.mul_(b).add_(torch.mul(x, w))
     else:
         s.copy_(torch.where(active, ema(s, x, beta), s))
+
+
+def _ema64_(s: Tensor, x: Tensor, beta: Beta) -> None:
+    """A second moment's EMA: ``s = ema(s, x, beta)`` computed in float64 from the float64 ``x`` (overwritten), the
+    coefficients float64, rounded once into ``s`` (a bank's idle slices have coefficients (1, 0): left as they are)."""
+    b, w = _coefficients(beta)
+    s.copy_(x.mul_(w).add_(s.to(torch.float64, copy=True).mul_(b)))
 
 
 def _slices(shape: Sequence[int]) -> tuple[int, int]:
@@ -127,19 +155,32 @@ def _cat(parts: list) -> Optional[Tensor]:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _unit_sums(x: Tensor, bank: bool, per_block: int) -> list[Tensor]:
-    """Per summation block of ``x`` (a chunk): its sum over each unit's dims (a bank: one per slice), keepdim."""
+def _unit_sums(x: Tensor, bank: bool, per_block: int, reduce=torch.sum) -> list[Tensor]:
+    """Per summation block of ``x`` (a chunk): its sum (or other ``reduce``) over each unit's dims (a bank: one per
+    slice), keepdim."""
     if x.ndim == 0:
         return [x]
     dims = unit_dims(x.ndim, bank)
-    return [x[b].sum(dims, keepdim=True) for b in _blocks(x.shape[0], per_block)]
+    return [reduce(x[b], dims, keepdim=True) for b in _blocks(x.shape[0], per_block)]
 
 
-def _total(parts: list[Tensor], bank: bool) -> Tensor:
-    """The per-unit sums from `_unit_sums`' block parts: a bank's per-slice sums joined, other tensors' added."""
+def _total(parts: list[Tensor], bank: bool, reduce=torch.sum) -> Tensor:
+    """The per-unit sums (or other ``reduce``) from `_unit_sums`' block parts: a bank's per-slice ones joined, other
+    tensors' combined."""
     if len(parts) == 1 or bank:
         return _cat(parts)
-    return torch.cat(parts).sum(0, keepdim=True)
+    return reduce(torch.cat(parts), 0, keepdim=True)
+
+
+def _amax(x: Tensor, dims, keepdim: bool = True) -> Tensor:
+    """``x.amax(dims)``, 0 over dims that hold no element (a unit without elements is never stepped)."""
+    return x.amax(dims, keepdim=keepdim) if x.numel() else x.sum(dims, keepdim=keepdim)
+
+
+def _square64(x: Tensor) -> Tensor:
+    """``x^2`` in float64 (exact for fp32 and bf16 values), in place on the copy the conversion makes."""
+    y = x.to(torch.float64)
+    return y.square_() if y is not x else y.square()
 
 
 def _dtype(pt: ParamTensors) -> torch.dtype:
@@ -156,57 +197,86 @@ def step_key(seed: int, pt: ParamTensors):
 
 # ------------------------------------------------------------------------------------------------------------ pass 1
 def grad_stats(group: Group) -> list[GradStats]:
-    """Pass 1: sums of g^2 (nothing is written). Raises ValueError naming a parameter whose gradient or state does
-    not fit it (`skewadam.kernels.types.check`), or for a tensor lr of more than one element, before any pass writes."""
+    """Pass 1: sums of g^2 (nothing is written), and with ``group.relative_step`` each unit's sum of p^2 in float64.
+    Raises ValueError naming a parameter whose gradient or state does not fit it (`skewadam.kernels.types.check`), or
+    for a tensor lr of more than one element, before any pass writes."""
     check_lr(group.lr)
     for pt in group.params:
         check(pt)
-    return [_grad_stats(pt) for pt in group.params]
+    return [_grad_stats(pt, group.relative_step) for pt in group.params]
 
 
-def _grad_stats(pt: ParamTensors) -> GradStats:
+def _grad_stats(pt: ParamTensors, relative_step: bool) -> GradStats:
     g, row_var, bank = pt.grad, pt.row_var, pt.bank
-    dtype = _dtype(pt)
     per_block = _block_slices(g.shape)
     n0 = _slices(g.shape)[0]
-    sums, rows, cols = [], [], []
+    fp64 = g.dtype == torch.float64  # squares below 1e-162 underflow: a unit's activity needs max |g|
+    sums, rows, cols, psq, maxes = [], [], [], [], []
     for sl in _chunks(g.shape):
-        sq = _compute(_at(g, sl, n0), dtype).square()
+        if relative_step:
+            psq += _unit_sums(_square64(_at(pt.param, sl, n0)), bank, per_block)
+        gc = _at(g, sl, n0)
+        if fp64:
+            maxes += _unit_sums(gc.abs(), bank, per_block, _amax)
+        sq = _square64(gc)
         if row_var is None:
             sums += _unit_sums(sq, bank, per_block)
             continue
         for b in _blocks(sq.shape[0], per_block):
             rows.append(sq[b].sum(-1, keepdim=True))
             cols.append(sq[b].sum(-2, keepdim=True))
+    p_sumsq = _total(psq, bank) if relative_step else None
+    absmax = _total(maxes, bank, _amax) if fp64 else None
     if row_var is None:
-        return GradStats(_total(sums, bank), None, None, None, None)
+        return GradStats(_total(sums, bank), None, None, None, None, p_sumsq, absmax)
     row = _cat(rows)
     col = _cat(cols)
     if g.ndim == 2 and len(cols) > 1:  # dim 0 is the matrix's rows: the blocks hold partial column sums
         col = col.sum(0, keepdim=True)
     rc = row.sum(-2, keepdim=True)
-    return GradStats(rc.sum(unit_dims(g.ndim, bank), keepdim=True), rc, row, col, row_var.sum(-2, keepdim=True))
+    return GradStats(rc.sum(unit_dims(g.ndim, bank), keepdim=True), rc, row, col,
+                     row_var.sum(-2, keepdim=True, dtype=torch.float64), p_sumsq, absmax)
 
 
 # ------------------------------------------------------------------------------------------------------------ pass 2
-def _bias_correction(step: Tensor, bank: bool, beta1: Optional[float], beta2: float, dtype) -> Scalar:
-    """sqrt(1 - beta2^t) / (1 - beta1^t), in float64 (1 - beta in float32 is off by ~1e-5 relative)."""
+def _bias_correction(step: Tensor, bank: bool, beta1: Optional[float], beta2: Optional[float], dtype) -> Scalar:
+    """sqrt(1 - beta2^t) / (1 - beta1^t), in float64 (1 - beta in float32 is off by ~1e-5 relative); a factor is 1
+    where its beta is None (no momentum; beta2_decay's second moment, an unbiased average)."""
     if not bank:
         t = step.item()  # a host scalar
-        c = math.sqrt(1.0 - beta2**t)
+        c = math.sqrt(1.0 - beta2**t) if beta2 is not None else 1.0
         return c / (1.0 - beta1**t) if beta1 is not None else c
     t = step.double().clamp(min=1.0)  # idle slices (t = 0) are masked out; clamp keeps them finite
-    c = (1.0 - torch.pow(beta2, t)).sqrt()
+    c = (1.0 - torch.pow(beta2, t)).sqrt() if beta2 is not None else torch.ones_like(t)
     if beta1 is not None:
         c = c / (1.0 - torch.pow(beta1, t))
     return c.to(dtype)
 
 
+def _beta2(step: Tensor, active: Optional[Tensor], group: Group) -> Beta:
+    """The second moment's beta: the group's, or with ``beta2_decay`` d ``1 - t**d`` at each unit's new step count t
+    in float64 by the host's libm (as the C++ kernel computes it: a bank's counts are read on the host, one sync on a
+    GPU). A bank's (``active``: its live slices) as per-slice float64 coefficients ``(beta, 1 - beta)``, ``(1, 0)``
+    on idle slices, whose EMAs (of finite inputs: their gradient is zero) then leave them exactly as they are."""
+    d = group.beta2_decay
+    if active is None:
+        return group.beta2 if d is None else 1.0 - step.item() ** d
+    if d is None:
+        b = torch.full_like(active, group.beta2, dtype=torch.float64)
+        w = torch.full_like(active, 1.0 - group.beta2, dtype=torch.float64)
+    else:
+        betas = [1.0 - max(t, 1.0) ** d for t in step.tolist()]
+        b, w = (torch.tensor(c, dtype=torch.float64).to(step.device).view(active.shape)
+                for c in (betas, [1.0 - x for x in betas]))
+    return torch.where(active, b, 1.0), torch.where(active, w, 0.0)
+
+
 def _zero_moments(pt: ParamTensors, st: GradStats) -> Moments:
     """What pass 2 returns for a skipped step or a parameter with no elements: nothing to clip or write."""
-    z = torch.zeros_like(st.sumsq)
-    return Moments(z, z.clone() if pt.bank else 0.0, None if st.row is None else torch.zeros_like(st.row),
-                   None if st.col is None else torch.zeros_like(st.col),
+    dtype = _dtype(pt)
+    z = torch.zeros_like(st.sumsq, dtype=dtype)
+    return Moments(z, z.clone() if pt.bank else 0.0, None if st.row is None else torch.zeros_like(st.row, dtype=dtype),
+                   None if st.col is None else torch.zeros_like(st.col, dtype=dtype),
                    torch.zeros_like(st.sumsq, dtype=torch.bool) if pt.bank else None)
 
 
@@ -215,6 +285,10 @@ def update_moments_(group: Group, stats: Sequence[GradStats], *, skip: Optional[
 
     floor: ``denom = sqrt(max(row/max(mean(row),1e-15), eps)) * sqrt(max(col, eps))`` or ``sqrt(max(v, eps))``.
     add:   ``g^2 + eps`` is accumulated instead and ``denom = sqrt(row/mean(row)) * sqrt(col)`` or ``sqrt(v)``.
+    ``u = m * corr / denom`` (``g`` without momentum), ``corr = sqrt(1 - beta2^t) / (1 - beta1^t)``; with
+    ``group.beta2_decay`` every second-moment EMA uses the unit's ``1 - t**beta2_decay`` and ``corr`` drops its
+    ``sqrt(1 - beta2^t)``; with ``group.relative_step`` the returned ``corr`` (pass 3's scale of u, not this pass's)
+    is multiplied by ``max(RELATIVE_STEP_EPS, sqrt(p_sumsq / n))``.
 
     A compact first moment (int8 with its scales, or bf16: `skewadam.kernels.quant`) is decoded, updated in the
     compute dtype and stored back here; ``u`` is then formed from the stored value, as pass 3 will read it.
@@ -231,31 +305,33 @@ def _update_moments(pt: ParamTensors, st: GradStats, group: Group) -> Moments:
     n_unit = unit_numel(pt.shape, bank)
     active = None
     if bank:
-        active = st.sumsq > 0 if n_unit else torch.zeros_like(st.sumsq, dtype=torch.bool)
+        active = active_units(st) if n_unit else torch.zeros_like(st.sumsq, dtype=torch.bool)
         step.add_(active.view(-1))  # an expert that saw no token has an all-zero slice: leave it untouched
     elif n_unit == 0:
         return _zero_moments(pt, st)
     else:
         step.add_(1)
-    corr = _bias_correction(step, bank, group.beta1 if m is not None else None, group.beta2, dtype)
+    decayed = group.beta2_decay is not None
+    corr = _bias_correction(step, bank, group.beta1 if m is not None else None, None if decayed else group.beta2,
+                            dtype)
     if bank:
         corr = corr.view(-1, *([1] * (g.ndim - 1)))
+    beta2 = _beta2(step, active, group)
     add = group.eps if group.eps_mode == "add" else 0.0
     floor = group.eps if group.eps_mode == "floor" else 0.0
     rinv = cinv = None
     if pt.row_var is not None:  # the factored EMAs and denominators: row- and column-sized, done whole
         R, C = pt.shape[-2], pt.shape[-1]
-        _ema_(pt.row_var, st.row / C + add, group.beta2, active)
-        _ema_(pt.col_var, st.col / R + add, group.beta2, active)
-        rsum = st.row_var_sum * group.beta2 + (st.rc_sumsq / C + R * add) * (1.0 - group.beta2)
-        if active is not None:
-            rsum = torch.where(active, rsum, st.row_var_sum)
-        rmean = rsum / R
+        _ema64_(pt.row_var, st.row / max(C, 1) + add, beta2)  # (an empty dim's sums are 0: keep x finite)
+        _ema64_(pt.col_var, st.col / max(R, 1) + add, beta2)
+        b2, w2 = _coefficients(beta2)
+        rmean = (st.row_var_sum * b2 + (st.rc_sumsq / C + R * add) * w2) / R
+        # the denominators in the state dtype, a row's ratio to the float64 row mean rounded into it first
         if group.eps_mode == "floor":
-            rinv = (pt.row_var / rmean.clamp(min=ROW_MEAN_FLOOR)).clamp_(min=floor).rsqrt_()
+            rinv = (pt.row_var / rmean.clamp(min=ROW_MEAN_FLOOR)).to(dtype).clamp_(min=floor).rsqrt_()
             cinv = pt.col_var.clamp(min=floor).rsqrt()
         else:
-            rinv = (pt.row_var / rmean.clamp(min=torch.finfo(dtype).tiny)).rsqrt_()
+            rinv = (pt.row_var / rmean.clamp(min=torch.finfo(torch.float64).tiny)).to(dtype).rsqrt_()
             cinv = pt.col_var.rsqrt()
     key = 0  # only a bf16 first moment draws rounding bits
     if m is not None and m.dtype == torch.bfloat16 and dtype != torch.bfloat16:
@@ -266,9 +342,12 @@ def _update_moments(pt: ParamTensors, st: GradStats, group: Group) -> Moments:
     for sl in _chunks(g.shape):
         u = _moments_chunk(*(_at(t, sl, n0) for t in (g, m, pt.exp_avg_scale, pt.exp_avg_sq, rinv, cinv, active,
                                                        corr)),
-                           dtype=dtype, beta1=group.beta1, beta2=group.beta2, add=add, floor=floor, key=key,
-                           offset=(sl.start or 0) * per_slice)
+                           dtype=dtype, beta1=group.beta1,
+                           beta2=tuple(_at(c, sl, n0) for c in beta2) if isinstance(beta2, tuple) else beta2,
+                           add=add, floor=floor, key=key, offset=(sl.start or 0) * per_slice)
         sums += _unit_sums(u.square(), bank, per_block)
+    if group.relative_step:  # pass 3 scales u by the unit's max(eps2, rms(p)); weight decay keeps lr
+        corr = (corr * (st.p_sumsq / n_unit).sqrt_().clamp_(min=RELATIVE_STEP_EPS)).to(dtype)
     return Moments(_total(sums, bank), corr, rinv, cinv, active)
 
 
@@ -277,7 +356,7 @@ def _moments_chunk(g, m, scale, v, rinv, cinv, active, corr, *, dtype, beta1, be
     """Momentum and full second moment of one chunk, in place; returns the chunk's u."""
     g = _compute(g, dtype)
     if v is not None:
-        _ema_(v, g.square() + add if add else g.square(), beta2, active)
+        _ema64_(v, _square64(g).add_(add) if add else _square64(g), beta2)
     src = g
     if m is not None and m.dtype == dtype:
         _ema_(m, g, beta1, active)
@@ -287,9 +366,16 @@ def _moments_chunk(g, m, scale, v, rinv, cinv, active, corr, *, dtype, beta1, be
         new = ema(m32, g, beta1)
         store_momentum_(m, scale, new if active is None else torch.where(active, new, m32), key, offset)
         src = load_momentum(m, scale, dtype)
+    return _direction(src, corr, rinv, cinv, v, floor)
+
+
+def _direction(src: Tensor, c: Scalar, rinv: Optional[Tensor], cinv: Optional[Tensor], v: Optional[Tensor],
+               floor: float) -> Tensor:
+    """The update direction scaled by ``c``, from its source (momentum, else gradient): factored ``src * (rinv_i * c)
+    * cinv_j``, full ``src * c / sqrt(max(v, floor))`` (pass 2: ``c`` the bias correction; pass 3: also the clip)."""
     if rinv is not None:
-        return src * (rinv * corr) * cinv
-    return src * corr / (v.clamp(min=floor) if floor else v).sqrt()
+        return src * (rinv * c) * cinv
+    return src * c / (v.clamp(min=floor) if floor else v).sqrt()
 
 
 # ------------------------------------------------------------------------------------------------------------ pass 3
@@ -331,10 +417,7 @@ def _apply_updates(pt: ParamTensors, mo: Moments, *, lr: Scalar, decay: Optional
 
 def _apply_chunk(p, g, m, scale, v, rinv, cinv, active, cc, *, dtype, lr, decay, floor, key, offset) -> None:
     src = load_momentum(m, scale, dtype) if m is not None else _compute(g, dtype)
-    if rinv is not None:
-        u = src * (rinv * cc) * cinv
-    else:
-        u = src * cc / (v.clamp(min=floor) if floor else v).sqrt()
+    u = _direction(src, cc, rinv, cinv, v, floor)
     p32 = _compute(p, dtype)
     new = torch.sub(p32 * decay if decay is not None else p32, u.mul_(lr))
     if active is not None:

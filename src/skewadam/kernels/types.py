@@ -21,6 +21,7 @@ tensor does not fit its parameter (a compiled kernel checks the same sizes itsel
 Shape legend (here and in the kernels): ``E`` bank slices (dim 0 of a stacked expert tensor), ``...`` batch dims, ``R``
 rows (dim -2), ``C`` columns (dim -1). A *unit* gets its own RMS clip and step count: a bank slice, or the whole tensor.
 A unit with no elements (in the global shape) is left untouched, its step count included.
+
 """
 
 from __future__ import annotations
@@ -35,11 +36,11 @@ from torch import Tensor
 from ..state import num_blocks
 
 __all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS", "unit_dims",
-           "unit_numel", "stat_dims", "check", "check_lr", "all_finite"]
+           "active_units", "unit_numel", "stat_dims", "check", "check_lr", "all_finite"]
 
 class MomFmt(enum.IntEnum):
     """How a parameter's first moment is stored: one numbering for every compiled kernel (the C++ kernel's
-    ``MomFmt`` and the Triton kernels' ``MOM`` take these values)."""
+    ``MomFmt`` is built from these, as ``-D`` flags; the Triton kernels' ``MOM`` takes these values)."""
 
     PLAIN = 0  # the statistics dtype
     BF16 = 1  # bf16, stochastically rounded
@@ -96,7 +97,9 @@ class Group(NamedTuple):
 
 
 class GradStats(NamedTuple):
-    """Pass-1 sums of g^2. Each field pairs with the dims it sums over (`stat_dims`) for the distributed seam."""
+    """Pass-1 sums of g^2, float64 tensors whatever the parameter's dtype (the square of an fp32 or bf16 value is
+    exact there, and no sum of finite ones overflows). Each field pairs with the dims it sums over (`stat_dims`) for
+    the distributed seam: a shard's partial sums add up to the tensor's."""
 
     sumsq: Tensor  # per unit, keepdim: [E, 1, ...] or [1, ...]
     rc_sumsq: Optional[Tensor]  # factored: per batch matrix [..., 1, 1]
@@ -104,13 +107,14 @@ class GradStats(NamedTuple):
     col: Optional[Tensor]  # factored: sum_i g^2, [..., 1, C]
     row_var_sum: Optional[Tensor]  # factored: sum_i row_var before this step, [..., 1, 1]
     p_sumsq: Optional[Tensor] = None  # relative step: per unit, keepdim, sum of p^2 before this step
+    absmax: Optional[Tensor] = None  # fp64 parameters: per unit, keepdim, max |g| (their squares can underflow)
 
 
 class Moments(NamedTuple):
     """Pass-2 results that pass 3 needs (all small: no parameter-sized tensor)."""
 
     u_sumsq: Tensor  # per unit, keepdim
-    corr: Union[Tensor, float]  # bias correction per unit
+    corr: Union[Tensor, float]  # per unit, pass 3's scale of u: the bias correction (relative step: times rms(p))
     rinv: Optional[Tensor]  # factored: [..., R, 1]
     cinv: Optional[Tensor]  # factored: [..., 1, C]
     active: Optional[Tensor]  # bank: which slices had a non-zero gradient, [E, 1, ...]
@@ -121,6 +125,13 @@ def unit_dims(ndim: int, bank: bool) -> tuple[int, ...]:
     return tuple(range(1 if bank else 0, ndim))
 
 
+def active_units(stats: GradStats) -> Tensor:
+    """Per unit, whether its gradient has a nonzero element (a bank slice without one is an expert that received no
+    token: idle, left untouched): ``sumsq > 0``, or for fp64 parameters ``absmax > 0``. Both stay decidable after the
+    reducer sums them across shards (a sum of per-shard maxima is > 0 iff one is)."""
+    return (stats.absmax if stats.absmax is not None else stats.sumsq) > 0
+
+
 def unit_numel(shape: Sequence[int], bank: bool) -> int:
     """Elements of one unit of a parameter of (global) ``shape``: what its means divide by."""
     return math.prod(shape[1:] if bank else shape)
@@ -128,7 +139,8 @@ def unit_numel(shape: Sequence[int], bank: bool) -> int:
 
 def stat_dims(stats: GradStats, ndim: int, bank: bool) -> list[tuple[Tensor, tuple[int, ...]]]:
     """Pair each present statistic with the parameter dims it sums over (what a shard must all-reduce)."""
-    dims = [unit_dims(ndim, bank), (ndim - 2, ndim - 1), (ndim - 1,), (ndim - 2,), (ndim - 2,), unit_dims(ndim, bank)]
+    unit = unit_dims(ndim, bank)
+    dims = [unit, (ndim - 2, ndim - 1), (ndim - 1,), (ndim - 2,), (ndim - 2,), unit, unit]
     return [(t, d) for t, d in zip(stats, dims) if t is not None]
 
 
