@@ -6,7 +6,8 @@ The work is cut into *items* (one program each, ~`TARGET` elements): a strip of 
 (``"factored"``), a strip of rows of one unit (``"rows"``: a full second moment with int8 momentum, whose blocks lie
 along rows), or a run of one unit's elements (``"flat"``). Items, matrices and units are listed in three int64 tables
 that depend only on the shapes (cached); their columns are the kernels' ``ITEM_*``, ``MAT_*`` and ``UNIT_*``. A
-strip holds >= `MIN_ROWS` rows, so the column partials of a matrix cut into several strips are at most numel / 512.
+strip holds >= `MIN_ROWS` rows, so the float64 column partials of a matrix cut into several strips are at most
+numel / 1024 elements.
 
 Shape legend: ``E`` units (bank slices, dim 0; 1 for a single tensor), ``B`` matrices ``[R, C]`` of a factored tensor
 (all dims but the last two), ``R`` rows, ``C`` columns, ``M`` rows of the ``[M, C]`` view of a tensor.
@@ -30,8 +31,8 @@ __all__ = ["Layout", "layout", "upload", "workspace_numel", "step_transient_byte
            "TABLE_WIDTH"]
 
 TARGET = 1 << 18  # elements per work item
-MIN_ROWS = 512  # rows per strip of a matrix cut into several: bounds its column partials at numel / 512
-TABLE_WIDTH = 30  # int64 columns of a row of the kernels' tensor table (its header row has as many)
+MIN_ROWS = 1024  # rows per strip of a matrix cut into several: bounds its float64 column partials at numel / 1024
+TABLE_WIDTH = 31  # int64 columns of a row of the kernels' tensor table (its header row has as many)
 
 
 class Layout:
@@ -49,7 +50,8 @@ class Layout:
         self.units: list[list[int]] = []
         self.dims: list[tuple[int, int, int, int]] = []  # per tensor: E, R, C, NB
         self.unit0: list[int] = []  # per tensor: index of its first unit in the bucket
-        self.stats: list[tuple[int, ...]] = []  # per tensor: offsets of sumsq, rc, rvs, row, col (elements)
+        self.stats: list[tuple[int, ...]] = []  # per tensor: offsets of sumsq, rc, rvs, row, col (float64 elements,
+        # then every unit's max |g|: `stats64_numel`)
         self.moments: list[tuple[int, ...]] = []  # per tensor: offsets of u_sumsq, corr, scale (all tensors'
         # first), rinv, cinv
         self.act: list[int] = []  # per tensor: offset in the bank-activity buffer (-1: not a bank)
@@ -66,6 +68,8 @@ class Layout:
             self.moments.append((u, u + E, u + 2 * E) + ((start, start + rows) if self.kind == "factored" else ()))
             start += rows + cols
         self.moments_numel = start
+        self.stats64_numel = self.stats_numel + self.n_units
+        self.scratch64_numel = self.colp + 2 * len(self.items)  # column partials, per item sum g^2 and max |g|
         self.psq_numel = len(self.items) + self.n_units  # float64: per item then per unit, a relative step's sum p^2
 
     def _add(self, t: int, shape: tuple[int, ...], bank: bool) -> None:
@@ -155,17 +159,17 @@ def upload(rows: list[list[int]], device: torch.device) -> Tensor:
     return torch.empty(host.shape, dtype=torch.int64, device=device).copy_(host, non_blocking=True)
 
 
-def workspace_numel(L: Layout) -> int:
-    """Elements of T one bucket's `step_` uses: statistics, u_sumsq, corr and scale, column and item partials, clips
-    (rinv and cinv overwrite the row and column sums)."""
-    return L.stats_numel + 3 * L.n_units + L.colp + len(L.items) + L.n_units
+def workspace_numel(L: Layout) -> tuple[int, int]:
+    """Elements one bucket's `step_` uses: float64 (the statistics, every unit's max |g|, pass 1's partials) and of
+    T (u_sumsq, corr, scale, rinv and cinv, the items' partial sums of u^2, the clips)."""
+    return L.stats64_numel + L.scratch64_numel, L.moments_numel + len(L.items) + L.n_units
 
 
 def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dtype: torch.dtype) -> int:
-    """Bytes `step_` allocates for parameters ``[(shape, bank), ...]`` of one group: the workspace, the activity of
-    bank slices, the rounding keys, the tensor table, the finite flag and a relative step's float64 sums of ``p^2``.
-    An upper bound where the state is unknown: a tensor whose slices have >= 2 dims is counted factored (the larger
-    workspace), the group as a relative step's. Not counted: contiguous copies of non-contiguous parameters,
+    """Bytes `step_` allocates for parameters ``[(shape, bank), ...]`` of one group: the workspaces (float64
+    statistics, the moments in the state dtype), the activity of bank slices, the rounding keys, the tensor table,
+    the finite flag and a relative step's float64 sums of ``p^2``. An upper bound where the state is unknown: a
+    tensor whose slices have >= 2 dims is counted factored (the larger workspace), the group as a relative step's. Not counted: contiguous copies of non-contiguous parameters,
     gradients or state, and the item, matrix and unit tables (cached across steps; 64 bytes per ~2^18 elements).
 
     Example:
@@ -182,5 +186,6 @@ def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dt
         if specs:
             L = layout(tuple(specs), kind)
             tables = (len(specs) + 1) * TABLE_WIDTH * 8
-            total += workspace_numel(L) * itemsize + L.psq_numel * 8 + L.act_numel + 2 * len(specs) * 8 + tables
+            ws64, ws = workspace_numel(L)
+            total += (ws64 + L.psq_numel) * 8 + ws * itemsize + L.act_numel + 2 * len(specs) * 8 + tables
     return total

@@ -1,11 +1,14 @@
 """SkewAdam's update as Triton kernels: the passes of `skewadam.kernels.eager` for GPU tensors, with no host sync.
 
-The math is eager's, operation for operation, in the state dtype ``T`` (fp32 for bf16 parameters, the parameter's
-dtype otherwise): EMAs as `eager.ema` (``x * (1 - beta) + s * beta``, the coefficients float64 rounded to T), the
-write as ``p * decay - u * lr`` (lr and decay float64 rounded to T), the int8 code as `quant.quantize_` (the ratio
-rounded to fp32, its correctly rounded root, times 127, rint), every operation IEEE-rounded on its own in eager's order
-(kernels are compiled with ``enable_fp_fusion=False``: no FMA; divisions and square roots round to nearest). What
-differs from eager is only the order of summation. So, as eager and the C++ kernel promise each other, the element-wise
+The math is eager's, operation for operation, in eager's dtypes: the statistics of pass 1 in float64 (`GradStats`:
+the square of an fp32 or bf16 value is exact there, and no sum of finite ones overflows, so only inf/NaN gradients are
+non-finite), the second-moment EMAs in float64 from them (float64 coefficients) rounded once into the state, the rest
+in the state dtype ``T`` (fp32 for bf16 parameters, the parameter's dtype otherwise): the momentum's EMA as
+`eager.ema` (``x * (1 - beta) + s * beta``, the coefficients float64 rounded to T), the write as
+``p * decay - u * lr`` (lr and decay float64 rounded to T), the int8 code as `quant.quantize_` (the ratio rounded to
+fp32, its correctly rounded root, times 127, rint), every operation IEEE-rounded on its own in eager's order (kernels
+are compiled with ``enable_fp_fusion=False``: no FMA; divisions and square roots round to nearest). What differs from
+eager is only the order of summation. So, as eager and the C++ kernel promise each other, the element-wise
 state is bitwise eager's: step counts, the first moment in every storage (fp32/fp64 values, bf16 values, int8 codes
 and scales) and the full second moment; bf16 parameters and momentum are rounded with exactly the bits of
 `skewadam.kernels.rounding`. The factored statistics and the weights depend on sums: they agree to rounding. (Against
@@ -25,9 +28,11 @@ Passes (eager's, with the distributed seam between them):
 1. `grad_stats`: per item, the rows' sums of ``g^2`` (complete: an item holds whole rows) and the columns' partial
    sums (its own slot, or the column sums themselves for a one-strip matrix); then per matrix the column partials
    added in strip order, ``rc`` and the row-statistic sum; then per unit ``sum g^2``. Fixed orders: deterministic.
-2. `update_moments_`: per tensor, the step counts (a bank slice advances only if its gradient is non-zero), the bias
-   corrections (float64 on the device) and the rounding keys; per matrix, the factored EMAs and ``rinv``/``cinv``;
-   per item, the momentum and full second moment in place and its partial ``sum u^2``; per unit, ``sum u^2``.
+2. `update_moments_`: per tensor, the step counts (a bank slice advances only if its gradient has a nonzero element:
+   ``sum g^2 > 0``, or for fp64 parameters, whose squares can underflow, the max ``|g|`` pass 1 also takes; both
+   sum across shards), the bias corrections (float64 on the device) and the rounding keys; per matrix, the factored
+   EMAs and ``rinv``/``cinv``; per item, the momentum and full second moment in place and its partial ``sum u^2``;
+   per unit, ``sum u^2``.
 3. `apply_updates_`: per tensor, each unit's clip ``1/max(1, rms(u))`` and the rounding key; per item,
    ``p = p*(1 - lr*wd) - lr * u * clip``, rounded stochastically for bf16.
 

@@ -23,10 +23,11 @@ MOM_PLAIN, MOM_BF16, MOM_INT8, MOM_NONE = (tl.constexpr(f.value) for f in
                                            (MomFmt.PLAIN, MomFmt.BF16, MomFmt.INT8, MomFmt.NONE))
 
 # Columns of the tensor table (one row per tensor): addresses, then sizes. Addresses of absent tensors are 0 (never
-# dereferenced). Statistics: sumsq, rc, rvs, row, col, psq (a relative step's sum of p^2, float64); moments: u_sumsq,
-# corr (pass 2's scale of u), scale (pass 3's: corr, times max(eps2, rms(p)) for a relative step), rinv, cinv, active.
+# dereferenced). Statistics (float64): sumsq, rc, rvs, row, col, psq (a relative step's sum of p^2), amax (fp64
+# parameters: max |g|); moments (T): u_sumsq, corr (pass 2's scale of u), scale (pass 3's: corr, times max(eps2,
+# rms(p)) for a relative step), rinv, cinv, active.
 (TAB_P, TAB_G, TAB_M, TAB_MS, TAB_V, TAB_RV, TAB_CV, TAB_STEP,
- TAB_SUMSQ, TAB_RC, TAB_RVS, TAB_ROW, TAB_COL, TAB_PSQ,
+ TAB_SUMSQ, TAB_RC, TAB_RVS, TAB_ROW, TAB_COL, TAB_PSQ, TAB_AMAX,
  TAB_USQ, TAB_CORR, TAB_SCALE, TAB_RINV, TAB_CINV, TAB_ACT,
  TAB_E, TAB_R, TAB_C, TAB_NB, TAB_RG, TAB_CG, TAB_NG, TAB_BANK, TAB_KBASE, TAB_UNIT0) = (
     tl.constexpr(i) for i in range(TABLE_WIDTH))
@@ -176,10 +177,10 @@ def updated(row, u, skip, HAS_SKIP: tl.constexpr):
 
 
 @triton.jit
-def second_moment_beta(tab, row, u, T: tl.constexpr, DECAY: tl.constexpr):
-    """``(beta2, 1 - beta2)`` of unit ``u``'s second-moment EMAs, each rounded from float64 to T: the group's, or
-    with a beta2 decay ``d`` (DECAY), ``1 - t**d`` at the unit's (new) step count ``t >= 1``, with ``t**d`` as
-    ``exp(d * log(t))`` in float64 (Triton has no float64 pow on every target: within a few ulps of the host's)."""
+def second_moment_beta(tab, row, u, DECAY: tl.constexpr):
+    """``(beta2, 1 - beta2)`` of unit ``u``'s second-moment EMAs, in float64: the group's, or with a beta2 decay
+    ``d`` (DECAY), ``1 - t**d`` at the unit's (new) step count ``t >= 1``, with ``t**d`` as ``exp(d * log(t))``
+    (Triton has no float64 pow on every target: within a few ulps of the host's)."""
     if DECAY:
         t = tl.maximum(tl.load(addr(row, TAB_STEP, tl.float32) + u).to(tl.float64), 1.0)  # (idle: masked out)
         b = 1.0 - tl.exp(hyper(tab, HDR_DECAY) * tl.log(t))
@@ -187,7 +188,7 @@ def second_moment_beta(tab, row, u, T: tl.constexpr, DECAY: tl.constexpr):
     else:
         b = hyper(tab, HDR_B2)
         w = hyper(tab, HDR_W2)
-    return b.to(T), w.to(T)
+    return b, w
 
 
 @triton.jit
@@ -243,11 +244,11 @@ def first_moment(g, m, ms, offs, mask, sidx, smask, b1, w1, key, T: tl.constexpr
 
 @triton.jit
 def factor_ema(var, sums, idx, mask, n, add, b2, w2, write, active, T: tl.constexpr):
-    """A chunk ``idx`` of a factored statistic (row_var or col_var at ``var``, from the gradient's sums at ``sums``):
-    ``ema(var, sums / n + eps, beta2)``, stored if ``write``; returns the value the step uses (the stored one for an
-    idle unit)."""
+    """A chunk ``idx`` of a factored statistic (row_var or col_var at ``var``, in T, from the gradient's float64 sums
+    at ``sums``): ``ema(var, sums / n + eps, beta2)`` in float64 (``n``, ``add`` and the coefficients float64), rounded
+    once into T and stored if ``write``; returns the value the step uses (the stored one for an idle unit)."""
     old = tl.load(var + idx, mask=mask, other=1.0)
-    new = ema(old, div(tl.load(sums + idx, mask=mask, other=0.0), n, T) + add, b2, w2)
+    new = ema(old.to(tl.float64), tl.load(sums + idx, mask=mask, other=0.0) / n + add, b2, w2).to(T)
     tl.store(var + idx, new, mask=tl.where(write, mask, False))
     return tl.where(active, new, old)
 
@@ -266,14 +267,16 @@ def inv_sqrt(x, floor, T: tl.constexpr, EPS_ADD: tl.constexpr):
 def full_direction(src, x, v, offs, mask, scale, b2, w2, add, floor, T: tl.constexpr, EPS_ADD: tl.constexpr,
                    STORED: tl.constexpr):
     """The update direction with a full second moment, of one tile: ``u = src * scale / sqrt(v)`` (floor:
-    ``sqrt(max(v, eps))``); unless STORED (pass 3), ``v = ema(v, g^2 [+ eps], beta2)`` is advanced and stored
-    first."""
+    ``sqrt(max(v, eps))``), in T; unless STORED (pass 3), ``v = ema(v, g^2 [+ eps], beta2)`` is advanced first, in
+    float64 from the gradient ``x`` (T: its square is exact there) with float64 ``add`` and coefficients, rounded
+    once into the state."""
     vv = tl.load(v + offs, mask=mask, other=1.0)
     if not STORED:
+        x64 = x.to(tl.float64)
+        sq = x64 * x64
         if EPS_ADD:
-            vv = ema(vv, x * x + add, b2, w2)
-        else:
-            vv = ema(vv, x * x, b2, w2)
+            sq = sq + add
+        vv = ema(vv.to(tl.float64), sq, b2, w2).to(T)
         tl.store(v + offs, vv, mask=mask)
     if not EPS_ADD:
         vv = tl.maximum(vv, floor)

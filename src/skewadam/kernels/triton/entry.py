@@ -16,7 +16,7 @@ from ..triton_layout import Layout, workspace_numel
 from ..types import GradStats, Group, Moments, MomFmt, ParamTensors
 from .passes import (count_steps, direction_tiles, factored_moments, prepare_apply, round_kernel, stats_matrices,
                      stats_tiles, unit_sums)
-from .device import TAB_PSQ, TAB_SUMSQ, TAB_USQ
+from .device import TAB_AMAX, TAB_PSQ, TAB_SUMSQ, TAB_USQ
 from .tables import TL, Bucket, Table, Work, addrs, check_device, on, prepare, tensor_table, written
 
 _MAT_BLOCK = 1024  # rows or columns per program of the per-matrix kernels
@@ -31,28 +31,35 @@ def launch(kernel, grid: tuple[int, ...], *args, warps: int = 4, **meta) -> None
 
 
 def _pass1(b: Bucket, table: Table, scratch: Tensor, pbuf: Optional[Tensor], flag: Optional[Tensor]) -> None:
-    """Pass 1 of a bucket; ``pbuf`` (a relative step's): float64 item partials, then per unit, of ``sum p^2``."""
-    L, T, tab = b.layout, TL[b.T], table.tensor
+    """Pass 1 of a bucket, float64: ``scratch`` (`Layout.scratch64_numel`) holds the column and item partials;
+    ``pbuf`` (a relative step's), the item partials then the per-unit sums of ``p^2``."""
+    L, tab = b.layout, table.tensor
     items, mats, units = L.tables(tab.device)
-    launch(stats_tiles, (len(L.items),), tab, items, scratch, L.colp, pbuf if pbuf is not None else tab, PD=TL[b.pd],
-           T=T, FACTORED=b.factored, RELATIVE=pbuf is not None, ALIGNED=table.aligned, warps=8, **b.tiles())
-    launch(stats_matrices, (len(L.mats), triton.cdiv(L.max_rc, _MAT_BLOCK)), tab, mats, scratch, T=T,
+    amax = b.T == torch.float64  # (fp64 squares can underflow: the activity is max |g|)
+    launch(stats_tiles, (len(L.items),), tab, items, scratch, L.colp, L.colp + len(L.items),
+           pbuf if pbuf is not None else tab, PD=TL[b.pd], FACTORED=b.factored, RELATIVE=pbuf is not None, AMAX=amax,
+           ALIGNED=table.aligned, warps=8, **b.tiles())
+    launch(stats_matrices, (len(L.mats), triton.cdiv(L.max_rc, _MAT_BLOCK)), tab, mats, scratch, T=TL[b.T],
            BLK=_MAT_BLOCK, SB=8)
+    sums = dict(T=tl.float64, HAS_FLAG=False, TMAX=0.0, BLOCK=_SMALL_BLOCK)
     launch(unit_sums, (L.n_units,), tab, units, scratch, L.colp, flag if flag is not None else tab, DST=TAB_SUMSQ,
-           T=T, FROM_MATS=b.factored, HAS_FLAG=flag is not None, TMAX=torch.finfo(b.T).max, BLOCK=_SMALL_BLOCK)
+           FROM_MATS=b.factored, MAX=False, **{**sums, "HAS_FLAG": flag is not None,
+                                                "TMAX": torch.finfo(torch.float64).max})
+    if amax:
+        launch(unit_sums, (L.n_units,), tab, units, scratch, L.colp + len(L.items), tab, DST=TAB_AMAX,
+               FROM_MATS=False, MAX=True, **sums)
     if pbuf is not None:
-        launch(unit_sums, (L.n_units,), tab, units, pbuf, 0, tab, DST=TAB_PSQ, T=tl.float64, FROM_MATS=False,
-               HAS_FLAG=False, TMAX=0.0, BLOCK=_SMALL_BLOCK)
+        launch(unit_sums, (L.n_units,), tab, units, pbuf, 0, tab, DST=TAB_PSQ, FROM_MATS=False, MAX=False, **sums)
 
 
 def _directions(b: Bucket, group: Group, table: Table, scratch: Tensor, clips: Tensor, keys: Tensor,
                 skip: Optional[Tensor], *, apply: bool) -> None:
-    """`direction_tiles` over the bucket's items: pass 2 (``scratch`` gets the partial ``sum u^2``) or, ``apply``,
-    pass 3 (with the units' ``clips``)."""
+    """`direction_tiles` over the bucket's items: pass 2 (``scratch``, of T, gets the items' partial ``sum u^2``) or,
+    ``apply``, pass 3 (with the units' ``clips``)."""
     L, tab = b.layout, table.tensor
     lr = group.lr
     lr_ptr = apply and isinstance(lr, Tensor) and lr.device == tab.device
-    launch(direction_tiles, (len(L.items),), tab, L.tables(tab.device)[0], scratch, L.colp, clips, keys,
+    launch(direction_tiles, (len(L.items),), tab, L.tables(tab.device)[0], scratch, 0, clips, keys,
            skip if skip is not None else tab, len(b.index), PD=TL[b.pd], T=TL[b.T], MD=TL[b.md],
            FACTORED=b.factored, FLAT=L.kind == "flat", MOM=b.mom.value, EPS_ADD=group.eps_mode == "add",
            HAS_SKIP=skip is not None, DECAY=group.beta2_decay is not None, APPLY=apply, LR_PTR=lr_ptr,
@@ -71,7 +78,7 @@ def _pass2(b: Bucket, group: Group, table: Table, scratch: Tensor, keys: Tensor,
         launch(factored_moments, (len(L.mats), triton.cdiv(L.max_rc, _MAT_BLOCK)), tab, mats, skip_arg, T=T,
                EPS_ADD=group.eps_mode == "add", HAS_SKIP=skip is not None, DECAY=decay, BLK=_MAT_BLOCK)
     _directions(b, group, table, scratch, tab, keys, skip, apply=False)
-    launch(unit_sums, (L.n_units,), tab, units, scratch, L.colp, tab, DST=TAB_USQ, T=T, FROM_MATS=False,
+    launch(unit_sums, (L.n_units,), tab, units, scratch, 0, tab, DST=TAB_USQ, T=T, FROM_MATS=False, MAX=False,
            HAS_FLAG=False, TMAX=0.0, BLOCK=_SMALL_BLOCK)
 
 
@@ -132,18 +139,20 @@ def _grad_stats(work: Work) -> list[GradStats]:
     out: list[Optional[GradStats]] = [None] * len(work.grads)
     for b in work.buckets:
         L = b.layout
-        stats = torch.zeros(L.stats_numel, dtype=b.T, device=work.device)
-        scratch = torch.empty(L.colp + len(L.items), dtype=b.T, device=work.device)
+        stats = torch.zeros(L.stats64_numel, dtype=torch.float64, device=work.device)
+        scratch = torch.empty(L.scratch64_numel, dtype=torch.float64, device=work.device)
         pbuf = _pbuf(work, L)
-        tab = tensor_table(b, work, [addrs(stats, o) + [0] * (5 - len(o)) + [_psq_addr(pbuf, L, j)]
-                                     for j, o in enumerate(L.stats)], [[0] * 6] * len(b.index))
+        tab = tensor_table(b, work, [_stat_addrs(stats, pbuf, L, j) for j in range(len(b.index))],
+                           [[0] * 6] * len(b.index))
         _pass1(b, tab, scratch, pbuf, None)
         for j, i in enumerate(b.index):
             shapes = _stat_shapes(group.params[i], b.factored)
             v = [_view(stats, o, s) for o, s in zip(L.stats[j], shapes)]
             v += [None] * (5 - len(v))
             psq = _view(pbuf, len(L.items) + L.unit0[j], shapes[0]) if pbuf is not None else None
-            out[i] = GradStats(sumsq=v[0], rc_sumsq=v[1], row_var_sum=v[2], row=v[3], col=v[4], p_sumsq=psq)
+            amax = _view(stats, L.stats_numel + L.unit0[j], shapes[0]) if b.T == torch.float64 else None
+            out[i] = GradStats(sumsq=v[0], rc_sumsq=v[1], row_var_sum=v[2], row=v[3], col=v[4], p_sumsq=psq,
+                               absmax=amax)
     return out
 
 
@@ -152,9 +161,12 @@ def _pbuf(work: Work, L: Layout) -> Optional[Tensor]:
     return torch.empty(L.psq_numel, dtype=torch.float64, device=work.device) if work.group.relative_step else None
 
 
-def _psq_addr(pbuf: Optional[Tensor], L: Layout, j: int) -> int:
-    """The address of tensor j's per-unit sums of ``p^2`` in ``pbuf`` (0 without a relative step)."""
-    return addrs(pbuf, [len(L.items) + L.unit0[j]])[0] if pbuf is not None else 0
+def _stat_addrs(stats: Tensor, pbuf: Optional[Tensor], L: Layout, j: int) -> list[int]:
+    """Addresses of tensor j's statistics (sumsq, rc, rvs, row, col, psq, amax) in a bucket's float64 ``stats``
+    (`Layout.stats64_numel`) and ``pbuf``; 0 where absent."""
+    a = addrs(stats, L.stats[j])
+    psq = addrs(pbuf, [len(L.items) + L.unit0[j]])[0] if pbuf is not None else 0
+    return a + [0] * (5 - len(a)) + [psq] + addrs(stats, [L.stats_numel + L.unit0[j]])
 
 
 def update_moments_(group: Group, stats: Sequence[GradStats], *, skip: Optional[Tensor] = None) -> list[Moments]:
@@ -178,21 +190,22 @@ def _update_moments(work: Work, stats: Sequence[GradStats], skip: Optional[Tenso
     group = work.group
     out: list[Optional[Moments]] = [None] * len(work.grads)
     names = ("sumsq", "rc_sumsq", "row_var_sum", "row", "col")
+    f64 = torch.float64
     for b in work.buckets:
         L = b.layout
         moments = torch.empty(L.moments_numel, dtype=b.T, device=work.device)
         active = torch.empty(L.act_numel, dtype=torch.bool, device=work.device)
-        scratch = torch.empty(L.colp + len(L.items), dtype=b.T, device=work.device)
+        scratch = torch.empty(len(L.items), dtype=b.T, device=work.device)
         keys = torch.empty(2 * len(b.index), dtype=torch.int64, device=work.device)
         stat_addrs = []
         for j, i in enumerate(b.index):
             st = stats[i]
             fields = (st.sumsq, st.rc_sumsq, st.row_var_sum, st.row, st.col)
             shapes = _stat_shapes(group.params[i], b.factored)
-            a = [_checked(n, f, s, b.T, work.device, i) for n, f, s in zip(names, fields, shapes)]
+            a = [_checked(n, f, s, f64, work.device, i) for n, f, s in zip(names, fields, shapes)]
             a += [0] * (5 - len(shapes))
-            a.append(_checked("p_sumsq", st.p_sumsq, shapes[0], torch.float64, work.device, i)
-                     if group.relative_step else 0)
+            a.append(_checked("p_sumsq", st.p_sumsq, shapes[0], f64, work.device, i) if group.relative_step else 0)
+            a.append(_checked("absmax", st.absmax, shapes[0], f64, work.device, i) if b.T == f64 else 0)
             stat_addrs.append(a)
         tab = tensor_table(b, work, stat_addrs, [_moment_addrs(moments, active, L, j) for j in range(len(b.index))])
         _pass2(b, group, tab, scratch, keys, skip)
@@ -246,7 +259,7 @@ def _apply_updates(work: Work, moments: Sequence[Moments], skip: Optional[Tensor
                 a += [0, 0]
             a.append(_checked("active", mo.active, shapes[0], torch.bool, work.device, i) if pt.bank else 0)
             per_tensor.append(a)
-        tab = tensor_table(b, work, [[0] * 6] * len(b.index), per_tensor)
+        tab = tensor_table(b, work, [[0] * 7] * len(b.index), per_tensor)
         _pass3(b, group, tab, clips, keys, skip)
 
 
@@ -276,33 +289,32 @@ def _step(works: list[Work], device: torch.device, skip_nonfinite: bool) -> Tens
     for work in works:
         for b in work.buckets:
             runs.append((work, b, *_workspace(work, b)))
-    for work, b, tab, ws, pbuf, active, keys in runs:
-        _pass1(b, tab, ws[b.layout.stats_numel + 3 * b.layout.n_units:], pbuf, flag)
-    for work, b, tab, ws, pbuf, active, keys in runs:
-        _pass2(b, work.group, tab, ws[b.layout.stats_numel + 3 * b.layout.n_units:], keys, flag)
-    for work, b, tab, ws, pbuf, active, keys in runs:
+    for work, b, tab, ws64, ws, pbuf, active, keys in runs:
+        _pass1(b, tab, ws64[b.layout.stats64_numel:], pbuf, flag)
+    for work, b, tab, ws64, ws, pbuf, active, keys in runs:
+        _pass2(b, work.group, tab, ws[b.layout.moments_numel:], keys, flag)
+    for work, b, tab, ws64, ws, pbuf, active, keys in runs:
         _pass3(b, work.group, tab, ws[ws.numel() - b.layout.n_units:], keys, flag)
     for work in works:
         written(work, state=True, params=True)
     return flag[0] != 0 if flag is not None else torch.zeros((), dtype=torch.bool, device=device)
 
 
-def _workspace(work: Work, b: Bucket) -> tuple[Table, Tensor, Optional[Tensor], Tensor, Tensor]:
+def _workspace(work: Work, b: Bucket) -> tuple[Table, Tensor, Tensor, Optional[Tensor], Tensor, Tensor]:
     """One bucket's tensor table and the scratch of `step_` it points into, kept alive by the caller until the last
-    launch: the workspace (statistics zeroed), a relative step's sums of p^2, the bank activity, the keys."""
+    launch: the float64 workspace (statistics zeroed, then pass 1's partials), the workspace of T (moments, the
+    items' sums of u^2, the clips), a relative step's sums of p^2, the bank activity, the keys."""
     L = b.layout
-    ws = torch.empty(workspace_numel(L), dtype=b.T, device=work.device)
-    ws[: L.stats_numel].zero_()
+    n64, n = workspace_numel(L)
+    ws64 = torch.empty(n64, dtype=torch.float64, device=work.device)
+    ws64[: L.stats_numel].zero_()
+    ws = torch.empty(n, dtype=b.T, device=work.device)
     pbuf = _pbuf(work, L)
     active = torch.empty(L.act_numel, dtype=torch.bool, device=work.device)
     keys = torch.empty(2 * len(b.index), dtype=torch.int64, device=work.device)
-    stats = [addrs(ws, o) + [0] * (5 - len(o)) + [_psq_addr(pbuf, L, j)] for j, o in enumerate(L.stats)]
-    moments = []
-    for j, st in enumerate(stats):
-        usq, corr, scale = addrs(ws, [L.stats_numel + o for o in L.moments[j][:3]])
-        act = addrs(active, [L.act[j]])[0] if L.act[j] >= 0 else 0
-        moments.append([usq, corr, scale, st[3], st[4], act])  # rinv, cinv: over the row and column sums
-    return tensor_table(b, work, stats, moments), ws, pbuf, active, keys
+    stats = [_stat_addrs(ws64, pbuf, L, j) for j in range(len(b.index))]
+    moments = [_moment_addrs(ws, active, L, j) for j in range(len(b.index))]
+    return tensor_table(b, work, stats, moments), ws64, ws, pbuf, active, keys
 
 
 def stochastic_round_bf16(x: Tensor, key: int, offset: int = 0) -> Tensor:

@@ -17,8 +17,8 @@ import triton.language as tl
 
 from .device import (HDR_ADD, HDR_B1, HDR_B2, HDR_FLOOR, HDR_LR, HDR_LR_ADDR, HDR_RM_FLOOR, HDR_W1, HDR_WD, ITEM_B,
                      ITEM_COLP, ITEM_E0, ITEM_N, ITEM_NROWS, ITEM_ROW0, ITEM_T, ITEM_U, ITEM_WIDTH, MAT_B, MAT_COLP,
-                     MAT_S, MAT_T, MAT_U, MAT_WIDTH, MOMENTUM_STREAM, RELATIVE_STEP_EPS, TAB_ACT, TAB_BANK, TAB_C,
-                     TAB_CG, TAB_CINV, TAB_COL, TAB_CORR, TAB_CV, TAB_E, TAB_G, TAB_KBASE, TAB_M, TAB_MS, TAB_NB,
+                     MAT_S, MAT_T, MAT_U, MAT_WIDTH, MOMENTUM_STREAM, RELATIVE_STEP_EPS, TAB_ACT, TAB_AMAX, TAB_BANK,
+                     TAB_C, TAB_CG, TAB_CINV, TAB_COL, TAB_CORR, TAB_CV, TAB_E, TAB_G, TAB_KBASE, TAB_M, TAB_MS, TAB_NB,
                      TAB_NG, TAB_P, TAB_PSQ, TAB_R, TAB_RC, TAB_RG, TAB_RINV, TAB_ROW, TAB_RV, TAB_RVS, TAB_SCALE,
                      TAB_STEP, TAB_SUMSQ, TAB_UNIT0, TAB_USQ, TAB_V, UNIT_ITEM0, UNIT_MAT0, UNIT_NITEMS, UNIT_NMATS,
                      UNIT_T, UNIT_U, UNIT_WIDTH, addr, big, div, factor_ema, first_moment, full_direction, hyper,
@@ -28,11 +28,13 @@ from .device import (HDR_ADD, HDR_B1, HDR_B2, HDR_FLOOR, HDR_LR, HDR_LR_ADDR, HD
 
 # ================================================================================================ pass 1
 @triton.jit
-def stats_tiles(tab, items, scratch, part0, pbuf, PD: tl.constexpr, T: tl.constexpr, FACTORED: tl.constexpr,
-                RELATIVE: tl.constexpr, ALIGNED: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr,
-                BLOCK: tl.constexpr):
-    """Per item: factored, its rows' sums of g^2 and its column partials; otherwise its sum of g^2 (a partial). A
-    relative step (RELATIVE) also sums p^2 in float64, the item's partial into ``pbuf``."""
+def stats_tiles(tab, items, scratch, part0, amax0, pbuf, PD: tl.constexpr, FACTORED: tl.constexpr,
+                RELATIVE: tl.constexpr, AMAX: tl.constexpr, ALIGNED: tl.constexpr, RB: tl.constexpr,
+                BC: tl.constexpr, BLOCK: tl.constexpr):
+    """Per item, in float64 (the square of an fp32 or bf16 value is exact there): factored, its rows' sums of g^2 and
+    its column partials; otherwise its sum of g^2 (a partial, at ``scratch + part0``). AMAX (fp64 parameters, whose
+    squares can underflow): also its max |g| (at ``scratch + amax0``). RELATIVE (a relative step): also its sum of
+    p^2 (into ``pbuf``)."""
     pid = tl.program_id(0)
     it = items + pid * ITEM_WIDTH
     row = tensor_row(tab, tl.load(it + ITEM_T))
@@ -43,50 +45,58 @@ def stats_tiles(tab, items, scratch, part0, pbuf, PD: tl.constexpr, T: tl.conste
         r0 = tl.load(it + ITEM_ROW0)
         r1 = r0 + tl.load(it + ITEM_NROWS)
         colp = tl.load(it + ITEM_COLP)
-        row_out = addr(row, TAB_ROW, T)
+        row_out = addr(row, TAB_ROW, tl.float64)
         if colp < 0:
-            col_out = addr(row, TAB_COL, T) + tl.load(it + ITEM_B) * C
+            col_out = addr(row, TAB_COL, tl.float64) + tl.load(it + ITEM_B) * C
         else:
             col_out = scratch + colp
         if RELATIVE:
             pacc = tl.zeros([RB, BC], tl.float64)
+        if AMAX:
+            mx = tl.zeros([RB, BC], tl.float64)
         for c in range(0, C, BC):
             cols = c + tl.arange(0, BC)
             cm = cols < C
-            acc = tl.zeros([BC], T)
+            acc = tl.zeros([BC], tl.float64)
             for r in range(r0, r1, RB):
                 rows = r + tl.arange(0, RB)
                 rm = rows < r1
                 offs = rows[:, None] * C + cols[None, :]
                 mask = rm[:, None] & cm[None, :]
-                x = tl.load(g + offs, mask=mask, other=0.0).to(T)
+                x = tl.load(g + offs, mask=mask, other=0.0).to(tl.float64)
                 sq = x * x
                 acc += tl.sum(sq, 0)
                 prev = tl.load(row_out + rows, mask=rm, other=0.0)  # the rows' sums so far (zero-initialised)
                 tl.store(row_out + rows, prev + tl.sum(sq, 1), mask=rm)
+                if AMAX:
+                    mx = tl.maximum(mx, tl.abs(x))
                 if RELATIVE:
                     xp = tl.load(p + offs, mask=mask, other=0.0).to(tl.float64)
                     pacc += xp * xp
             tl.store(col_out + cols, acc, mask=cm)
             tl.debug_barrier()  # this chunk's row sums are stored before the next chunk reads them
-        if RELATIVE:
-            tl.store(pbuf + pid, tl.sum(pacc))
     else:
         e0 = load8(it + ITEM_E0, ALIGNED)
         e1 = e0 + tl.load(it + ITEM_N)
-        acc = tl.zeros([BLOCK], T)
+        acc = tl.zeros([BLOCK], tl.float64)
         if RELATIVE:
             pacc = tl.zeros([BLOCK], tl.float64)
+        if AMAX:
+            mx = tl.zeros([BLOCK], tl.float64)
         for s in range(e0, e1, BLOCK):
             offs = s + tl.arange(0, BLOCK)
-            x = tl.load(g + offs, mask=offs < e1, other=0.0).to(T)
+            x = tl.load(g + offs, mask=offs < e1, other=0.0).to(tl.float64)
             acc += x * x
+            if AMAX:
+                mx = tl.maximum(mx, tl.abs(x))
             if RELATIVE:
                 xp = tl.load(p + offs, mask=offs < e1, other=0.0).to(tl.float64)
                 pacc += xp * xp
         tl.store(scratch + part0 + pid, tl.sum(acc, 0))
-        if RELATIVE:
-            tl.store(pbuf + pid, tl.sum(pacc))
+    if AMAX:
+        tl.store(scratch + amax0 + pid, tl.max(mx))
+    if RELATIVE:
+        tl.store(pbuf + pid, tl.sum(pacc))
 
 
 @triton.jit
@@ -100,39 +110,39 @@ def _matrix_chunk(tab, mats):
 
 @triton.jit
 def stats_matrices(tab, mats, scratch, T: tl.constexpr, BLK: tl.constexpr, SB: tl.constexpr):
-    """Per (matrix, chunk k): the column sums of chunk k from the strips' partials in strip order; chunk 0 also
-    ``rc`` (sum of the row sums) and the sum of row_var before the step."""
+    """Per (matrix, chunk k), in float64: the column sums of chunk k from the strips' partials in strip order; chunk
+    0 also ``rc`` (sum of the row sums) and the sum of row_var (T) before the step."""
     x, k, row, b, R, C = _matrix_chunk(tab, mats)
     if k == 0:
-        rows_in = addr(row, TAB_ROW, T) + b * R
+        rows_in = addr(row, TAB_ROW, tl.float64) + b * R
         rv = addr(row, TAB_RV, T) + b * R
-        acc_rc = tl.zeros([BLK], T)
-        acc_rv = tl.zeros([BLK], T)
+        acc_rc = tl.zeros([BLK], tl.float64)
+        acc_rv = tl.zeros([BLK], tl.float64)
         for i in range(0, R, BLK):
             offs = i + tl.arange(0, BLK)
             acc_rc += tl.load(rows_in + offs, mask=offs < R, other=0.0)
-            acc_rv += tl.load(rv + offs, mask=offs < R, other=0.0)
-        tl.store(addr(row, TAB_RC, T) + b, tl.sum(acc_rc, 0))
-        tl.store(addr(row, TAB_RVS, T) + b, tl.sum(acc_rv, 0))
+            acc_rv += tl.load(rv + offs, mask=offs < R, other=0.0).to(tl.float64)
+        tl.store(addr(row, TAB_RC, tl.float64) + b, tl.sum(acc_rc, 0))
+        tl.store(addr(row, TAB_RVS, tl.float64) + b, tl.sum(acc_rv, 0))
     colp = tl.load(x + MAT_COLP)
     if colp >= 0:
         S = tl.load(x + MAT_S)
         cols = k * BLK + tl.arange(0, BLK)
         cm = cols < C
-        acc = tl.zeros([BLK], T)
+        acc = tl.zeros([BLK], tl.float64)
         for s in range(0, S, SB):
             strips = s + tl.arange(0, SB)
             part = tl.load(scratch + colp + strips[:, None] * C + cols[None, :],
                            mask=(strips < S)[:, None] & cm[None, :], other=0.0)
             acc += tl.sum(part, 0)
-        tl.store(addr(row, TAB_COL, T) + b * C + cols, acc, mask=cm)
+        tl.store(addr(row, TAB_COL, tl.float64) + b * C + cols, acc, mask=cm)
 
 
 @triton.jit
 def unit_sums(tab, units, scratch, part0, flag, DST: tl.constexpr, T: tl.constexpr, FROM_MATS: tl.constexpr,
-              HAS_FLAG: tl.constexpr, TMAX: tl.constexpr, BLOCK: tl.constexpr):
-    """Per unit: the sum of its matrices' ``rc`` (FROM_MATS) or of its items' partials, into column DST; with a flag,
-    raise it if the sum is not finite."""
+              MAX: tl.constexpr, HAS_FLAG: tl.constexpr, TMAX: tl.constexpr, BLOCK: tl.constexpr):
+    """Per unit, in T: the sum of its matrices' ``rc`` (FROM_MATS) or of its items' partials (MAX: their maximum),
+    into column DST; with a flag, raise it if the sum is not finite."""
     un = units + tl.program_id(0) * UNIT_WIDTH
     row = tensor_row(tab, tl.load(un + UNIT_T))
     if FROM_MATS:
@@ -144,8 +154,14 @@ def unit_sums(tab, units, scratch, part0, flag, DST: tl.constexpr, T: tl.constex
     acc = tl.zeros([BLOCK], T)
     for k in range(0, n, BLOCK):
         offs = k + tl.arange(0, BLOCK)
-        acc += tl.load(src + offs, mask=offs < n, other=0.0)
-    total = tl.sum(acc, 0)
+        if MAX:
+            acc = tl.maximum(acc, tl.load(src + offs, mask=offs < n, other=0.0))
+        else:
+            acc += tl.load(src + offs, mask=offs < n, other=0.0)
+    if MAX:
+        total = tl.max(acc, 0)
+    else:
+        total = tl.sum(acc, 0)
     tl.store(addr(row, DST, T) + tl.load(un + UNIT_U), total)
     if HAS_FLAG:
         tl.atomic_max(flag, ((total != total) | (tl.abs(total) > TMAX)).to(tl.int32))
@@ -155,7 +171,8 @@ def unit_sums(tab, units, scratch, part0, flag, DST: tl.constexpr, T: tl.constex
 @triton.jit
 def count_steps(tab, keys, skip, n_tensors, T: tl.constexpr, HAS_MOM: tl.constexpr, HAS_SKIP: tl.constexpr,
                 RELATIVE: tl.constexpr, DECAY: tl.constexpr, UB: tl.constexpr):
-    """Per tensor: which units are active (bank: a non-zero gradient), step counts advanced, the bias corrections
+    """Per tensor: which units are active (bank: a gradient with a nonzero element, ``sum g^2 > 0``, or for fp64
+    parameters, whose squares can underflow, ``max |g| > 0``), step counts advanced, the bias corrections
     ``corr = sqrt(1 - beta2^t) [/ (1 - beta1^t)]`` in float64 (a beta2 decay, DECAY: no ``sqrt(1 - beta2^t)``), pass
     3's ``scale`` (``corr``; a relative step, RELATIVE: ``corr * max(eps2, sqrt(sum p^2 / n))``, rounded once), and
     the rounding keys of the weight and of a bf16 momentum."""
@@ -164,7 +181,10 @@ def count_steps(tab, keys, skip, n_tensors, T: tl.constexpr, HAS_MOM: tl.constex
     E = tl.load(row + TAB_E)
     bank = tl.load(row + TAB_BANK)
     ng = tl.load(row + TAB_NG)
-    sumsq = addr(row, TAB_SUMSQ, T)
+    if T == tl.float64:
+        live = addr(row, TAB_AMAX, tl.float64)
+    else:
+        live = addr(row, TAB_SUMSQ, tl.float64)
     step = addr(row, TAB_STEP, tl.float32)
     corr = addr(row, TAB_CORR, T)
     scale = addr(row, TAB_SCALE, T)
@@ -176,7 +196,7 @@ def count_steps(tab, keys, skip, n_tensors, T: tl.constexpr, HAS_MOM: tl.constex
         um = us < E
         # (a block and a scalar are combined with tl.where: the interpreter mistypes `block & scalar`); a unit
         # without elements in the global shape (NG = 0) is left untouched, its step count included
-        active = tl.where(bank != 0, tl.load(sumsq + us, mask=um, other=0.0) > 0, tl.where(ng > 0, um, False))
+        active = tl.where(bank != 0, tl.load(live + us, mask=um, other=0.0) > 0, tl.where(ng > 0, um, False))
         new = tl.load(step + us, mask=um, other=0.0) + active.to(tl.float32)
         write = um
         if HAS_SKIP:
@@ -205,35 +225,35 @@ def count_steps(tab, keys, skip, n_tensors, T: tl.constexpr, HAS_MOM: tl.constex
 @triton.jit
 def factored_moments(tab, mats, skip, T: tl.constexpr, EPS_ADD: tl.constexpr, HAS_SKIP: tl.constexpr,
                      DECAY: tl.constexpr, BLK: tl.constexpr):
-    """Per (matrix, chunk k): the row and column EMAs of chunk k (active units only) and ``rinv``/``cinv``:
-    floor: ``rinv = 1/sqrt(max(row_var / max(mean_i row_var, 1e-15), eps))``, ``cinv = 1/sqrt(max(col_var, eps))``;
-    add: ``rinv = 1/sqrt(row_var / max(mean_i row_var, tiny))``, ``cinv = 1/sqrt(col_var)``. The row mean is carried
-    as a sum: ``b2 * sum_i row_var + (rc / C + R * add) * (1 - b2)``; ``b2`` is the unit's (`second_moment_beta`)."""
+    """Per (matrix, chunk k): the row and column EMAs of chunk k (active units only; `factor_ema`: float64, rounded
+    once into the state) and ``rinv``/``cinv`` in T: floor: ``rinv = 1/sqrt(max(row_var / max(mean_i row_var,
+    1e-15), eps))``, ``cinv = 1/sqrt(max(col_var, eps))``; add: ``rinv = 1/sqrt(row_var / max(mean_i row_var,
+    tiny))``, ``cinv = 1/sqrt(col_var)``, each ratio to the float64 row mean rounded into T first. The row mean is
+    carried as a float64 sum: ``(b2 * sum_i row_var + (rc / C + R * add) * (1 - b2)) / R``, ``b2`` the unit's
+    (`second_moment_beta`)."""
     x, k, row, b, R, C = _matrix_chunk(tab, mats)
     u = tl.load(x + MAT_U)
-    Rg = tl.load(row + TAB_RG).to(T)
-    Cg = tl.load(row + TAB_CG).to(T)
+    Rg = tl.load(row + TAB_RG).to(tl.float64)
+    Cg = tl.load(row + TAB_CG).to(tl.float64)
     active = updated(row, u, skip, False)
     write = updated(row, u, skip, HAS_SKIP)
     add = hyper(tab, HDR_ADD)
-    b2, w2 = second_moment_beta(tab, row, u, T, DECAY)
-    a = add.to(T)
+    b2, w2 = second_moment_beta(tab, row, u, DECAY)
     f = hyper(tab, HDR_FLOOR).to(T)
-    rvs = tl.load(addr(row, TAB_RVS, T) + b)
-    rc = tl.load(addr(row, TAB_RC, T) + b)
-    radd = (tl.load(row + TAB_RG).to(tl.float64) * add).to(T)
-    rsum = rvs * b2 + (div(rc, Cg, T) + radd) * w2
-    rsum = tl.where(active, rsum, rvs)
-    rm = tl.maximum(div(rsum, Rg, T), hyper(tab, HDR_RM_FLOOR).to(T))
+    rvs = tl.load(addr(row, TAB_RVS, tl.float64) + b)
+    rc = tl.load(addr(row, TAB_RC, tl.float64) + b)
+    rmean = (rvs * b2 + (rc / Cg + Rg * add) * w2) / Rg
+    rm = tl.maximum(rmean, hyper(tab, HDR_RM_FLOOR))
     rows = k * BLK + tl.arange(0, BLK)
     rmask = rows < R
-    rv = factor_ema(addr(row, TAB_RV, T) + b * R, addr(row, TAB_ROW, T) + b * R, rows, rmask, Cg, a, b2, w2, write,
-                    active, T)
-    tl.store(addr(row, TAB_RINV, T) + b * R + rows, inv_sqrt(div(rv, rm, T), f, T, EPS_ADD), mask=rmask)
+    rv = factor_ema(addr(row, TAB_RV, T) + b * R, addr(row, TAB_ROW, tl.float64) + b * R, rows, rmask,
+                    tl.maximum(Cg, 1.0), add, b2, w2, write, active, T)
+    tl.store(addr(row, TAB_RINV, T) + b * R + rows, inv_sqrt((rv.to(tl.float64) / rm).to(T), f, T, EPS_ADD),
+             mask=rmask)
     cols = k * BLK + tl.arange(0, BLK)
     cmask = cols < C
-    cv = factor_ema(addr(row, TAB_CV, T) + b * C, addr(row, TAB_COL, T) + b * C, cols, cmask, Rg, a, b2, w2, write,
-                    active, T)
+    cv = factor_ema(addr(row, TAB_CV, T) + b * C, addr(row, TAB_COL, tl.float64) + b * C, cols, cmask,
+                    tl.maximum(Rg, 1.0), add, b2, w2, write, active, T)
     tl.store(addr(row, TAB_CINV, T) + b * C + cols, inv_sqrt(cv, f, T, EPS_ADD), mask=cmask)
 
 
@@ -262,8 +282,8 @@ def direction_tiles(tab, items, scratch, part0, clips, keys, skip, n_tensors, PD
     v = big(row, TAB_V, T, ALIGNED)
     b1 = hyper(tab, HDR_B1).to(T)
     w1 = hyper(tab, HDR_W1).to(T)
-    b2, w2 = second_moment_beta(tab, row, u, T, DECAY)
-    add = hyper(tab, HDR_ADD).to(T)
+    b2, w2 = second_moment_beta(tab, row, u, DECAY)  # (the full second moment's EMA is float64)
+    add = hyper(tab, HDR_ADD)
     floor = hyper(tab, HDR_FLOOR).to(T)
     if APPLY:
         p = big(row, TAB_P, PD, ALIGNED)

@@ -212,8 +212,8 @@ class Table(NamedTuple):
 
 def tensor_table(b: Bucket, work: Work, stats: list[list[int]], moments: list[list[int]]) -> Table:
     """The hyperparameters, then one row per tensor of the bucket: addresses (``stats``: sumsq, rc, rvs, row, col,
-    psq; ``moments``: u_sumsq, corr, scale, rinv, cinv, active; absent ones 0), then sizes."""
-    rows = [_header(work.group, b.T, work.device)]
+    psq, amax; ``moments``: u_sumsq, corr, scale, rinv, cinv, active; absent ones 0), then sizes."""
+    rows = [_header(work.group, work.device)]
     L, seed = b.layout, work.group.seed
     for j, i in enumerate(b.index):
         pt, st = work.group.params[i], work.states[i]
@@ -231,7 +231,7 @@ def tensor_table(b: Bucket, work: Work, stats: list[list[int]], moments: list[li
     return Table(upload(rows, work.device), aligned)
 
 
-def _header(group: Group, T: torch.dtype, device: torch.device) -> list[int]:
+def _header(group: Group, device: torch.device) -> list[int]:
     """Row 0 of a tensor table: the group's hyperparameters as float64 bits (and the lr tensor's address: the
     kernel reads it on the device; a tensor elsewhere, on the host, is read here, which is no device sync)."""
     lr, lr_addr = group.lr, 0
@@ -241,7 +241,7 @@ def _header(group: Group, T: torch.dtype, device: torch.device) -> list[int]:
         else:
             lr = float(lr)
     add, floor = (group.eps, 0.0) if group.eps_mode == "add" else (0.0, group.eps)
-    rm_floor = ROW_MEAN_FLOOR if group.eps_mode == "floor" else torch.finfo(T).tiny
+    rm_floor = ROW_MEAN_FLOOR if group.eps_mode == "floor" else torch.finfo(torch.float64).tiny  # (of a float64)
     decay = group.beta2_decay if group.beta2_decay is not None else 0.0
     values = [1.0 - group.beta1, 1.0 - group.beta2, group.beta1, group.beta2, add, floor, rm_floor, float(lr),
               group.weight_decay, decay]
