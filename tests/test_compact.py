@@ -1,4 +1,4 @@
-"""Compact first moment (issue #9): int8 block-wise and bf16 storage.
+"""Compact first moment: int8 block-wise and bf16 storage.
 
 The C++ kernel stores the compact momentum itself: its bytes (int8 codes and scales, bf16 values) are eager's on any
 x86-64, by construction (the same IEEE operations, each rounded on its own; a correctly rounded square root for the
@@ -55,7 +55,7 @@ def test_int8_codec_error_is_small_and_block_extremes_are_exact():
 def test_int8_code_is_the_ieee_rounding_of_its_formula():
     """q = round(127 * sqrt(fp32(|x| / absmax))), every operation IEEE-rounded (numpy's fp32 ops here), whatever the
     CPU: torch's CPU sqrt goes through MKL's vector math, which is not correctly rounded (here 1 in 5 fp32 roots is
-    one ULP off), and at a rounding boundary that moves a code by one (issue 13, item 5). Inputs: ratios within a few
+    one ULP off), and at a rounding boundary that moves a code by one. Inputs: ratios within a few
     ULPs of every boundary ((k + 1/2) / 127)^2, in blocks whose absmax is 1."""
     k = torch.arange(127, dtype=torch.float64)
     edges = ((k + 0.5) / 127).square().float()

@@ -167,3 +167,11 @@ def test_the_triton_step_temporaries_are_counted_without_triton():
 def test_no_module_is_over_500_lines():
     long = {str(p.relative_to(SRC)): n for p in MODULES if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
+
+
+def test_the_optimizer_class_is_at_most_300_lines():
+    """`SkewAdam` holds the param groups, their checks' calls, lazy state and the records; the step is
+    `skewadam.functional`'s and the checks `skewadam.validation`'s."""
+    tree = ast.parse((SRC / "optimizer.py").read_text())
+    [cls] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SkewAdam"]
+    assert cls.end_lineno - cls.lineno + 1 <= 300

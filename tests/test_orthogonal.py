@@ -96,7 +96,8 @@ def test_newton_schulz_is_the_reference_iteration_and_orthogonalises():
 def test_equals_torch_muon_where_the_math_coincides(monkeypatch):
     """Momentum, Nesterov, the match_rms_adamw scale and the decay are torch.optim.Muon's: with torch's Newton-Schulz
     swapped for ours (torch runs its own in bf16 always, ours in the parameter's dtype), float64 parameters agree."""
-    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", lambda g, coeffs, steps, eps: orthogonal.newton_schulz(g))
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz",
+                        lambda g, coeffs, steps, eps: orthogonal.newton_schulz(g))
     a = _params([(16, 8), (8, 24), (16, 8)])
     b = [torch.nn.Parameter(p.detach().clone()) for p in a]
     theirs = torch.optim.Muon(a, lr=_LR, weight_decay=_WD, momentum=_MU, adjust_lr_fn="match_rms_adamw")
@@ -158,18 +159,18 @@ def test_adafactor_options_match_float64_reference(case, options, impl):
 
 
 def test_adafactor_options_change_the_update_and_nothing_else():
-    """Not vacuous: each option moves the weights away from plain SkewAdam's, and with both off the per-unit path
-    is not taken (the default groups are stepped by the fused kernels, as before)."""
-    from skewadam import steppers
-
+    """Not vacuous: each option moves the weights away from plain SkewAdam's, and it reaches the kernels as the
+    record's own field (the kernels apply it in their passes; nothing is stepped around them)."""
     finals = {}
     for name, options in {"plain": {}, **OPTIONS}.items():
         [p] = _params([(3, 6, 7)], seed=6)
         opt = SkewAdam([{"params": [p], "tier": "expert", **options}], lr=_LR)
-        assert steppers.outside_kernels(opt.param_groups[0]) == bool(options)
         gen = torch.Generator().manual_seed(7)
         for step in range(3):
             [p.grad] = _grads([p], gen, step)
+            record = opt._init_group(opt.param_groups[0], 0, 0)[1]
+            assert (record.relative_step, record.beta2_decay) == (options.get("relative_step", False),
+                                                                  options.get("beta2_decay"))
             opt.step()
         finals[name] = p.detach().clone()
     for name in OPTIONS:
@@ -352,8 +353,8 @@ def test_the_planner_counts_the_gathered_bytes_of_sharded_hidden_matrices():
 
 
 def test_the_orthogonal_kernel_refuses_records_that_do_not_fit_naming_the_parameter():
-    """Every size `orthogonal.step_` indexes with is checked before anything is written: gradient, momentum, a bank's
-    step counts and active masks."""
+    """Every size `orthogonal.grad_stats` and `orthogonal.step_` index with is checked before anything is written:
+    gradient, momentum, a bank's step counts, the statistics pass 1 hands to the update."""
     from skewadam.kernels.types import Group, ParamTensors
 
     def record(p, g, step, m=None, bank=False):
@@ -361,19 +362,26 @@ def test_the_orthogonal_kernel_refuses_records_that_do_not_fit_naming_the_parame
 
     p, e = torch.zeros(4, 3), torch.zeros(2, 4, 3)
     cases = [
-        (record(p, torch.zeros(3, 4), torch.zeros(())), None, r"'blocks.0.wq'.*gradient \(3, 4\)"),
-        (record(p, torch.zeros(4, 3), torch.zeros(()), torch.zeros(4, 2)), None, r"state 'exp_avg' of shape \(4, 2\)"),
-        (record(e, torch.zeros(2, 4, 3), torch.zeros(3), bank=True), torch.ones(2, 1, 1, dtype=torch.bool),
-         r"state 'step' of shape \(3,\)"),
-        (record(e, torch.zeros(2, 4, 3), torch.zeros(2), bank=True), torch.ones(3, 1, 1, dtype=torch.bool),
-         r"active slices \[E, 1, 1\], got \(3, 1, 1\)"),
-        (record(torch.zeros(5), torch.zeros(5), torch.zeros(())), None, r"takes matrices \[A, B\]"),
+        (record(p, torch.zeros(3, 4), torch.zeros(())), r"'blocks.0.wq'.*gradient of shape \(3, 4\)"),
+        (record(p, torch.zeros(4, 3), torch.zeros(()), torch.zeros(4, 2)),
+         r"state 'exp_avg' has shape \(4, 2\), a parameter of shape \(4, 3\) needs shape \(4, 3\)"),
+        (record(e, torch.zeros(2, 4, 3), torch.zeros(3), bank=True), r"step of shape \(3,\), expected .*\(2,\)"),
+        (record(torch.zeros(5), torch.zeros(5), torch.zeros(())), r"takes matrices \[A, B\]"),
     ]
-    for pt, active, match in cases:
+    for pt, match in cases:
+        group = Group([pt], 1e-2, 0.95, 0.999, 1e-30, "add", 0.0, 0)
         before = [t.clone() for t in (pt.param, pt.step)]
         with pytest.raises(ValueError, match=match):
-            orthogonal.step_(Group([pt], 1e-2, 0.95, 0.999, 1e-30, "add", 0.0, 0), [active])
+            orthogonal.grad_stats(group)
+        with pytest.raises(ValueError, match=match):
+            orthogonal.step_(group, [torch.ones((1, 1))])
         assert all(torch.equal(a, b) for a, b in zip(before, (pt.param, pt.step)))
+    bank = Group([record(e, torch.ones(2, 4, 3), torch.zeros(2), bank=True)], 1e-2, 0.95, 0.999, 1e-30, "add", 0.0, 0)
+    with pytest.raises(ValueError, match=r"pass-1 statistic has shape \(3, 1, 1\), expected \(2, 1, 1\)"):
+        orthogonal.step_(bank, [torch.ones(3, 1, 1)])
+    assert not e.any() and not bank.params[0].step.any()
+    orthogonal.step_(bank, orthogonal.grad_stats(bank))  # the statistics pass 1 gives fit
+    assert e.any() and bank.params[0].step.tolist() == [1.0, 1.0]
 
 
 def test_the_recommended_recipe_builds_the_arm_with_int8_expert_momentum():

@@ -12,20 +12,34 @@ from torch import nn
 from skewadam import SkewAdam
 from skewadam.bench.presets import load_model
 from skewadam.groups import describe
-from skewadam.state import MOMENTUM_DTYPES, StateFlags, check_state, measure_state, state_flags, state_spec
+from skewadam.state import MOMENTUM_DTYPES, TierSpec, check_state, measure_state, state_flags, state_spec
 
 
 # ------------------------------------------------------------------------------------------------------- flags
-def test_state_flags_take_the_tier_defaults_where_the_group_gives_none():
-    assert state_flags({}) == StateFlags("backbone", True, True, None, "fp32")
-    assert state_flags({"tier": "router", "lr": 1e-3, "use_momentum": None}) == StateFlags("router", False, False,
-                                                                                           None, "fp32")
+def test_a_groups_tier_spec_takes_the_tier_defaults_where_the_group_gives_none():
+    assert state_flags({}) == TierSpec("backbone", "fp32", "factored")
+    assert state_flags({"tier": "router", "lr": 1e-3, "use_momentum": None}) == TierSpec("router", None, "full")
     assert state_flags({"tier": "expert", "use_momentum": True, "bank": False, "momentum_dtype": "int8"}) == \
-        StateFlags("expert", True, True, False, "int8")
-    with pytest.raises(ValueError, match="unknown tier 'bogus'"):
-        state_flags({"tier": "bogus"})
-    with pytest.raises(ValueError, match="Invalid momentum_dtype: 'fp8'"):
-        state_flags({"momentum_dtype": "fp8"})
+        TierSpec("expert", "int8", "factored", "adam", False)
+    assert state_flags({"tier": "expert", "momentum_dtype": "int8"}).momentum is None  # no momentum to store
+
+
+@pytest.mark.parametrize("group, match", [
+    ({"tier": "bogus"}, r"^param group 3: unknown tier 'bogus'"),
+    ({"momentum_dtype": "fp8"}, r"^Invalid momentum_dtype in param group 3: 'fp8'"),
+    ({"use_factored": 1}, r"^Invalid use_factored in param group 3: 1 \(expected True, False or None\)"),
+    ({"update": "muon"}, r"^Invalid update in param group 3: 'muon'"),
+    ({"update": "orthogonal", "use_factored": True}, r"^param group 3: update='orthogonal' keeps no second moment"),
+    ({"tier": "expert", "update": "orthogonal", "experts": 2},
+     r"^param group 3: update='orthogonal' takes matrices"),
+    ({"tier": "expert", "experts": 0}, r"^Invalid experts in param group 3: 0"),
+    ({"experts": 2}, r"^param group 3: experts=2 is a key of 'expert' groups"),
+])
+def test_a_groups_state_settings_are_validated_where_its_tier_spec_is_built(group, match):
+    with pytest.raises(ValueError, match=match):
+        state_flags(group, "param group 3")
+    with pytest.raises(ValueError, match=match.replace("param group 3", "param group 0")):
+        SkewAdam([{"params": [nn.Parameter(torch.zeros(4, 3))], **group}])
 
 
 def test_a_groups_flags_give_its_state_spec_with_the_bank_rule():
@@ -43,7 +57,7 @@ def test_check_state_names_the_parameter_and_what_differs():
         check_state({k: v for k, v in good.items() if k != "exp_avg"}, spec, "p")
     with pytest.raises(ValueError, match=r"p: state 'row_var' is \[16, 1\] torch.float32, expected \[8, 1\]"):
         check_state({**good, "row_var": torch.zeros(16, 1)}, spec, "p")
-    with pytest.raises(ValueError, match=r"state 'exp_avg' is \[8, 6\] torch.bfloat16, expected \[8, 6\] torch.float32"):
+    with pytest.raises(ValueError, match=r"'exp_avg' is \[8, 6\] torch.bfloat16, expected \[8, 6\] torch.float32"):
         check_state({**good, "exp_avg": torch.zeros(8, 6, dtype=torch.bfloat16)}, spec, "p")
     with pytest.raises(ValueError, match="state 'step' is a int, expected a tensor"):
         check_state({**good, "step": 3}, spec, "p")
@@ -138,7 +152,7 @@ def test_measure_state_counts_dtensor_shards_at_local_size():
 def test_an_orthogonal_group_keeps_momentum_only_and_its_banks_a_step_count_only():
     """update='orthogonal': no second moment (use_factored resolves to False); compact momentum as elsewhere."""
     flags = state_flags({"tier": "backbone", "update": "orthogonal"})
-    assert flags == StateFlags("backbone", True, False, None, "fp32", "orthogonal")
+    assert flags == TierSpec("backbone", "fp32", "none", "orthogonal")
     assert {k: v.shape for k, v in flags.spec((8, 6), torch.bfloat16).items()} == {"step": (), "exp_avg": (8, 6)}
     int8 = state_flags({"update": "orthogonal", "momentum_dtype": "int8"}).spec((8, 300), torch.float32)
     assert {k: (v.shape, v.dtype) for k, v in int8.items()} == {

@@ -256,3 +256,73 @@ def test_a_python_number_step_is_loaded_as_a_tensor():
         _run(resumed[-1][1], resumed[-1][0], range(2, 4))
     assert all(s["step"].dtype == torch.float32 for s in resumed[1][1].state.values())
     _assert_bitwise(*resumed[0], *resumed[1])
+
+
+# ------------------------------------------------------------------------------------ checkpoints checked by value
+def _refused(bad: dict, match: str) -> None:
+    """Loading ``bad`` into a stepped optimizer raises a ValueError matching ``match`` and changes nothing."""
+    target_params, target = _stepped()
+    before = _everything(target_params, target)
+    with pytest.raises(ValueError, match=match):
+        target.load_state_dict(bad)
+    _assert_unchanged(before, _everything(target_params, target))
+
+
+# (parameter id in the state dict, key, value written into it, the rule the message names)
+BAD_VALUES = {
+    "nan_row_var": (2, "row_var", float("nan"), "finite and >= 0"),
+    "negative_col_var": (2, "col_var", -1.0, "finite and >= 0"),
+    "inf_exp_avg_sq": (5, "exp_avg_sq", float("inf"), "finite and >= 0"),
+    "nan_exp_avg": (2, "exp_avg", float("nan"), "finite"),
+    "nan_step": (2, "step", float("nan"), "a whole number >= 0"),
+    "negative_step": (0, "step", -3.0, "a whole number >= 0"),
+    "fractional_step": (2, "step", 2.5, "a whole number >= 0"),
+    "negative_bank_step": (4, "step", -1.0, "a whole number >= 0"),
+}
+
+
+@pytest.mark.parametrize("pid, key, value, rule", list(BAD_VALUES.values()), ids=list(BAD_VALUES))
+def test_a_checkpoint_with_nonfinite_or_negative_statistics_or_steps_is_refused_naming_the_tensor(pid, key, value,
+                                                                                                   rule):
+    """No step leaves a non-finite statistic, a negative sum of squares or a step count that is no whole number >= 0:
+    a checkpoint holding one is refused at the load (it would poison the weights at the next step)."""
+    _, opt = _stepped()
+    bad = opt.state_dict()
+    bad["state"][pid] = {k: v.clone() for k, v in bad["state"][pid].items()}
+    bad["state"][pid][key].view(-1)[0] = value
+    _refused(bad, rf"state of parameter \d \(?.*of param group \d .*: state '{key}' holds 1 value\(s\) that are not "
+                  rf"{rule} .*the checkpoint is corrupted")
+
+
+@pytest.mark.parametrize("key", ["lr", "betas", "tier", "momentum_dtype", "beta2_decay", "params"])
+def test_a_checkpoint_group_missing_a_hyperparameter_is_refused_naming_it(key):
+    """A saved group without ``lr`` (saved 0.5) is refused, not given the constructor's value: nothing is filled in."""
+    _, opt = _stepped()
+    opt.param_groups[2]["lr"] = 0.5
+    bad = opt.state_dict()
+    del bad["param_groups"][2][key]
+    _refused(bad, rf"param group 2 of the state dict has no \['{key}'\]: .*nothing is filled in")
+
+
+@pytest.mark.parametrize("idx, key, value", [(0, "tier", "router"), (0, "tier", "expert"), (1, "experts", 2)])
+def test_a_checkpoint_group_whose_tier_contradicts_the_optimizers_is_refused_naming_the_key(idx, key, value):
+    """A checkpoint's groups are the optimizer's: group 0 saved as ``tier='router'`` over the backbone's settings is
+    refused, not relabelled (state_bytes would report backbone bytes as the router's)."""
+    _, opt = _stepped()
+    bad = opt.state_dict()
+    bad["param_groups"][idx][key] = value
+    _refused(bad, rf"param group {idx} of the state dict has {key}={value!r}, this optimizer's param group {idx} "
+                  rf"{key}=")
+
+
+@pytest.mark.parametrize("missing", [("state",), ("param_groups",), ("state", "param_groups")])
+def test_a_state_dict_missing_a_top_level_key_is_refused_naming_it(missing):
+    _, opt = _stepped()
+    bad = {k: v for k, v in opt.state_dict().items() if k not in missing}
+    _refused(bad, "the state dict has no " + " and no ".join(f"'{k}'" for k in missing))
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, None, True])
+def test_a_checkpoint_skip_count_that_is_no_whole_number_is_refused(value):
+    _, opt = _stepped()
+    _refused({**opt.state_dict(), "skipped_steps": value}, "skipped_steps is .*, expected a whole number >= 0")

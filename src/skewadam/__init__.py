@@ -10,17 +10,17 @@ every import against this list.
 
     1. tiers                        tier labels (they import nothing of ours)
     2. state, structure             state_spec, state_flags, check_state, measure_state; the MoE structure of a model
-    3. kernels, classify, validation, recipes  the update kernels; automatic tiers; param group checks; named
-                                    configurations of from_model
-    4. distributed, groups, steppers  DTensor placements and the cross-shard reducer; param groups and their census;
-                                    the groups stepped outside the fused kernels (orthogonal tier, Adafactor's options)
-    5. optimizer                    SkewAdam
-    6. integrations                 Transformers, torchtitan
-    7. bench                        the benchmark application beside the library: the arms (one registry), the
+    3. kernels, classify, recipes   the kernel backends and their registry; automatic tiers; named configurations
+                                    of from_model
+    4. distributed, groups          DTensor placements and the cross-shard reducer; param groups and their census
+    5. validation, functional       param group and checkpoint checks; one step over the kernels' records
+    6. optimizer                    SkewAdam
+    7. integrations                 Transformers, torchtitan
+    8. bench                        the benchmark application beside the library: the arms (one registry), the
                                     planner, models, data, the harness (train, bench, report, measure); nothing
                                     below imports it, and its planner imports no optimizer and no kernel module
-    8. cli, skewadam                the command line; this package's re-exports (skewadam/__init__.py)
-    9. __main__                     ``python -m skewadam``
+    9. cli, skewadam                the command line; this package's re-exports (skewadam/__init__.py)
+   10. __main__                     ``python -m skewadam``
 """
 
 from __future__ import annotations

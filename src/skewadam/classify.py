@@ -226,7 +226,7 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 def hidden_matrices(model: nn.Module, labels: Optional[Mapping[str, str]] = None) -> list[str]:
     """Names of the hidden matrices of ``model``: the 2-D backbone weights that are not embeddings, the output
-    head, norms, biases or the router, i.e. what Muon-style orthogonal updates are for (`skewadam.steppers`).
+    head, norms, biases or the router, i.e. what Muon-style orthogonal updates are for (`skewadam.kernels.orthogonal`).
 
     Embeddings and heads are found by structure, never by a shape alone: embedding tables (``nn.Embedding``, or any
     module with ``num_embeddings``, ``embedding_dim`` and a 2-D ``weight``: Megatron's ``VocabParallelEmbedding``), any

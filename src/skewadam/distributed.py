@@ -77,7 +77,8 @@ def _sharded_dim(placement: Placement, ndim: int, what: str) -> Optional[int]:
 
 
 def check_layout(p: Tensor, where: str = "parameter") -> None:
-    """Refuse parameters whose shards cannot carry SkewAdam's statistics: flattened (FSDP1, DeepSpeed ZeRO-3) or Partial."""
+    """Refuse parameters whose shards cannot carry SkewAdam's statistics: flattened (FSDP1, DeepSpeed ZeRO-3) or
+    Partial."""
     if getattr(p, "_is_flat_param", False):
         raise TypeError(
             f"{where}: FSDP1 FlatParameter (a flattened 1-D shard of many parameters) loses the rows and columns "

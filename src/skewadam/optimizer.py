@@ -1,10 +1,9 @@
 r"""`SkewAdam`: tiered optimizer state for Mixture-of-Experts training.
 
 Each param group belongs to a tier (``backbone``, ``expert``, ``router``; `skewadam.tiers`) that sets which state
-its parameters keep. The update math lives in `skewadam.kernels` as pure functions over one record per group
-(`skewadam.kernels.types.Group`); this wrapper validates groups, allocates state lazily
-(`skewadam.state.state_spec`), and runs the three kernel passes with the cross-shard reduction seam between them.
-Groups the fused kernels do not run (the orthogonal tier, Adafactor's options) are stepped by `skewadam.steppers`.
+its parameters keep. This class holds the param groups, checks them (`skewadam.validation`, at construction and at
+`SkewAdam.load_state_dict`), allocates state lazily (`skewadam.state.state_spec`) and gathers one record per group
+(`skewadam.kernels.types.Group`); `skewadam.functional.skewadam_` runs the step over them, for every kernel backend.
 """
 
 from __future__ import annotations
@@ -16,10 +15,11 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import kernels, steppers
-from .kernels.types import Group, ParamTensors, all_finite, stat_dims, unit_dims
-from .state import StateBytes, check_state, is_bank, measure_state, state_flags
-from .validation import EPS_DEFAULT, FOREIGN_KEYS, GROUP_KEYS, foreign_message, validate_group, validate_param
+from . import kernels
+from .functional import Reducer, StepGroup, skewadam_
+from .kernels.types import Group, ParamTensors
+from .state import StateBytes, is_bank, measure_state, state_flags
+from .validation import check_state_dict, resolve_group, validate_params
 
 try:  # DTensor (FSDP2, tensor/expert parallelism); absent on builds without torch.distributed
     from torch.distributed.tensor import DTensor
@@ -27,11 +27,6 @@ except ImportError:  # pragma: no cover
     DTensor = ()  # type: ignore[assignment,misc]
 
 __all__ = ["SkewAdam"]
-
-#: Reducer signature: ``reduce(items)`` sums each statistic in place across the shards of its parameter, where
-#: ``items`` is a list of ``(param, [(statistic, dims_it_sums_over), ...])``. `skewadam.distributed` provides one.
-Reducer = Callable[[list[tuple[Tensor, list[tuple[Tensor, tuple[int, ...]]]]]], None]
-
 
 #: Types that are never DTensors: checked first, since ``isinstance(t, DTensor)`` costs ~0.3 us (its metaclass), a
 #: few times per parameter per step.
@@ -79,7 +74,7 @@ class SkewAdam(Optimizer):
     That is the paper's ``eps_mode="floor"``. The default, ``eps_mode="add"`` (Adafactor's convention), accumulates
     :math:`g^2 + \epsilon` instead and applies no floor (:math:`d = \sqrt{r/\mathrm{mean}_i r}\sqrt{c}` or
     :math:`\sqrt{v}`), with ``eps`` 1e-30: with the paper's 1e-8 floor most second-moment entries sit on the floor
-    and SkewAdam trained worst of all optimizers in our study (README, "Which settings train best").
+    (README, "Which settings train best", has the evidence).
 
     Tiers (group key ``tier``) set the state: ``backbone`` momentum + factored, ``expert`` factored only,
     ``router`` full exact second moment. ``use_momentum`` / ``use_factored`` override per group (the names of the
@@ -107,30 +102,23 @@ class SkewAdam(Optimizer):
         eps: second-moment addend (``add``) or floor (``floor``). Default 1e-30 with ``eps_mode="add"``, 1e-8 with
             ``"floor"``.
         weight_decay: decoupled weight decay :math:`\lambda`. Default 0.
-        eps_mode: ``"add"`` (Adafactor's; the default, chosen by the study in the README: 11.74 +- 0.08 vs
-            17.85 +- 0.33 validation perplexity for ``"floor"`` over 3 seeds at each mode's best lr) or ``"floor"``
-            (the paper's).
+        eps_mode: ``"add"`` (Adafactor's; the default, chosen by the study in the README) or ``"floor"`` (the
+            paper's).
         tier: default tier of groups that name none. Default ``"backbone"``.
         use_momentum, use_factored, bank: per-group overrides of the tier's state (``None`` = tier default).
-        experts (group key only): the number of experts each tensor of an ``expert`` group stacks along dim 0, for
-            flattened banks ``[E*D, F]`` (`skewadam.classify.flattened_experts`; `param_groups` sets it): stepped as
-            the bank ``[E, D, F]`` (a view), each expert with its own statistics, clip and step count.
+        experts (group key only): how many experts each tensor of an ``expert`` group stacks along dim 0
+            (flattened banks ``[E*D, F]``, `skewadam.classify.flattened_experts`): stepped as the bank ``[E, D, F]``.
         momentum_dtype: storage of the first moment: ``"fp32"`` (the statistics dtype), ``"bf16"`` (stochastically
             rounded) or ``"int8"`` (block-wise, 256 per fp32 scale; tensors with < 2 dims stay fp32); see
-            `skewadam.kernels.quant`. Every kernel (eager, C++, Triton) handles it, with the same stored bytes.
+            `skewadam.kernels.quant`, the same stored bytes on every backend.
         seed: seed of the stochastic rounding of bf16 parameters (and bf16 momentum).
         skip_nonfinite: if any gradient holds inf/NaN, skip the whole step (weights and state untouched) and count
-            it in ``skipped_steps``, as AMP's GradScaler does. On by default: costs one host sync per step on GPU
-            with the eager kernel, none with the Triton kernel (the step is skipped on the device).
-        impl: update kernel (`skewadam.kernels.select`): ``"auto"`` (the ``SKEWADAM_IMPL`` environment variable if
-            set, else the C++ kernel for CPU tensors when it builds, the Triton kernel for CUDA tensors when triton
-            imports, eager torch ops otherwise), ``"eager"``, ``"cpp"`` or ``"triton"`` (no host sync in a step; its
-            step counts live on the parameters' device). All give the same math; the C++ kernel is several times
-            faster on CPU.
+            it in ``skipped_steps``, as AMP's GradScaler does; on the device where the backend can (no host sync).
+        impl: the kernel backend, ``"auto"`` or a name of `skewadam.kernels.BACKENDS` (`skewadam.kernels.resolve`:
+            ``SKEWADAM_IMPL`` if set, else the preferred backend available on the parameters' device); same math.
         update: ``"adam"`` (the tiers' update) or ``"orthogonal"`` (above; matrices and banks of matrices only).
-        relative_step, beta2_decay: Adafactor's options (`skewadam.steppers`), off by default: the update scaled by
-            ``max(1e-3, rms(p))`` per unit, and ``beta2_t = 1 - t^beta2_decay`` (e.g. -0.8) without second-moment
-            bias correction.
+        relative_step, beta2_decay: Adafactor's options (off by default), per unit: the update term scaled by
+            ``max(1e-3, rms(p))``; ``beta2_t = 1 - t^beta2_decay`` (e.g. -0.8) without second-moment correction.
 
     Example:
         >>> opt = SkewAdam([
@@ -197,41 +185,16 @@ class SkewAdam(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not isinstance(param_group, dict):
             raise TypeError(f"param group must be a dict, got {type(param_group).__name__}")
-        group = self._resolve_group(param_group, len(self.param_groups))
+        group = resolve_group(param_group, self.defaults, len(self.param_groups))
         if not isinstance(group["params"], (Tensor, set)):  # torch refuses sets itself
             group["params"] = list(group["params"])  # a generator must survive being validated
         params = [group["params"]] if isinstance(group["params"], Tensor) else group["params"]
-        for p in params:
-            p = p[1] if isinstance(p, tuple) else p  # named parameters: (name, tensor)
-            if isinstance(p, Tensor):
-                validate_param(p, group, len(self.param_groups))
-                if torch.distributed.is_available():  # flattened (FSDP1, ZeRO-3) or Partial shards are refused
-                    from .distributed import check_layout
-
-                    check_layout(p, f"param group {len(self.param_groups)} (tier {group['tier']!r})")
+        validate_params(params, group, len(self.param_groups))
         if "tier" not in param_group and self.defaults["tier"] == "backbone" and not getattr(self, "_hinted", 0):
             from .groups import warn_untiered_experts  # experts left in backbone by default: say so, once
 
             self._hinted = warn_untiered_experts(params, len(self.param_groups))
         super().add_param_group(group)
-
-    def _resolve_group(self, param_group: dict[str, Any], idx: int) -> dict[str, Any]:
-        """A copy of ``param_group`` with this optimizer's defaults filled in, validated, and its state flags, tier
-        and eps resolved (the constructor's path and `load_state_dict`'s)."""
-        unknown = set(param_group) - GROUP_KEYS - FOREIGN_KEYS
-        if unknown:
-            raise ValueError(
-                f"param group {idx} has unknown key(s) {sorted(unknown)}; SkewAdam groups take {sorted(GROUP_KEYS)}"
-            )
-        group = dict(param_group)
-        for key, default in self.defaults.items():
-            group.setdefault(key, default)
-        validate_group(group, idx)
-        flags = state_flags(group)
-        group.update(tier=flags.tier, use_momentum=flags.use_momentum, use_factored=flags.use_factored)
-        if group["eps"] is None:
-            group["eps"] = EPS_DEFAULT[group["eps_mode"]]
-        return group
 
     # ------------------------------------------------------------------ state dict
     def __getstate__(self) -> dict[str, Any]:  # torch's keeps only defaults/state/param_groups (deepcopy, pickle)
@@ -240,10 +203,8 @@ class SkewAdam(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("skip_nonfinite", True)
-        self.__dict__.setdefault("skipped_steps", 0)
-        self.__dict__.setdefault("_impl", "auto")
-        self.__dict__.setdefault("_reducer", None)  # rebuilt by the first step that meets a DTensor
+        for key, default in (("skip_nonfinite", True), ("skipped_steps", 0), ("_impl", "auto"), ("_reducer", None)):
+            self.__dict__.setdefault(key, default)  # (a reducer is rebuilt by the first step that meets a DTensor)
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
@@ -251,39 +212,13 @@ class SkewAdam(Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load like torch, after validating everything: each saved group with the constructor's own checks, each
-        parameter's state against `skewadam.state.state_spec` (keys, shapes, dtypes); on an error nothing is changed.
-        A Python-number ``step`` (older checkpoints, other tools) becomes a tensor. Unlike torch, each state tensor
-        keeps its saved dtype (torch casts it to the parameter's: fp32 statistics of a bf16 parameter would
-        silently become bf16)."""
+        """Load like torch, after checking everything (`skewadam.validation.check_state_dict`: each saved group with
+        the constructor's own checks, each parameter's state against `skewadam.state.state_spec`); on an error
+        nothing is changed. Unlike torch, each state tensor keeps its saved dtype (torch casts it to the
+        parameter's: fp32 statistics of a bf16 parameter would silently become bf16), and is made contiguous."""
+        groups, states = check_state_dict(state_dict, self.param_groups)
         state_dict = dict(state_dict)
         skipped = state_dict.pop("skipped_steps", 0)
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        groups = []
-        for idx, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
-                                 "optimizer's group")
-            if set(saved) - GROUP_KEYS - FOREIGN_KEYS:
-                raise ValueError(foreign_message(saved, idx))
-            groups.append(self._resolve_group(saved, idx))
-        states = dict(state_dict["state"])
-        for idx, (saved, group) in enumerate(zip(groups, self.param_groups)):
-            flags = state_flags(saved)
-            names = group.get("param_names") or [None] * len(group["params"])
-            for i, (saved_id, p, name) in enumerate(zip(saved["params"], group["params"], names)):
-                state = states.get(saved_id)
-                if not state:
-                    continue
-                spec = flags.spec(p.shape, p.dtype)
-                state = dict(state)
-                if isinstance(state.get("step"), (int, float)) and spec["step"].shape == ():
-                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-                check_state(state, spec, f"state of parameter {i}{f' ({name})' if name else ''} of param group "
-                            f"{idx} (tier {saved['tier']!r})")
-                states[saved_id] = state
         state_dict.update(param_groups=groups, state=states)
         super().load_state_dict(state_dict)
         for saved_id, p in zip(chain.from_iterable(g["params"] for g in groups),
@@ -292,29 +227,13 @@ class SkewAdam(Optimizer):
             for key, value in states.get(saved_id, {}).items():
                 if state[key].dtype != value.dtype:
                     state[key] = value.to(device=state[key].device, copy=True)
-            if "step" in state and self._device_steps(p):  # torch's load leaves a step count on the host
-                state["step"] = state["step"].to(_local(p).device)
+                if not state[key].is_contiguous():  # as the kernels' own state is (some index it so)
+                    state[key] = state[key].contiguous()
+            if "step" in state and p.device.type != "cpu" and kernels.resolve(self._impl, p.device).device_steps:
+                state["step"] = state["step"].to(_local(p).device)  # torch's load leaves a step count on the host
         self.skipped_steps = int(skipped)
 
-    def _device_steps(self, p: Tensor) -> bool:
-        """Whether the kernel for ``p`` keeps its step count beside it, off the host (`skewadam.kernels.triton`)."""
-        return p.device.type != "cpu" and getattr(kernels.select(self._impl, p.device), "DEVICE_STEPS", False)
-
     # ------------------------------------------------------------------ step
-    def _state_of(self, p: Tensor, group: dict, device_steps: bool = False) -> dict:
-        """``p``'s state, allocated (zeros, step 0) by `skewadam.state.state_spec` if it has none yet; with
-        ``device_steps`` (the kernel advances step counts on the device) a host step count is moved beside ``p``."""
-        state = self.state[p]
-        if state and device_steps and isinstance(state.get("step"), Tensor):
-            if state["step"].device != _local(p).device:
-                state["step"] = state["step"].to(_local(p).device)
-        if not state:
-            flags = state_flags(group)
-            bank = flags.is_bank(p.ndim)
-            for key, st in flags.spec(p.shape, p.dtype).items():
-                state[key] = _new_state(p, key, st, bank, device_steps)
-        return state
-
     @torch.no_grad()
     def init_state(self) -> None:
         """Allocate the state of every parameter now (zeros, step 0), as its first step would: for checkpointers that
@@ -326,7 +245,7 @@ class SkewAdam(Optimizer):
         """
         for group in self.param_groups:
             for p in group["params"]:
-                self._state_of(p, group)
+                _state_of(self.state[p], p, group)
 
     @property
     def skipped_steps(self) -> int:
@@ -347,21 +266,21 @@ class SkewAdam(Optimizer):
         skipped = skipped.to(torch.int64)
         self.__dict__["_skipped_pending"] = skipped if pending is None else pending + skipped
 
-    def _init_group(self, group: dict, index: int, first_id: int,
-                    device_steps: bool = False) -> Optional[tuple[list[Tensor], Group]]:
-        """Lazy state, then the kernel's record of group ``index`` (its parameters with gradients; local shards of
-        DTensors) and those parameters as the user holds them (for the reducer); None if no parameter has a gradient.
-        ``first_id`` is the optimizer-wide index of the group's first parameter (its rounding stream);
-        ``device_steps``: the kernel keeps step counts on the parameters' device (`_state_of`)."""
+    def _init_group(self, group: dict, index: int, first_id: int, device_steps: bool = False,
+                    fresh: Optional[list] = None, only: Optional[int] = None) -> Optional[tuple[list[Tensor], Group]]:
+        """Lazy state, then the parameters of group ``index`` with gradients (for the reducer) and their kernels'
+        record (local shards of DTensors); None if none has a gradient. ``first_id``: the optimizer-wide index of the
+        group's first parameter (its rounding stream); ``device_steps``, ``fresh``: `_state_of`'s; ``only``: the
+        record of the group's parameter of that index alone (what a gradient hook steps)."""
         params, tensors = [], []
-        names, experts, tier, bank = group.get("param_names"), group.get("experts"), group["tier"], group["bank"]
-        key = (id(group["params"]), len(group["params"]), first_id, id(names), tier, bank, group["momentum_dtype"],
-               experts)
+        experts, tier = group.get("experts"), group["tier"]
+        key = (id(group["params"]), len(group["params"]), first_id, id(group.get("param_names")), tier, group["bank"],
+               group["momentum_dtype"], experts)
         cached = self.__dict__.setdefault("_records", {}).get(index)  # what a record takes from p and its group
         if cached is None or cached[0] != key:
             cached = self._records[index] = (key, [None] * len(group["params"]))
         states, make = self.state, ParamTensors._make  # _make: the record without NamedTuple.__new__'s Python call
-        for i, p in enumerate(group["params"]):
+        for i, p in enumerate(group["params"]) if only is None else ((only, group["params"][only]),):
             grad = p.grad
             if grad is None:
                 continue
@@ -370,11 +289,8 @@ class SkewAdam(Optimizer):
                                 "use a dense embedding (sparse=False)")
             fixed = cached[1][i]  # (id(p), shape, dtype, DTensor?, bank flag, rounding stream, name) while they hold
             if fixed is None or fixed[0] != id(p) or fixed[1] != p.shape or fixed[2] is not p.dtype:
-                fixed = cached[1][i] = (id(p), p.shape, p.dtype, _is_dtensor(p),
-                                        experts is not None or is_bank(p.ndim, tier, bank),
-                                        _rounding_stream(p, first_id + i, group["momentum_dtype"]),
-                                        f"param_groups[{index}]['params'][{i}]" + (f" ({names[i]!r})" if names else ""))
-            state = (not device_steps and states.get(p)) or self._state_of(p, group, device_steps)  # lazy init
+                fixed = cached[1][i] = _fixed(p, group, index, i, first_id)
+            state = (not device_steps and states.get(p)) or _state_of(states[p], p, group, device_steps, fresh)
             local = (p, grad, state["step"], *map(state.get, _STATE_FIELDS))
             if fixed[3]:  # a DTensor: the kernels step the local shards (their state is sharded as p is)
                 from .distributed import check_grad
@@ -391,19 +307,13 @@ class SkewAdam(Optimizer):
             return None
         b1, b2 = group["betas"]
         return params, Group(tensors, group["lr"], b1, b2, group["eps"], group["eps_mode"], group["weight_decay"],
-                             group["seed"])
-
-    def _reduce(self, work: list[tuple[list[Tensor], Group]], results: list[list],
-                items: Callable[[ParamTensors, Any], list]) -> None:
-        """Hand the reducer ``(param, items(record, result))`` for every parameter (``results``: a list per group)."""
-        if self._reducer is None:
-            return
-        self._reducer([(p, items(pt, r)) for (params, group), rs in zip(work, results)
-                       for p, pt, r in zip(params, group.params, rs)])
+                             group["seed"], group["relative_step"], group["beta2_decay"])
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """Perform one optimization step; returns the closure's loss, if a closure was given."""
+        """Perform one optimization step (`skewadam.functional.skewadam_`); returns the closure's loss, if a closure
+        was given. A step that raises has changed nothing: no parameter, state tensor or step count, and no state
+        is left allocated by it."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -411,48 +321,24 @@ class SkewAdam(Optimizer):
         first = next((p for group in self.param_groups for p in group["params"] if p.grad is not None), None)
         if first is None:
             return loss
-        impl = kernels.select(self._impl, _local(first).device)
-        work, outside, first_id = [], [], 0
-        for index, group in enumerate(self.param_groups):
-            w = self._init_group(group, index, first_id, getattr(impl, "DEVICE_STEPS", False))
-            first_id += len(group["params"])
-            if w is not None and steppers.outside_kernels(group):  # the orthogonal tier, Adafactor's options
-                outside.append((group, *w))
-            elif w is not None:
-                work.append(w)
-        if self._reducer is None and any(_is_dtensor(p) for params, _ in work + [w[1:] for w in outside]
-                                         for p in params):
-            from .distributed import DTensorReducer
+        backend = kernels.resolve(self._impl, _local(first).device)
+        work, fresh, first_id = [], [], 0
+        try:
+            for index, group in enumerate(self.param_groups):
+                w = self._init_group(group, index, first_id, backend.device_steps, fresh)
+                first_id += len(group["params"])
+                if w is not None:
+                    work.append(StepGroup(w[1], w[0], group["update"], f"param group {index}"))
+            if self._reducer is None and any(_is_dtensor(p) for g in work for p in g.params):
+                from .distributed import DTensorReducer
 
-            self._reducer = DTensorReducer()
-        check = self.skip_nonfinite
-        if outside:
-            records = [w[2] for w in outside] + [w[1] for w in work]  # both kinds skip a step together
-            if check and not bool(steppers.grads_finite([pt.grad for r in records for pt in r.params], self._reducer)):
-                self.skipped_steps += 1
-                return loss
-            check = False
-            steppers.step_(outside, self._reducer, impl)
-        if not work:
-            return loss
-        groups = [group for _, group in work]
-        if self._reducer is None:  # one process: the kernel runs the whole step at once
-            self._count_skipped(impl.step_(groups, skip_nonfinite=check))
-            return loss
-        stats = [impl.grad_stats(group) for group in groups]
-        self._reduce(work, stats, lambda pt, st: stat_dims(st, pt.grad.ndim, pt.bank))
-        skip = None
-        if check:
-            skip = _all_finite([s.sumsq for st in stats for s in st], self._reducer).logical_not()
-            self._count_skipped(skip)
-            if getattr(impl, "SKIP_ON_HOST", True):  # the kernel would read it on the host: read it once, here
-                if bool(skip):
-                    return loss
-                skip = None
-        moments = [impl.update_moments_(group, st, skip=skip) for group, st in zip(groups, stats)]
-        self._reduce(work, moments, lambda pt, mo: [(mo.u_sumsq, unit_dims(pt.grad.ndim, pt.bank))])
-        for group, mo in zip(groups, moments):
-            impl.apply_updates_(group, mo, skip=skip)
+                self._reducer = DTensorReducer()
+            self._count_skipped(skewadam_(work, backend=backend, reducer=self._reducer,
+                                          skip_nonfinite=self.skip_nonfinite))
+        except BaseException:
+            for p in fresh:
+                del self.state[p]
+            raise
         return loss
 
     def __repr__(self) -> str:
@@ -465,6 +351,36 @@ class SkewAdam(Optimizer):
         lines.append(f"skip_nonfinite: {self.skip_nonfinite} (skipped_steps: {self.skipped_steps})")
         lines.append(")")
         return "\n".join(lines)
+
+
+def _fixed(p: Tensor, group: dict, index: int, i: int, first_id: int) -> tuple:
+    """What the record of parameter ``i`` of group ``index`` takes from ``p`` and its group while they hold: ``(id,
+    shape, dtype, DTensor?, bank flag, rounding stream, name)``; errors name a flattened bank by its own shape and
+    its view's."""
+    names, experts = group.get("param_names"), group.get("experts")
+    name = f"param_groups[{index}]['params'][{i}]" + (f" ({names[i]!r})" if names else "")
+    if experts is not None:
+        name += f" of shape {tuple(p.shape)}, stepped as the bank {(experts, p.shape[0] // experts, *p.shape[1:])}"
+    bank = experts is not None or is_bank(p.ndim, group["tier"], group["bank"])
+    stream = _rounding_stream(p, first_id + i, group["momentum_dtype"])
+    return id(p), p.shape, p.dtype, _is_dtensor(p), bank, stream, name
+
+
+def _state_of(state: dict, p: Tensor, group: dict, device_steps: bool = False, fresh: Optional[list] = None) -> dict:
+    """``p``'s ``state``, allocated (zeros, step 0) by `skewadam.state.state_spec` if empty (``p`` is then listed in
+    ``fresh``); with ``device_steps`` (the backend advances step counts on the device) a host count is moved to
+    ``p``'s device."""
+    if state and device_steps and isinstance(state.get("step"), Tensor):
+        if state["step"].device != _local(p).device:
+            state["step"] = state["step"].to(_local(p).device)
+    if not state:
+        spec = state_flags(group)
+        bank = spec.is_bank(p.ndim)
+        for key, st in spec.spec(p.shape, p.dtype).items():
+            state[key] = _new_state(p, key, st, bank, device_steps)
+        if fresh is not None:
+            fresh.append(p)
+    return state
 
 
 def _bank_view(p: Tensor, experts: int, name: str) -> tuple[Tensor, Tensor, tuple[int, ...]]:
@@ -489,11 +405,3 @@ def _new_state(p: Tensor, key: str, st, bank: bool, device_steps: bool = False) 
 
         return new_state_dtensor(p, key, st)
     return torch.zeros(st.shape, dtype=st.dtype, device=p.device)  # a bank's step counts live with it
-
-
-def _all_finite(sums: list[Tensor], reducer: Optional[Reducer] = None) -> Tensor:
-    """Whether all sums are finite, a 0-d bool tensor (no host sync); with a reducer that can tell, on every rank (so
-    all ranks skip together)."""
-    finite = all_finite(sums)
-    agree = getattr(reducer, "all_finite", None)
-    return agree(finite) if agree is not None else finite

@@ -1,10 +1,11 @@
 """The one source of truth for the optimizer state a parameter holds, and the bytes an optimizer actually holds.
 
 `state_flags` resolves a param group's state settings (its tier's defaults, the ``use_momentum``/``use_factored``/
-``bank`` overrides, ``momentum_dtype``) into `StateFlags`; `state_spec` says which tensors (name, shape, dtype) a
-parameter of a given shape keeps under them. `SkewAdam` allocates exactly these and validates loaded state against
-them (`check_state`); the census (`skewadam.groups.describe`) and the planner (`skewadam.planner`) sum exactly
-these, so none of them can disagree. `measure_state` counts what any ``torch.optim.Optimizer`` holds.
+``bank`` overrides, ``momentum_dtype``, ``update``, ``experts``) into its `TierSpec`, validating them (the one place
+these keys are checked); `state_spec` says which tensors (name, shape, dtype) a parameter of a given shape keeps
+under them. `SkewAdam` allocates exactly these and validates loaded state against them (`check_state`); the census
+(`skewadam.groups.describe`) and the planner (`skewadam.bench.planner`) sum exactly these, so none of them can
+disagree. `measure_state` counts what any ``torch.optim.Optimizer`` holds.
 
 Names follow torch: ``step``, ``exp_avg`` (first moment), ``exp_avg_sq`` (full second moment), ``row_var``
 ``[..., R, 1]`` and ``col_var`` ``[..., 1, C]`` (factored second moment, over the last two dims).
@@ -51,7 +52,7 @@ def num_blocks(last_dim: int) -> int:
     return max(1, math.ceil(last_dim / BLOCK))
 
 __all__ = [
-    "BLOCK", "num_blocks", "StateTensor", "StateFlags", "state_flags", "state_spec", "check_state", "spec_nbytes",
+    "BLOCK", "num_blocks", "StateTensor", "TierSpec", "state_flags", "state_spec", "check_state", "spec_nbytes",
     "is_bank", "is_factored", "state_dtype_for", "COUNTER_KEYS", "MOMENTUM_DTYPES", "UPDATES", "StateBytes",
     "measure_state", "UNTIERED", "format_bytes", "BINARY_UNITS",
 ]
@@ -126,16 +127,26 @@ def state_spec(
     return spec
 
 
-class StateFlags(NamedTuple):
-    """A param group's state settings, resolved: what `state_spec` needs besides a parameter's shape and dtype."""
+class TierSpec(NamedTuple):
+    """What one param group's tensors keep and how they are updated: its tier's defaults with the group's
+    overrides, resolved and validated once (`state_flags`). `state_spec` turns it into a parameter's tensors."""
 
     tier: str
-    use_momentum: bool
-    use_factored: bool
-    bank: Optional[bool]  # None: the bank rule of `is_bank`
-    momentum_dtype: str
-    update: str = "adam"  # "orthogonal": momentum only (`skewadam.kernels.orthogonal`)
+    momentum: Optional[str]  # the first moment's storage (`MOMENTUM_DTYPES`), None without momentum
+    second_moment: str  # "factored" (units of >= 2 dims; "full" below), "full", or "none" (the orthogonal update)
+    update: str = "adam"  # `UPDATES`: the tiers' Adam-style update, or orthogonalised momentum
+    bank: Optional[bool] = None  # None: the bank rule of `is_bank`
     experts: Optional[int] = None  # flattened banks: each tensor stacks this many experts along dim 0
+
+    @property
+    def use_momentum(self) -> bool:
+        """The group key this spec resolves: whether it keeps a first moment."""
+        return self.momentum is not None
+
+    @property
+    def use_factored(self) -> bool:
+        """The group key this spec resolves: whether units of >= 2 dims keep a factored second moment."""
+        return self.second_moment == "factored"
 
     def is_bank(self, ndim: int) -> bool:
         """Whether a parameter of this group with ``ndim`` dims is a bank (`is_bank`; a flattened bank always is)."""
@@ -151,45 +162,69 @@ class StateFlags(NamedTuple):
         """`state_spec` of a parameter of this group (of its `view_shape`)."""
         shape = self.view_shape(shape)
         return state_spec(shape, param_dtype, use_momentum=self.use_momentum, use_factored=self.use_factored,
-                          bank=self.is_bank(len(shape)), momentum_dtype=self.momentum_dtype, update=self.update)
+                          bank=self.is_bank(len(shape)), momentum_dtype=self.momentum or "fp32", update=self.update)
 
 
-def state_flags(group: Mapping[str, Any]) -> StateFlags:
-    """Resolve the state settings of a param group (or of any mapping of group settings; other keys are ignored).
+def state_flags(group: Mapping[str, Any], where: str = "") -> TierSpec:
+    """Resolve and validate the state settings of a param group (or of any mapping of group settings; other keys
+    are ignored) into its `TierSpec`: the one place these keys are checked, ``where`` naming the group in errors.
 
-    ``tier`` (default ``"backbone"``) sets ``use_momentum``/``use_factored`` (`skewadam.tiers.TIER_STATE`) where the
-    group gives ``None`` or nothing; ``bank`` stays ``None`` (the bank rule) unless given; ``momentum_dtype``
-    defaults to ``"fp32"``, ``update`` to ``"adam"``; an ``"orthogonal"`` group keeps no second moment
-    (``use_factored`` resolves to False); ``experts`` (flattened banks) is kept. The optimizer, the census and the
-    planner all resolve through here.
+    ``tier`` (default ``"backbone"``) sets the momentum and the second moment (`skewadam.tiers.TIER_STATE`) where
+    the group's ``use_momentum``/``use_factored`` are ``None`` or absent; ``momentum_dtype`` (default ``"fp32"``)
+    stores the momentum; ``update`` (default ``"adam"``): an ``"orthogonal"`` group keeps no second moment and takes
+    no ``use_factored=True`` and no flattened banks; ``bank`` stays ``None`` (the bank rule) unless given;
+    ``experts`` (flattened banks) is an int >= 1 of ``expert`` groups. The optimizer, the census and the planner
+    all resolve through here.
 
     Example:
         >>> state_flags({"tier": "expert", "use_momentum": True, "lr": 1e-3})
-        StateFlags(tier='expert', use_momentum=True, use_factored=True, bank=None, momentum_dtype='fp32', update='adam',
-                   experts=None)
+        TierSpec(tier='expert', momentum='fp32', second_moment='factored', update='adam', bank=None, experts=None)
     """
-    tier = Tier.parse(group.get("tier") or Tier.BACKBONE)
-    defaults = TIER_STATE[tier]
-    use_momentum, use_factored = (defaults[k] if group.get(k) is None else group[k]
+    at, of = (f" in {where}", f"{where}: ") if where else ("", "")
+    try:
+        tier = Tier.parse(group.get("tier") or Tier.BACKBONE)
+    except ValueError as e:
+        raise ValueError(f"{of}{e}") from None
+    for key in ("use_momentum", "use_factored", "bank"):
+        if group.get(key) is not None and not isinstance(group[key], bool):
+            raise ValueError(f"Invalid {key}{at}: {group[key]!r} (expected True, False or None)")
+    use_momentum, use_factored = (TIER_STATE[tier][k] if group.get(k) is None else group[k]
                                   for k in ("use_momentum", "use_factored"))
     momentum_dtype = group.get("momentum_dtype") or "fp32"
     if momentum_dtype not in MOMENTUM_DTYPES:
-        raise ValueError(f"Invalid momentum_dtype: {momentum_dtype!r} (expected one of {MOMENTUM_DTYPES})")
+        raise ValueError(f"Invalid momentum_dtype{at}: {momentum_dtype!r} (expected one of {MOMENTUM_DTYPES})")
     update = group.get("update") or "adam"
     if update not in UPDATES:
-        raise ValueError(f"Invalid update: {update!r} (expected one of {UPDATES})")
+        raise ValueError(f"Invalid update{at}: {update!r} (expected one of {UPDATES})")
+    experts = group.get("experts")
+    if experts is not None:
+        if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+            raise ValueError(f"Invalid experts{at}: {experts!r} (expected an int >= 1: the number of experts each "
+                             "tensor stacks along dim 0)")
+        if tier != Tier.EXPERT:
+            raise ValueError(f"{of}experts={experts} is a key of 'expert' groups, got tier {tier.value!r}")
+    second_moment = "factored" if use_factored else "full"
     if update == "orthogonal":
         if group.get("use_factored"):
-            raise ValueError("update='orthogonal' keeps no second moment: leave use_factored unset (or False) in "
-                             "that group, or use update='adam'")
-        use_factored = False
-    return StateFlags(tier.value, bool(use_momentum), bool(use_factored), group.get("bank"), momentum_dtype, update,
-                      group.get("experts"))
+            raise ValueError(f"{of}update='orthogonal' keeps no second moment: leave use_factored unset (or False), "
+                             f"or use update='adam'")
+        if experts is not None:
+            raise ValueError(f"{of}update='orthogonal' takes matrices or stacked banks [E, A, B], not flattened banks "
+                             f"(experts={experts}): leave these tensors in an update='adam' group")
+        second_moment = "none"
+    return TierSpec(tier.value, momentum_dtype if use_momentum else None, second_moment, update, group.get("bank"),
+                    experts)
+
+
+#: State whose values are sums of squares (EMAs of ``g^2``, int8 momentum's block maxima): never negative.
+NONNEGATIVE_KEYS = frozenset({"exp_avg_sq", "row_var", "col_var", "exp_avg_scale"})
 
 
 def check_state(state: Mapping[str, Any], spec: Mapping[str, StateTensor], where: str) -> None:
     """Raise ``ValueError`` unless ``state`` holds exactly the tensors of ``spec``: the same keys, each a tensor of
-    the spec's (global, for DTensors) shape and dtype. ``where`` names the parameter and its group in the message."""
+    the spec's (global, for DTensors) shape and dtype, with values a step can have left: finite, never negative
+    where they are sums of squares (`NONNEGATIVE_KEYS`), step counts whole numbers >= 0. ``where`` names the
+    parameter and its group in the message. (Reads every value: a host sync for device tensors, once per load.)"""
     if set(state) != set(spec):
         missing, extra = sorted(set(spec) - set(state)), sorted(set(state) - set(spec))
         raise ValueError(
@@ -209,10 +244,27 @@ def check_state(state: Mapping[str, Any], spec: Mapping[str, StateTensor], where
                 f"{where}: state {key!r} is {list(value.shape)} {value.dtype}, expected {list(want.shape)} "
                 f"{want.dtype} for this parameter; the state belongs to a parameter of another shape or dtype"
             )
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if not local.is_floating_point():
+            continue  # int8 momentum codes: every value is one
+        bad = ~local.isfinite()
+        rule = "finite"
+        if key == "step":
+            bad |= (local < 0) | (local != local.round())
+            rule = "a whole number >= 0"
+        elif key in NONNEGATIVE_KEYS:
+            bad |= local < 0
+            rule = "finite and >= 0"
+        if bool(bad.any()):
+            first = local[bad].reshape(-1)[0].item()
+            raise ValueError(f"{where}: state {key!r} holds {int(bad.sum())} value(s) that are not {rule} (e.g. "
+                             f"{first}), which no step leaves: the checkpoint is corrupted; load another one (nothing "
+                             f"was loaded)")
 
 
 def spec_nbytes(spec: dict[str, StateTensor]) -> tuple[int, int]:
-    """``(statistics, counters)`` bytes of a `state_spec`: moments apart from step counts (the paper counts only the former)."""
+    """``(statistics, counters)`` bytes of a `state_spec`: moments apart from step counts (the paper counts only
+    the former)."""
     stats = sum(st.nbytes for key, st in spec.items() if key not in COUNTER_KEYS)
     return stats, sum(st.nbytes for key, st in spec.items() if key in COUNTER_KEYS)
 

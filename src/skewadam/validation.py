@@ -1,19 +1,27 @@
-"""The checks SkewAdam's param groups and parameters pass, at construction and at `SkewAdam.load_state_dict`: one
-definition, so a checkpoint's hyperparameters are refused with the constructor's own messages."""
+"""The checks SkewAdam's param groups, parameters and checkpoints pass, at construction and at
+`SkewAdam.load_state_dict`: one definition each, so a checkpoint is refused with the constructor's own messages.
+
+A group's hyperparameters follow `skewadam.kernels.types.check_group` (the rules the step applies to the kernels'
+records, so a value changed after construction is refused alike); its state settings resolve through
+`skewadam.state.state_flags` into its `skewadam.state.TierSpec`; a checkpoint's state is checked by
+`skewadam.state.check_state` (keys, shapes, dtypes and values).
+"""
 
 from __future__ import annotations
 
 import inspect
 import math
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .state import MOMENTUM_DTYPES, UPDATES, state_flags
-from .tiers import Tier
+from .kernels.types import Group, check_group, check_param_dtype
+from .state import TierSpec, check_state, state_flags
 
-__all__ = ["EPS_DEFAULT", "GROUP_KEYS", "FOREIGN_KEYS", "validate_group", "validate_param", "foreign_message"]
+__all__ = ["EPS_DEFAULT", "GROUP_KEYS", "FOREIGN_KEYS", "resolve_group", "validate_group", "validate_params",
+           "validate_param", "foreign_message", "check_state_dict"]
 
 EPS_DEFAULT = {"floor": 1e-8, "add": 1e-30}
 GROUP_KEYS = frozenset(
@@ -22,78 +30,48 @@ GROUP_KEYS = frozenset(
 )
 # Keys other torch APIs put into param groups: named parameters, LR schedulers' bookkeeping.
 FOREIGN_KEYS = frozenset({"param_names", "initial_lr"})
+# What every group SkewAdam.state_dict() saves holds (``experts`` only where the group has flattened banks).
+SAVED_KEYS = GROUP_KEYS - {"experts"}
+# What decides which optimizer group a saved one is: a checkpoint's must be the optimizer's.
+IDENTITY_KEYS = ("tier", "experts")
 
 
-def validate_group(group: dict, idx: int) -> None:
+def resolve_group(param_group: Mapping[str, Any], defaults: Mapping[str, Any], idx: int) -> dict[str, Any]:
+    """A copy of ``param_group`` with ``defaults`` filled in, validated (`validate_group`), its tier, state flags and
+    eps resolved: the constructor's path and `check_state_dict`'s."""
+    unknown = set(param_group) - GROUP_KEYS - FOREIGN_KEYS
+    if unknown:
+        raise ValueError(f"param group {idx} has unknown key(s) {sorted(unknown)}; SkewAdam groups take "
+                         f"{sorted(GROUP_KEYS)}")
+    group = dict(param_group)
+    for key, default in defaults.items():
+        group.setdefault(key, default)
+    spec = validate_group(group, idx)
+    group.update(tier=spec.tier, use_momentum=spec.use_momentum, use_factored=spec.use_factored)
+    if group["eps"] is None:
+        group["eps"] = EPS_DEFAULT[group["eps_mode"]]
+    return group
+
+
+def validate_group(group: dict, idx: int) -> TierSpec:
+    """Check the hyperparameters and state settings of param group ``idx`` (all keys present); ``betas`` becomes a
+    tuple of floats. Returns the group's `TierSpec`."""
     where = f"param group {idx}"
-    lr = group["lr"]
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        lr = lr.item()  # its value is checked as a float's; the group keeps the tensor
-    if not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-        raise ValueError(f"Invalid learning rate in {where}: {group['lr']!r} (expected a finite float >= 0)")
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"Invalid betas in {where}: {betas!r} (expected a pair (beta1, beta2))")
-    for j, b in enumerate(betas):
-        if isinstance(b, Tensor) or not isinstance(b, (int, float)) or not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {j} in {where}: {b!r} (expected a float in [0, 1))")
+    eps = EPS_DEFAULT.get(group["eps_mode"], 1.0) if group["eps"] is None else group["eps"]
+    check_group(Group((), group["lr"], betas[0], betas[1], eps, group["eps_mode"], group["weight_decay"], group["seed"],
+                      group["relative_step"], group["beta2_decay"]), where)
+    lr = group["lr"]
+    if isinstance(lr, Tensor) and not (math.isfinite(value := lr.item()) and value >= 0):  # read once, here
+        raise ValueError(f"Invalid learning rate in {where}: {lr!r} (expected a finite float >= 0)")
     group["betas"] = (float(betas[0]), float(betas[1]))
-    if group["eps_mode"] not in EPS_DEFAULT:
-        raise ValueError(f"Invalid eps_mode in {where}: {group['eps_mode']!r} (expected 'floor' or 'add')")
-    eps = group["eps"]
-    if eps is not None and (not isinstance(eps, (int, float)) or not eps > 0 or not math.isfinite(eps)):
-        raise ValueError(f"Invalid epsilon value in {where}: {eps!r} (expected a float > 0)")
-    wd = group["weight_decay"]
-    if not isinstance(wd, (int, float)) or not math.isfinite(wd) or wd < 0:
-        raise ValueError(f"Invalid weight_decay value in {where}: {wd!r} (expected a float >= 0)")
-    if group["momentum_dtype"] not in MOMENTUM_DTYPES:
-        raise ValueError(
-            f"Invalid momentum_dtype in {where}: {group['momentum_dtype']!r} (expected one of {MOMENTUM_DTYPES})"
-        )
-    for flag in ("use_momentum", "use_factored", "bank"):
-        if group[flag] is not None and not isinstance(group[flag], bool):
-            raise ValueError(f"Invalid {flag} in {where}: {group[flag]!r} (expected True, False or None)")
-    if not isinstance(group["seed"], int) or isinstance(group["seed"], bool):
-        raise ValueError(f"Invalid seed in {where}: {group['seed']!r} (expected an int)")
-    try:
-        Tier.parse(group["tier"])
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    _validate_update(group, where)
-    experts = group.get("experts")
-    if experts is not None:
-        if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
-            raise ValueError(f"Invalid experts in {where}: {experts!r} (expected an int >= 1: the number of experts "
-                             "each tensor stacks along dim 0)")
-        if Tier.parse(group["tier"]) != Tier.EXPERT:
-            raise ValueError(f"{where}: experts={experts} is a key of 'expert' groups, got tier {group['tier']!r}")
-
-
-def _validate_update(group: dict, where: str) -> None:
-    """``update`` (`skewadam.steppers`), Adafactor's ``relative_step`` and ``beta2_decay``, and the combinations that
-    mean nothing (Adafactor's options on an orthogonal group, a factored orthogonal group)."""
-    if group["update"] not in UPDATES:
-        raise ValueError(f"Invalid update in {where}: {group['update']!r} (expected one of {UPDATES})")
-    if not isinstance(group["relative_step"], bool):
-        raise ValueError(f"Invalid relative_step in {where}: {group['relative_step']!r} (expected True or False)")
-    decay = group["beta2_decay"]
-    if decay is not None and (isinstance(decay, bool) or not isinstance(decay, (int, float))
-                              or not math.isfinite(decay) or decay > 0):
-        raise ValueError(f"Invalid beta2_decay in {where}: {decay!r} (expected None or a float <= 0, e.g. "
-                         f"Adafactor's -0.8)")
-    if group["update"] != "orthogonal":
-        return
-    if group["relative_step"] or decay is not None:
+    spec = state_flags(group, where)
+    if spec.update == "orthogonal" and (group["relative_step"] or group["beta2_decay"] is not None):
         raise ValueError(f"{where}: relative_step and beta2_decay shape the Adam-style update; an update='orthogonal' "
                          f"group has no second moment to decay and a fixed RMS: set them in update='adam' groups only")
-    if group["use_factored"]:
-        raise ValueError(f"{where}: update='orthogonal' keeps no second moment: leave use_factored unset (or False), "
-                         f"or use update='adam'")
-    if group.get("experts") is not None:
-        raise ValueError(f"{where}: update='orthogonal' takes matrices or stacked banks [E, A, B], not flattened "
-                         f"banks (experts={group['experts']}): leave these tensors in an update='adam' group")
+    return spec
 
 
 def foreign_message(saved: dict, idx: int) -> str:
@@ -111,16 +89,23 @@ def foreign_message(saved: dict, idx: int) -> str:
             f"and start the optimizer fresh")
 
 
+def validate_params(params: Iterable[Any], group: dict, idx: int) -> None:
+    """Check each parameter of (resolved) param group ``idx`` (`validate_param`; named ``(name, tensor)`` pairs
+    too), and refuse flattened (FSDP1, ZeRO-3) and Partial shards (`skewadam.distributed.check_layout`)."""
+    for p in params:
+        p = p[1] if isinstance(p, tuple) else p
+        if isinstance(p, Tensor):  # (torch's add_param_group refuses anything else itself)
+            validate_param(p, group, idx)
+            if torch.distributed.is_available():
+                from .distributed import check_layout
+
+                check_layout(p, f"param group {idx} (tier {group['tier']!r})")
+
+
 def validate_param(p: Tensor, group: dict, idx: int) -> None:
+    """Check one parameter of (resolved) param group ``idx``: its dtype, and the shape its group's settings need."""
     where = f"param group {idx} (tier {group['tier']!r})"
-    if p.is_complex():
-        raise TypeError(f"{where}: complex parameters are not supported; optimize torch.view_as_real(p) instead")
-    if p.dtype == torch.float16:
-        raise TypeError(
-            f"{where}: fp16 parameters are not supported; keep fp32 parameters with torch.autocast, or use bf16"
-        )
-    if not p.is_floating_point():
-        raise TypeError(f"{where}: parameters must be floating point, got {p.dtype}")
+    check_param_dtype(p.dtype, where)
     if group["momentum_dtype"] == "bf16" and p.dtype == torch.float64:
         raise TypeError(
             f"{where}: momentum_dtype='bf16' rounds fp32 momentum to bf16; fp64 parameters keep their momentum in "
@@ -131,7 +116,7 @@ def validate_param(p: Tensor, group: dict, idx: int) -> None:
     bank = state_flags(group).is_bank(p.ndim)
     if group["update"] == "orthogonal" and p.ndim - bank != 2:
         raise ValueError(f"{where}: update='orthogonal' orthogonalises matrices, got a parameter of shape "
-                         f"{tuple(p.shape)} (bank={bank}); give it matrices [A, B] or banks [E, A, B] (bank=True), and "
+                         f"{tuple(p.shape)} (bank={bank}); give it matrices [A, B] or banks [E, A, B], and "
                          f"norms, biases and embeddings an update='adam' group")
     experts = group.get("experts")
     if experts is not None and (p.ndim < 2 or p.shape[0] % experts):
@@ -139,3 +124,59 @@ def validate_param(p: Tensor, group: dict, idx: int) -> None:
             f"{where}: experts={experts} needs tensors of >= 2 dims whose dim 0 stacks that many experts, got shape "
             f"{tuple(p.shape)}; put this tensor in a group without 'experts'"
         )
+
+
+def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) -> tuple[list[dict], dict]:
+    """The param groups and state of ``state_dict`` (an optimizer's), checked for loading
+    into an optimizer holding ``param_groups``: each saved group whole (every key SkewAdam saves, none another
+    optimizer's; nothing is filled in), with the constructor's checks, and the group it replaces (the same tier and
+    flattened banks); each parameter's state against `skewadam.state.state_spec`, by value too (a Python-number
+    ``step`` of older checkpoints and other tools becomes a tensor); ``skipped_steps``, where present, a whole
+    number >= 0. Returns ``(groups, state)`` to load; raises ValueError naming what does not fit, having changed
+    nothing."""
+    missing = [key for key in ("state", "param_groups") if key not in state_dict]
+    if missing:
+        raise ValueError(f"the state dict has no {' and no '.join(map(repr, missing))} (it has keys "
+                         f"{sorted(state_dict)}): SkewAdam loads what SkewAdam.state_dict() saved")
+    skipped = state_dict.get("skipped_steps", 0)
+    if isinstance(skipped, bool) or not isinstance(skipped, int) or skipped < 0:
+        raise ValueError(f"the state dict's skipped_steps is {skipped!r}, expected a whole number >= 0 (the steps "
+                         f"skipped for a non-finite gradient)")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    groups = []
+    for idx, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if set(saved) - GROUP_KEYS - FOREIGN_KEYS:
+            raise ValueError(foreign_message(saved, idx))
+        absent = sorted(SAVED_KEYS - set(saved))
+        if absent:
+            raise ValueError(f"param group {idx} of the state dict has no {absent}: every group SkewAdam.state_dict() "
+                             f"saves holds them (nothing is filled in from the constructor's values); load an "
+                             f"unedited checkpoint, or add the key(s) with the values it was trained with")
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                             "optimizer's group")
+        resolved = resolve_group(saved, {}, idx)
+        for key in IDENTITY_KEYS:
+            if resolved.get(key) != group.get(key):
+                raise ValueError(f"param group {idx} of the state dict has {key}={resolved.get(key)!r}, this "
+                                 f"optimizer's param group {idx} {key}={group.get(key)!r}: a checkpoint's groups are "
+                                 f"the optimizer's, in order; build the optimizer as the checkpoint's was built")
+        groups.append(resolved)
+    states = dict(state_dict["state"])
+    for idx, (saved, group) in enumerate(zip(groups, param_groups)):
+        spec = state_flags(saved)
+        names = group.get("param_names") or [None] * len(group["params"])
+        for i, (saved_id, p, name) in enumerate(zip(saved["params"], group["params"], names)):
+            state = states.get(saved_id)
+            if not state:
+                continue
+            want = spec.spec(p.shape, p.dtype)
+            state = dict(state)
+            if isinstance(state.get("step"), (int, float)) and want["step"].shape == ():
+                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+            check_state(state, want, f"state of parameter {i}{f' ({name})' if name else ''} of param group "
+                        f"{idx} (tier {saved['tier']!r})")
+            states[saved_id] = state
+    return groups, states

@@ -64,7 +64,7 @@ EQUIVALENT = [
     "fsdp2_empty_shards",  # one expert: router and banks empty on rank 1
     "fsdp2_torchtitan_shard1",  # experts Shard(1) (fewer experts than ranks), attention Shard(1)
     "fsdp2_int8_momentum",  # fsdp2_uneven with int8 backbone momentum (blocks along the unsharded last dim)
-    "toy_issue13",  # issue 13's toy: the head's [1, 7] weight (momentum + factored) and [1] bias empty on rank 1
+    "toy_empty_head",  # the toy: the head's [1, 7] weight (momentum + factored) and [1] bias empty on rank 1
     "toy_every_tier_empty",  # one expert: empty backbone (momentum), bank, router and 1-D shards; a (0, 300) shard
     "toy_every_tier_empty_int8",  # the same with int8 momentum
     "ddp",
@@ -94,7 +94,7 @@ def test_without_cross_rank_reductions_the_equivalence_check_fails(results, chec
 @pytest.mark.parametrize("check, empty", [
     ("fsdp2_empty_shards", {"blocks.1.moe.router.weight", "blocks.1.moe.experts.w1", "blocks.1.moe.experts.w2",
                             "blocks.1.moe.experts.w3"}),
-    ("toy_issue13", {"head.weight", "head.bias", "wide"}),
+    ("toy_empty_head", {"head.weight", "head.bias", "wide"}),
     ("toy_every_tier_empty", {"head.weight", "head.bias", "wide", "router.weight", "experts.w1", "experts.w2"}),
 ])
 def test_empty_local_shards_are_exercised(results, check, empty):
@@ -106,8 +106,8 @@ def test_empty_local_shards_are_exercised(results, check, empty):
 @pytest.mark.distributed
 @pytest.mark.parametrize("check", [c for c in EQUIVALENT if c.startswith("toy")] + ["toy_every_tier_empty_bf16"])
 def test_empty_shards_write_finite_weights_and_skip_no_step(results, check):
-    """Issue 13: the C++ kernel left an empty shard's column sums uninitialised, wrote NaN into the head's weight and
-    then skipped every step as non-finite."""
+    """An empty shard's statistics are zeros (never uninitialised memory): the weights stay finite and no step is
+    taken for non-finite."""
     for fig in _get(results, check):
         assert fig["finite"] and fig["skipped_steps"] == 0, fig
 

@@ -2,17 +2,17 @@
 
 Run by ``test_distributed.py`` as ``torchrun --standalone --nproc_per_node=2 worker.py OUT_DIR IMPL [CHECK ...]`` (CPU,
 gloo), once per kernel: IMPL (``eager`` or ``cpp``) is the kernel every SkewAdam here runs (``SKEWADAM_IMPL``), the
-one-process references included. Every check trains the reference MoE (`skewadam.bench.models`, float64, tiny) or the toy
-of issue 13 with SkewAdam groups per tier for a few steps and returns figures (max abs difference of parameters and
-optimizer state from one process on the global batch, reducer collectives and bytes per step, ...). Rank 0 writes
-``OUT_DIR/results.json`` (`checks.run_checks`): ``{check: {"rank0": figures, "rank1": figures}}``, a check that
-raised recording ``{"error": traceback}`` (one failure does not hide others); the pytest side asserts on it.
+one-process references included. Every check trains the reference MoE (`skewadam.bench.models`, float64, tiny) or
+the toy of empty shards (`Toy`) with SkewAdam groups per tier for a few steps and returns figures (max abs difference
+of parameters and optimizer state from one process on the global batch, reducer collectives and bytes per step, ...).
+Rank 0 writes ``OUT_DIR/results.json`` (`checks.run_checks`): ``{check: {"rank0": figures, "rank1": figures}}``, a
+check that raised recording ``{"error": traceback}`` (one failure does not hide others); the pytest side asserts on it.
 
 Layouts, on 2 ranks:
 - FSDP2 (`fully_shard`): dim-0 shards with uneven sizes (vocab 67, 3 experts, 9 positions) and EMPTY shards (a single
   expert: router [1, D] and banks [1, F, D] hold nothing on rank 1); torchtitan's placement (experts ``Shard(1)`` when
   the shard degree exceeds the number of experts) mixed with column-sharded attention (``Shard(1)`` on [D, D]).
-- The toy of issue 13 (`Toy`): a head ``Linear(7, 1)`` whose ``[1, 7]`` weight (backbone: momentum + factored) and
+- The toy (`Toy`): a head ``Linear(7, 1)`` whose ``[1, 7]`` weight (backbone: momentum + factored) and
   ``[1]`` bias (1-D) are empty on rank 1, a ``[1, 300]`` row (int8 momentum blocks along its unsharded last dim), and
   with one expert an empty router and empty banks too: an empty shard in every tier, with fp32, int8 and bf16
   momentum.
@@ -207,7 +207,7 @@ class _Experts(torch.nn.Module):
 
 
 class Toy(torch.nn.Module):
-    """The MoE of issue 13: ``Linear(12, 20)``, router ``[E, 20]`` (sigmoid gates: it trains with one expert too),
+    """A MoE with a shard of every tier empty on rank 1: ``Linear(12, 20)``, router ``[E, 20]`` (sigmoid gates: it trains with one expert too),
     banks ``[E, 20, 14]``/``[E, 14, 20]``, ``Linear(20, 7)``, head ``Linear(7, 1)``, and a ``[1, 300]`` row with a
     loss of its own. Shape legend: N tokens, D=20 hidden, E experts."""
 
@@ -472,8 +472,8 @@ def check_zero_nonfinite_skipped_everywhere() -> dict:
 
 def check_rounding_streams() -> dict:
     """bf16 weight of equal values and equal gradients: one step lands every element between two bf16 values
-    (1 - lr), so each rounds up or down by its own coin. Row shards must flip differently (they used to draw the same
-    bits at the same local positions), the first shard as one process does, replicas identically."""
+    (1 - lr), so each rounds up or down by its own coin. Row shards must flip differently (not the same bits at the
+    same local positions), the first shard as one process does, replicas identically."""
     def stepped(placements):
         p = torch.nn.Parameter(distribute_tensor(torch.ones(8, 256, dtype=torch.bfloat16), MESH, placements))
         p.grad = distribute_tensor(torch.ones(8, 256, dtype=torch.bfloat16), MESH, placements)
@@ -534,7 +534,7 @@ def named_checks(out_dir: Path) -> dict:
         "fsdp2_torchtitan_shard1": lambda: check_fsdp2(1, torchtitan_placement),
         "fsdp2_negative_control": lambda: check_fsdp2(3, disable_reducer=True),
         "fsdp2_int8_momentum": lambda: check_fsdp2(3, momentum_dtype="int8"),
-        "toy_issue13": lambda: check_toy(3),
+        "toy_empty_head": lambda: check_toy(3),
         "toy_every_tier_empty": lambda: check_toy(1),
         "toy_every_tier_empty_int8": lambda: check_toy(1, momentum_dtype="int8"),
         "toy_every_tier_empty_bf16": lambda: check_toy(1, momentum_dtype="bf16", dtype=torch.float32),

@@ -25,7 +25,7 @@ kernel.
 | skewadam-expert-momentum  | ablation: experts also keep momentum                                              |
 | skewadam-factored-router  | ablation: the router's second moment factored too                                 |
 | skewadam-uniform          | ablation: every tier momentum + factored                                          |
-| skewadam-orthogonal       | hidden matrices orthogonal (Muon's update, `skewadam.steppers`), the rest paper   |
+| skewadam-orthogonal       | hidden matrices orthogonal (Muon's update, `kernels.orthogonal`), the rest paper  |
 |                           | tiers: one optimizer, one state dict                                              |
 | skewadam-orthogonal-experts | skewadam-orthogonal + expert banks orthogonalised per expert from the gradient  |
 | skewadam-orthogonal-experts-momentum | skewadam-orthogonal-experts, expert slices with Nesterov momentum too   |

@@ -14,10 +14,12 @@ KellerJordan/Muon do. :math:`0.2\sqrt{\max(A,B)}` is torch's ``adjust_lr_fn="mat
 update's RMS is then about 0.2, an AdamW update's, so ``lr`` and ``weight_decay`` mean what they mean in the other
 tiers. A bank slice whose gradient is all zero (an expert that received no token) is left untouched.
 
-`step_` runs it over one group's record (`skewadam.kernels.types.Group`; ``beta1`` is :math:`\mu`, ``beta2``,
-``eps`` and ``eps_mode`` are unused), batching the matrices of one shape into one Newton-Schulz per chunk; the
-distributed seam is injected (``gather`` a sharded matrix's ``u``, ``local_part`` of ``O``; the identity on one
-device), so nothing here calls torch.distributed.
+It runs over one group's record (`skewadam.kernels.types.Group`; ``beta1`` is :math:`\mu`, ``beta2``, ``eps`` and
+``eps_mode`` are unused) in the passes of the other kernels, so `skewadam.functional` steps it in the same sequence:
+`grad_stats` (pass 1: each unit's largest ``|g|``, for the idle slices and the non-finite check; nothing written),
+then, after the seam and the skip decision, `step_` (the momentum, Newton-Schulz and the write), batching the
+matrices of one shape into one Newton-Schulz per chunk. The distributed seam is injected (``gather`` a sharded
+matrix's ``u``, ``local_part`` of ``O``; the identity on one device), so nothing here calls torch.distributed.
 
 Deviations from `torch.optim.Muon`: Newton-Schulz runs in `ns_dtype` of the parameter (bf16 for bf16 parameters, as
 torch always does; fp32 for fp32 and fp64 for fp64 parameters, where torch casts to bf16: fp32 matmuls are faster
@@ -38,14 +40,14 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..state import num_blocks
-from .quant import load_momentum, store_momentum_
+from . import types
 from .eager import step_key
+from .quant import load_momentum, store_momentum_
 from .rounding import stochastic_round_bf16
-from .types import Group, ParamTensors
+from .types import Group, ParamTensors, unit_dims
 
 __all__ = ["NS_COEFFICIENTS", "NS_STEPS", "NS_EPS", "CHUNK_NUMEL", "ns_dtype", "newton_schulz", "newton_schulz_",
-           "rms_scale", "check", "step_", "nesterov_", "apply_", "step_transient_bytes"]
+           "rms_scale", "check", "grad_stats", "step_", "nesterov_", "apply_", "step_transient_bytes"]
 
 #: Muon's quintic Newton-Schulz coefficients (KellerJordan/Muon; torch.optim.Muon's defaults), steps and eps.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -126,56 +128,76 @@ def _pieces(shapes: Sequence[Sequence[int]], banks: Sequence[bool], whole: Seque
 
 
 def check(pt: ParamTensors) -> None:
-    """Raise ValueError, naming the parameter, if its gradient or a state tensor does not fit it, or it is not a
-    matrix (a bank of matrices) as this update needs: the sizes `step_` indexes with."""
-    name, p = pt.name or "parameter", tuple(pt.param.shape)
-    if len(p) - pt.bank != 2:
-        raise ValueError(f"{name}: the orthogonal update takes matrices [A, B] or banks [E, A, B], got shape {p} "
-                         f"(bank={pt.bank})")
-    if not isinstance(pt.grad, Tensor) or tuple(pt.grad.shape) != p or pt.grad.dtype != pt.param.dtype:
-        raise ValueError(f"{name}: gradient {tuple(getattr(pt.grad, 'shape', ()))} {getattr(pt.grad, 'dtype', None)} "
-                         f"for a parameter {p} {pt.param.dtype}; give p.grad the parameter's shape and dtype")
-    want = {"step": p[:1] if pt.bank else (), "exp_avg": p if pt.exp_avg is not None else None,
-            "exp_avg_scale": p[:-1] + (num_blocks(p[-1]),) if pt.exp_avg_scale is not None else None}
-    for key, shape in want.items():
-        t = getattr(pt, key)
-        if t is not None and tuple(t.shape) != shape and not (key == "step" and t.numel() == 1 and not pt.bank):
-            raise ValueError(f"{name}: state {key!r} of shape {tuple(t.shape)}, a parameter of shape {p} needs "
-                             f"{shape}; load the state saved for this model, or reset it with `del optimizer.state[p]`")
+    """Raise, naming the parameter, if it is not a matrix (a bank of matrices) as this update needs, or if its
+    gradient or a state tensor does not fit it (`skewadam.kernels.types.check`'s rules, without a second moment):
+    the sizes `grad_stats` and `step_` index with."""
+    if len(pt.param.shape) - pt.bank != 2:
+        raise ValueError(f"{pt.name or 'parameter'}: the orthogonal update takes matrices [A, B] or banks [E, A, B], "
+                         f"got shape {tuple(pt.param.shape)} (bank={pt.bank})")
+    types.check(pt, second_moment=False)
+
+
+def _unit_shape(pt: ParamTensors) -> tuple[int, ...]:
+    """The keepdim shape of a per-unit statistic: ``[E, 1, 1]`` for a bank, ``[1, 1]`` for a matrix."""
+    shape = tuple(pt.param.shape)
+    return (shape[0], 1, 1) if pt.bank else (1, 1)
+
+
+def grad_stats(group: Group) -> list[Tensor]:
+    """Pass 1: per unit (a matrix, a bank slice), the largest ``|g|`` in the compute dtype, keepdim (`_unit_shape`),
+    after checking every record; nothing is written. Summed across the shards of a unit it is still 0 exactly when
+    the unit's gradient has no nonzero element (an expert that received no token: idle), and it is inf or NaN
+    exactly when an element is (the non-finite check); no square that could underflow or overflow."""
+    for pt in group.params:
+        check(pt)
+    out = []
+    for pt in group.params:
+        g = pt.grad
+        dtype = _compute_dtype(g.dtype)
+        if g.numel() == 0:  # an empty local shard (amax has no identity)
+            out.append(torch.zeros(_unit_shape(pt), dtype=dtype, device=g.device))
+        else:
+            out.append(g.abs().amax(unit_dims(g.ndim, pt.bank), keepdim=True).to(dtype))
+    return out
 
 
 def step_(
     group: Group,
-    actives: Sequence[Optional[Tensor]],
+    stats: Sequence[Tensor],
     *,
+    skip: Optional[Tensor] = None,
     gather: Optional[Callable[[Tensor, int], Tensor]] = None,
     local_part: Optional[Callable[[Tensor, int], Tensor]] = None,
     gathered: Optional[Sequence[bool]] = None,
 ) -> None:
-    """One step of the orthogonal update of ``group``'s tensors (local shards of DTensor parameters), in place, step
-    counts included (a bank's active slices only).
+    """Passes 2 and 3 of the orthogonal update of ``group``'s tensors (local shards of DTensor parameters), in
+    place, step counts included, from `grad_stats`' ``stats`` (summed across shards): a bank slice whose statistic
+    is 0 is idle (weights, momentum and step count kept). ``skip``, a 0-d bool tensor read on the device (no host
+    sync): when True nothing changes.
 
     The matrices of one shape are orthogonalised together, in chunks of at most `CHUNK_NUMEL` elements of whole
     matrices, so the step's temporaries stay a few chunks whatever the number of experts. Per piece: the momentum
     (`nesterov_`), ``gather(u, i)`` (tensors with ``gathered[i]``: the full matrices of a shard, whole tensors at a
-    time), `newton_schulz` in `ns_dtype`, ``local_part(o, i)`` (the shard back), then `apply_`. ``actives`` ``[E, 1,
-    1]`` mark a bank's slices that had a gradient (others keep their weights). The momentum coefficient is
-    ``group.beta1``; bf16 weights and momentum round with `skewadam.kernels.rounding.rounding_key` of the group's
-    seed, the parameter's stream and its step count.
+    time), `newton_schulz` in `ns_dtype`, ``local_part(o, i)`` (the shard back), then `apply_`. The momentum
+    coefficient is ``group.beta1``; bf16 weights and momentum round with `skewadam.kernels.rounding.rounding_key`
+    of the group's seed, the parameter's stream and its step count.
     """
     pts = group.params
-    if len(actives) != len(pts):
-        raise ValueError(f"{len(actives)} active masks for {len(pts)} parameters: give one per parameter (None for "
-                         f"a matrix)")
-    for pt, active in zip(pts, actives):
+    if len(stats) != len(pts):
+        raise ValueError(f"{len(stats)} statistics for {len(pts)} parameters: give grad_stats' result")
+    for pt, st in zip(pts, stats):
         check(pt)
-        if pt.bank and (active is None or tuple(active.shape) != (pt.param.shape[0], 1, 1)):
-            raise ValueError(f"{pt.name or 'parameter'}: a bank needs its active slices [E, 1, 1], got "
-                             f"{None if active is None else tuple(active.shape)}")
+        if not isinstance(st, Tensor) or tuple(st.shape) != _unit_shape(pt):
+            raise ValueError(f"{pt.name or 'parameter'}: its pass-1 statistic has shape {types._shape(st)}, "
+                             f"expected {_unit_shape(pt)} (grad_stats' result)")
+    actives: list[Optional[Tensor]] = [st > 0 if pt.bank else None for pt, st in zip(pts, stats)]
+    if skip is not None:
+        go = skip.logical_not()
+        actives = [go if a is None else a & go for a in actives]
     for pt, active in zip(pts, actives):
-        pt.step.add_(active.view(-1) if pt.bank else 1)
+        pt.step.add_(1 if active is None else active.view(-1) if pt.bank else active)
     gathered = gathered or [False] * len(pts)
-    lr = float(group.lr)
+    lr = group.lr if isinstance(group.lr, Tensor) and group.lr.device.type != "cpu" else float(group.lr)
     keys = [step_key(group.seed, pt) if torch.bfloat16 in (pt.param.dtype, getattr(pt.exp_avg, "dtype", None)) else 0
             for pt in pts]
     kinds: dict[tuple, list[int]] = defaultdict(list)
@@ -209,7 +231,8 @@ def step_(
 
 
 def _at(t: Optional[Tensor], rows: slice) -> Optional[Tensor]:
-    return t[rows] if t is not None else None
+    """Rows ``rows`` of a tensor along the parameter's dim 0; a 0-d mask (a matrix's skip) applies to every row."""
+    return t[rows] if t is not None and t.ndim else t
 
 
 def nesterov_(g: Tensor, m: Optional[Tensor], scale: Optional[Tensor], active: Optional[Tensor], *, beta: float,
@@ -230,14 +253,19 @@ def nesterov_(g: Tensor, m: Optional[Tensor], scale: Optional[Tensor], active: O
     return g.lerp(load_momentum(m, scale, dtype), beta)
 
 
-def apply_(p: Tensor, o: Tensor, active: Optional[Tensor], *, shape: Sequence[int], lr: float, weight_decay: float,
-           key: int, offset: int = 0) -> None:
+def apply_(p: Tensor, o: Tensor, active: Optional[Tensor], *, shape: Sequence[int], lr: float | Tensor,
+           weight_decay: float, key: int, offset: int = 0) -> None:
     """``p = p*(1 - lr*wd) - lr * rms_scale(shape) * o`` in the compute dtype (``shape``: the global shape), bf16
-    weights rounded stochastically (``key``, ``offset``); a bank's slices where ``active`` is False are kept."""
+    weights rounded stochastically (``key``, ``offset``); where ``active`` is False (an idle bank slice, a skipped
+    step) ``p`` is kept. ``lr`` may be a one-element tensor on ``p``'s device (read there: no host sync)."""
     dtype = _compute_dtype(p.dtype)
     p32 = p if p.dtype == dtype else p.to(dtype)
-    decay = 1.0 - lr * weight_decay
-    new = torch.add(p32 * decay if decay != 1.0 else p32, o.to(dtype), alpha=-lr * rms_scale(shape))
+    if isinstance(lr, Tensor):
+        lr = lr.detach().reshape(()).to(torch.float64)
+        new = torch.add(p32 * (1.0 - lr * weight_decay).to(dtype), o.to(dtype) * (-lr * rms_scale(shape)).to(dtype))
+    else:
+        decay = 1.0 - lr * weight_decay
+        new = torch.add(p32 * decay if decay != 1.0 else p32, o.to(dtype), alpha=-lr * rms_scale(shape))
     if active is not None:
         new = torch.where(active, new, p32)
     if p.dtype == torch.bfloat16:

@@ -8,12 +8,13 @@ Every kernel module (`eager`, `cpu`, `triton`) implements the same functions ove
 - ``step_(groups, *, skip_nonfinite) -> Tensor``: passes 1-3 of one process (nothing to reduce between passes), in one
   call; returns a 0-d bool tensor on the parameters' device, True if the step was skipped for a non-finite gradient.
 - ``step_transient_bytes(tensors, param_dtype) -> int``: the peak bytes a step of ``[(shape, bank), ...]`` allocates
-  beyond parameters, gradients and state (what `skewadam.planner` counts as step temporaries).
+  beyond parameters, gradients and state (what `skewadam.bench.planner` counts as step temporaries).
 
 Between the passes the optimizer hands the statistics to a reducer (the distributed seam, `skewadam.distributed`), so a
 kernel never calls torch.distributed. ``skip`` is an optional 0-d bool tensor on the parameters' device: when True the
-pass writes nothing and returns zeros (a kernel that can read it on the device does so without a host sync; a module
-that reads it on the host says so with ``SKIP_ON_HOST = True``, and the optimizer then reads it once per step itself).
+pass writes nothing and returns zeros (a kernel that can read it on the device does so without a host sync; one that
+reads it on the host says so in the registry, `skewadam.kernels.Backend.skip_on_host`, and `skewadam.functional` then
+reads it once per step itself).
 
 A kernel checks what it indexes with: `check` raises a ValueError naming the parameter when a gradient or a state
 tensor does not fit its parameter (a compiled kernel checks the same sizes itself before touching memory).
@@ -35,8 +36,9 @@ from torch import Tensor
 
 from ..state import num_blocks
 
-__all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS", "unit_dims",
-           "active_units", "unit_numel", "stat_dims", "check", "check_lr", "all_finite"]
+__all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS",
+           "EPS_MODES", "PARAM_DTYPES", "unit_dims", "active_units", "unit_numel", "stat_dims", "check_param_dtype",
+           "check", "check_lr", "check_group", "all_finite"]
 
 class MomFmt(enum.IntEnum):
     """How a parameter's first moment is stored: one numbering for every compiled kernel (the C++ kernel's
@@ -145,50 +147,79 @@ def stat_dims(stats: GradStats, ndim: int, bank: bool) -> list[tuple[Tensor, tup
 
 
 _STATE_FIX = ("the optimizer state does not belong to this parameter (a state dict saved for another model, or p.data "
-              "replaced by a tensor of another shape): load the state saved for this model, or reset this "
+              "replaced by a tensor of another shape or dtype): load the state saved for this model, or reset this "
               "parameter's state with `del optimizer.state[p]`")
+
+#: ``eps_mode`` values: eps added to ``g^2`` (Adafactor's), or the second moment floored at eps (the paper's).
+EPS_MODES = ("add", "floor")
+#: Parameter dtypes the kernels step (fp16 is refused: keep fp32 parameters under autocast, or use bf16).
+PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def _shape(t) -> object:
     return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
 
 
-def check(pt: ParamTensors) -> None:
-    """Raise ValueError, naming the parameter, if its gradient or a state tensor does not have the shape the parameter
-    needs, or a tensor is missing where its state flags need one (the sizes every kernel indexes with).
+def _stats_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if param_dtype == torch.bfloat16 else param_dtype
+
+
+def check_param_dtype(dtype: torch.dtype, where: str) -> None:
+    """Raise TypeError naming ``where`` unless ``dtype`` is one the kernels step (`PARAM_DTYPES`), with the fix."""
+    if dtype in PARAM_DTYPES:
+        return
+    if dtype.is_complex:
+        raise TypeError(f"{where}: complex parameters are not supported; optimize torch.view_as_real(p) instead")
+    if dtype == torch.float16:
+        raise TypeError(f"{where}: fp16 parameters are not supported; keep fp32 parameters with torch.autocast, or use "
+                        f"bf16")
+    raise TypeError(f"{where}: parameters must be floating point, got {dtype}")
+
+
+def check(pt: ParamTensors, *, second_moment: bool = True) -> None:
+    """Raise, naming the parameter, if it is not one the kernels step or its gradient or a state tensor does not fit
+    it: a ValueError for a size (every kernel indexes with these), a dtype or a device, a TypeError for a parameter
+    dtype no kernel takes. Every backend applies these rules; a compiled kernel checks the same sizes itself.
+    ``second_moment=False``: the record keeps none (the orthogonal update's).
 
     Example:
         >>> check(ParamTensors(p, torch.zeros(3), ...))  # p of shape (8, 6): ValueError "gradient of shape (3,) ..."
     """
     name = pt.name or "parameter"
-    p = tuple(pt.param.shape)
+    param = pt.param
+    check_param_dtype(param.dtype, name)
+    p = tuple(param.shape)
     if not isinstance(pt.grad, Tensor) or tuple(pt.grad.shape) != p:
         raise ValueError(f"{name}: gradient of shape {_shape(pt.grad)} for a parameter of shape {p}; give p.grad the "
                          f"parameter's shape (p.grad.data was replaced by a tensor of another shape?)")
-    if pt.grad.dtype != pt.param.dtype:
-        raise ValueError(f"{name}: gradient dtype {pt.grad.dtype} differs from the parameter's {pt.param.dtype}; "
+    if pt.grad.dtype != param.dtype:
+        raise ValueError(f"{name}: gradient dtype {pt.grad.dtype} differs from the parameter's {param.dtype}; "
                          f"give p.grad the parameter's dtype")
+    if pt.grad.device != param.device:
+        raise ValueError(f"{name}: gradient on {pt.grad.device}, the parameter on {param.device}; give p.grad the "
+                         f"parameter's device")
     if len(pt.shape) != len(p) or any(n > m for n, m in zip(p, pt.shape)):
         raise ValueError(f"{name}: local shape {p} does not fit the global shape {tuple(pt.shape)}")
     if pt.bank and not p:
         raise ValueError(f"{name}: a bank needs a leading expert dim, got a 0-d parameter")
-    want: dict[str, Optional[tuple[int, ...]]] = {"step": p[:1] if pt.bank else None, "exp_avg": None,
-                                                  "exp_avg_scale": None, "exp_avg_sq": None, "row_var": None,
-                                                  "col_var": None}
+    stats = _stats_dtype(param.dtype)
+    want: dict[str, tuple[Optional[tuple[int, ...]], tuple[torch.dtype, ...]]] = {
+        "step": (p[:1] if pt.bank else None, (torch.float32,)), "exp_avg": (None, ()), "exp_avg_scale": (None, ()),
+        "exp_avg_sq": (None, ()), "row_var": (None, ()), "col_var": (None, ())}
     if pt.exp_avg is not None:
-        want["exp_avg"] = p
+        want["exp_avg"] = (p, (stats, torch.int8) + ((torch.bfloat16,) if stats == torch.float32 else ()))
         if pt.exp_avg.dtype == torch.int8:
             if not p:
                 raise ValueError(f"{name}: int8 momentum of a 0-d parameter; {_STATE_FIX}")
-            want["exp_avg_scale"] = p[:-1] + (num_blocks(p[-1]),)
-    if pt.row_var is not None or pt.col_var is not None:
+            want["exp_avg_scale"] = (p[:-1] + (num_blocks(p[-1]),), (torch.float32,))
+    if second_moment and (pt.row_var is not None or pt.col_var is not None):
         if len(p) < 2 + pt.bank:
             raise ValueError(f"{name}: factored state for a parameter of shape {p} (bank={pt.bank}), which has no "
                              f"matrix per unit; {_STATE_FIX}")
-        want["row_var"], want["col_var"] = p[:-1] + (1,), p[:-2] + (1, p[-1])
-    else:
-        want["exp_avg_sq"] = p
-    for key, shape in want.items():
+        want["row_var"], want["col_var"] = (p[:-1] + (1,), (stats,)), (p[:-2] + (1, p[-1]), (stats,))
+    elif second_moment:
+        want["exp_avg_sq"] = (p, (stats,))
+    for key, (shape, dtypes) in want.items():
         t = getattr(pt, key)
         if key == "step":
             if not isinstance(t, Tensor) or (tuple(t.shape) != shape if shape is not None else t.numel() != 1):
@@ -198,12 +229,64 @@ def check(pt: ParamTensors) -> None:
             got = "none" if t is None else f"shape {tuple(t.shape)}"
             need = "none" if shape is None else f"shape {shape}"
             raise ValueError(f"{name}: state {key!r} has {got}, a parameter of shape {p} needs {need}; {_STATE_FIX}")
+        if t is None:
+            continue
+        if t.dtype not in dtypes:
+            raise ValueError(f"{name}: state {key!r} is {t.dtype}, a {param.dtype} parameter's needs "
+                             f"{' or '.join(map(str, dtypes))}; {_STATE_FIX}")
+        if t.device != param.device and not (key == "step" and shape is None and t.device.type == "cpu"):
+            raise ValueError(f"{name}: state {key!r} is on {t.device}, the parameter on {param.device}; move the "
+                             f"optimizer state with the parameter (load the state dict after moving the model)")
 
 
 def check_lr(lr: Union[float, Tensor]) -> None:
     """A tensor lr holds one value (torch's optimizers' rule and message); reading its shape is no host sync."""
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError("Tensor lr must be 1-element")
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_group(group: Group, where: str = "the param group") -> None:
+    """Raise ValueError naming ``where`` if a hyperparameter of ``group`` is not one the passes take: the rules (and
+    messages) of the optimizer's constructor, applied to the record at every step (a value may have been changed
+    since). A tensor lr's value is not read here (that would be a host sync); its size and dtype are checked.
+
+    Example:
+        >>> check_group(group._replace(beta1=1.0), "param group 0")  # ValueError: Invalid beta parameter at index 0 ...
+    """
+    lr, b1, b2, eps, wd, decay = group.lr, group.beta1, group.beta2, group.eps, group.weight_decay, group.beta2_decay
+    if (type(lr) is float and 0.0 <= lr < math.inf and type(b1) is float and 0.0 <= b1 < 1.0 and type(b2) is float
+            and 0.0 <= b2 < 1.0 and type(eps) is float and 0.0 < eps < math.inf and type(wd) is float
+            and 0.0 <= wd < math.inf and group.eps_mode in EPS_MODES and type(group.seed) is int
+            and type(group.relative_step) is bool and (decay is None or (type(decay) is float and decay <= 0.0))):
+        return  # (the common case in one expression: this runs for every group at every step)
+    if isinstance(lr, Tensor):
+        check_lr(lr)
+        if not lr.is_floating_point():
+            raise ValueError(f"Invalid learning rate in {where}: a tensor lr must be floating point, got {lr.dtype}")
+    elif not _real(lr) or not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"Invalid learning rate in {where}: {lr!r} (expected a finite float >= 0)")
+    for j, b in enumerate((group.beta1, group.beta2)):
+        if not _real(b) or not 0.0 <= b < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {j} in {where}: {b!r} (expected a float in [0, 1))")
+    if group.eps_mode not in EPS_MODES:
+        raise ValueError(f"Invalid eps_mode in {where}: {group.eps_mode!r} (expected 'floor' or 'add')")
+    if not _real(group.eps) or not group.eps > 0 or not math.isfinite(group.eps):
+        raise ValueError(f"Invalid epsilon value in {where}: {group.eps!r} (expected a float > 0)")
+    wd = group.weight_decay
+    if not _real(wd) or not math.isfinite(wd) or wd < 0:
+        raise ValueError(f"Invalid weight_decay value in {where}: {wd!r} (expected a float >= 0)")
+    if not isinstance(group.seed, int) or isinstance(group.seed, bool):
+        raise ValueError(f"Invalid seed in {where}: {group.seed!r} (expected an int)")
+    if not isinstance(group.relative_step, bool):
+        raise ValueError(f"Invalid relative_step in {where}: {group.relative_step!r} (expected True or False)")
+    decay = group.beta2_decay
+    if decay is not None and (not _real(decay) or not math.isfinite(decay) or decay > 0):
+        raise ValueError(f"Invalid beta2_decay in {where}: {decay!r} (expected None or a float <= 0, e.g. "
+                         f"Adafactor's -0.8)")
 
 
 def all_finite(sums: Sequence[Tensor]) -> Tensor:

@@ -50,12 +50,12 @@ device (eager takes the host's pow): with a beta2 decay the full second moment a
 AdamW's ``found_inf``); the returned ``skipped`` is that flag, on the device.
 
 Step counts live on the device, beside the parameter, for banks and single tensors alike (the kernels read and
-advance them; a host step would need a sync to skip; `DEVICE_STEPS` tells the optimizer): the rounding key
-``rounding_key(seed, stream, sum of steps)`` and the bias corrections are computed from them in the kernels. A unit
-with no elements in the global shape is left untouched, its step count included. The group's hyperparameters travel
+advance them; a host step would need a sync to skip; ``BACKENDS["triton"].device_steps`` tells the optimizer): the
+rounding key ``rounding_key(seed, stream, sum of steps)`` and the bias corrections are computed from them in the
+kernels. A unit with no elements in the global shape is left untouched, its step count included. The group's hyperparameters travel
 as float64 in the table's header row; ``lr`` may be a float or a one-element float tensor (read in the kernel if on
 the parameters' device; a CPU tensor's value is read on the host, which is no device sync). A ``skip`` flag is read
-on the device too (`SKIP_ON_HOST` is False).
+on the device too (``BACKENDS["triton"].skip_on_host`` is False).
 
 Memory traffic per element of an expert bank (factored, no momentum): ``g`` read by pass 1, by pass 2 (``sum u^2``),
 and by pass 3 with ``p`` read and written: 20 bytes in fp32 (fused AdamW: 28), 10 in bf16. Transient memory: the
@@ -90,7 +90,4 @@ from .entry import apply_updates_, grad_stats, step_, stochastic_round_bf16, upd
 from .tables import available, interpreted
 
 __all__ = ["grad_stats", "update_moments_", "apply_updates_", "step_", "step_transient_bytes", "available",
-           "interpreted", "stochastic_round_bf16", "unit_dims", "stat_dims", "SKIP_ON_HOST", "DEVICE_STEPS"]
-
-SKIP_ON_HOST = False  # a ``skip`` tensor is read by the kernels on the device (no host sync)
-DEVICE_STEPS = True  # every step count (a non-bank tensor's too) lives on the parameter's device
+           "interpreted", "stochastic_round_bf16", "unit_dims", "stat_dims"]
