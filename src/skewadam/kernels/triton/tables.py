@@ -2,8 +2,9 @@
 table the kernels read addresses, sizes and hyperparameters from.
 
 Checks, from shapes and metadata only (no device read): `types.check` on every record (the sizes every index is
-computed from, naming the parameter), `types.check_lr`, then the dtypes and devices the tables assume (a
-non-contiguous parameter, gradient or state tensor goes through a contiguous copy, written back where the pass writes).
+computed from, their dtypes and devices, naming the parameter), `types.check_lr`, then what the tables assume beyond
+(one device for the whole group, the step counts included; a non-contiguous parameter, gradient or state tensor goes
+through a contiguous copy, written back where the pass writes).
 A bucket holds the tensors of one group that share the compiled code: (parameter dtype, kind, first-moment format).
 """
 
@@ -149,44 +150,28 @@ def check_device(device: torch.device) -> None:
 
 
 def _bucket_key(pt: ParamTensors, i: int, device: torch.device) -> tuple:
-    """The bucket key of one parameter whose sizes `check` has accepted, after checking the dtypes and devices the
-    kernels assume (a table row holds addresses of tensors on one device; non-contiguous ones go through copies)."""
+    """The bucket key of one parameter that `check` has accepted (sizes, dtypes, each tensor on its parameter's
+    device), after checking what the tables assume beyond it: every tensor on the group's one device, the step count
+    too (non-contiguous tensors go through copies)."""
     p = pt.param
     where = pt.name or f"parameter {i} of its group"
-    if p.dtype not in (torch.float32, torch.bfloat16, torch.float64):
-        raise TypeError(f"{where}: the Triton kernel takes float32, bfloat16 or float64 parameters, got {p.dtype}")
+    if p.device != device:
+        raise ValueError(f"{where}: the parameter is on {p.device}, other parameters of the group on {device}")
+    if pt.step.device != device:
+        raise ValueError(f"{where}: step is on {pt.step.device}, the parameters on {device}; the Triton kernel "
+                         "advances step counts on the parameters' device, with no host sync: keep state['step'] on "
+                         "the parameter's device")
     T = torch.float32 if p.dtype == torch.bfloat16 else p.dtype
-
-    def state(name: str, t: Tensor, dtype: torch.dtype) -> None:
-        if t.dtype != dtype:
-            raise ValueError(f"{where}: state {name!r} has dtype {t.dtype}, the Triton kernel needs {dtype}")
-        if t.device != device:
-            raise ValueError(
-                f"{where}: {name} is on {t.device}, the parameters on {device}; the Triton kernel reads and writes "
-                "all state on the parameters' device (step counts included: it advances them there, with no host "
-                "sync, so keep state['step'] on the parameter's device)")
-
-    for name, t in (("the parameter", p), ("the gradient", pt.grad)):
-        if t.device != device:
-            raise ValueError(f"{where}: {name} is on {t.device}, other parameters of the group on {device}")
-    state("step", pt.step, torch.float32)
-    factored = pt.row_var is not None
-    for name in ("row_var", "col_var") if factored else ("exp_avg_sq",):
-        state(name, getattr(pt, name), T)
     m = pt.exp_avg
     if m is None:
         mom, md = MomFmt.NONE, T
     elif m.dtype == torch.int8:
-        state("exp_avg", m, torch.int8)
-        state("exp_avg_scale", pt.exp_avg_scale, torch.float32)
         mom, md = MomFmt.INT8, torch.int8
     elif m.dtype == torch.bfloat16 and T == torch.float32:
-        state("exp_avg", m, torch.bfloat16)
         mom, md = MomFmt.BF16, torch.bfloat16
     else:
-        state("exp_avg", m, T)
         mom, md = MomFmt.PLAIN, T
-    kind = "factored" if factored else "rows" if mom == MomFmt.INT8 else "flat"
+    kind = "factored" if pt.row_var is not None else "rows" if mom == MomFmt.INT8 else "flat"
     return p.dtype, T, kind, mom, md
 
 
