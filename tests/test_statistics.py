@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from kernel_cases import impl, three_pass  # noqa: F401 - fixtures
 from reference import RefParam
 from skewadam import SkewAdam, kernels
 from skewadam.kernels import types
@@ -23,18 +24,6 @@ SPECS = [((6, 9), "backbone", {}), ((7,), "backbone", {}), ((3, 5, 9), "expert",
 HP = dict(lr=0.01, betas=(0.9, 0.999), weight_decay=0.1, eps=1e-30, eps_mode="add")
 #: The largest |g| whose first step keeps the fp32 second moment finite (`skewadam.kernels.eager`'s docstring).
 BOUND = math.sqrt(torch.finfo(torch.float32).max / (1 - HP["betas"][1]))
-
-
-@pytest.fixture(params=kernels.impls(interpreted=True))
-def impl(request) -> str:
-    if request.param == "triton":
-        pytest.skip("the Triton kernels take the float64 statistics on the triton branch")
-    return request.param
-
-
-@pytest.fixture(params=[False, True], ids=["one-process", "three-pass"])
-def three_pass(request) -> bool:
-    return request.param
 
 
 def _train(impl, specs, grads, dtype, *, three_pass=False, **kw):
