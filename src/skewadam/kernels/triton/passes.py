@@ -228,7 +228,7 @@ def factored_moments(tab, mats, skip, T: tl.constexpr, EPS_ADD: tl.constexpr, HA
     """Per (matrix, chunk k): the row and column EMAs of chunk k (active units only; `factor_ema`: float64, rounded
     once into the state) and ``rinv``/``cinv`` in T: floor: ``rinv = 1/sqrt(max(row_var / max(mean_i row_var,
     1e-15), eps))``, ``cinv = 1/sqrt(max(col_var, eps))``; add: ``rinv = 1/sqrt(row_var / max(mean_i row_var,
-    tiny))``, ``cinv = 1/sqrt(col_var)``, each ratio to the float64 row mean rounded into T first. The row mean is
+    tiny))``, ``cinv = 1/sqrt(col_var)``; ``rinv`` in float64 rounded once into T, ``cinv`` in T. The row mean is
     carried as a float64 sum: ``(b2 * sum_i row_var + (rc / C + R * add) * (1 - b2)) / R``, ``b2`` the unit's
     (`second_moment_beta`)."""
     x, k, row, b, R, C = _matrix_chunk(tab, mats)
@@ -248,8 +248,9 @@ def factored_moments(tab, mats, skip, T: tl.constexpr, EPS_ADD: tl.constexpr, HA
     rmask = rows < R
     rv = factor_ema(addr(row, TAB_RV, T) + b * R, addr(row, TAB_ROW, tl.float64) + b * R, rows, rmask,
                     tl.maximum(Cg, 1.0), add, b2, w2, write, active, T)
-    tl.store(addr(row, TAB_RINV, T) + b * R + rows, inv_sqrt((rv.to(tl.float64) / rm).to(T), f, T, EPS_ADD),
-             mask=rmask)
+    # rinv in float64, rounded once (a row's ratio to the mean can be below T's range where rinv is not)
+    tl.store(addr(row, TAB_RINV, T) + b * R + rows,
+             inv_sqrt(rv.to(tl.float64) / rm, hyper(tab, HDR_FLOOR), tl.float64, EPS_ADD).to(T), mask=rmask)
     cols = k * BLK + tl.arange(0, BLK)
     cmask = cols < C
     cv = factor_ema(addr(row, TAB_CV, T) + b * C, addr(row, TAB_COL, tl.float64) + b * C, cols, cmask,
