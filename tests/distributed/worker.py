@@ -276,14 +276,15 @@ def check_toy(n_experts: int, momentum_dtype: str = "fp32", dtype=torch.float64)
 def expected_bytes_shard0(model) -> int:
     """What must cross ranks per step under dim-0 sharding, derived from the math, not from the reducer: for each
     non-bank factored [R, C] matrix the column sums [1, C] plus sum g^2, the matrix's sum g^2 and sum_i row_var_i
-    (C + 3 numbers); one sum g^2 for any other non-bank tensor; then one sum u^2 (the clip) per non-bank tensor; banks
-    sharded on experts need nothing. Float64 statistics, plus the float32 skip flag."""
+    (C + 3 numbers); one sum g^2 for any other non-bank tensor; for float64 parameters their max |g| (whether a unit is
+    idle: their squares can underflow); then one sum u^2 (the clip) per non-bank tensor; banks sharded on experts need
+    nothing. Float64 statistics, plus the float32 skip flag."""
     n = 0
     for name, p in model.named_parameters():
         if ".experts." in name:
             continue
         factored = p.ndim == 2 and ".router." not in name
-        n += (p.shape[1] + 3 if factored else 1) + 1
+        n += (p.shape[1] + 3 if factored else 1) + (p.dtype == torch.float64) + 1
     return 8 * n + 4
 
 
