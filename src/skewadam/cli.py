@@ -133,7 +133,8 @@ def _add_plan(sub) -> None:
                        f"{b.name}: {b.summary}" for b in BACKENDS.values()) + " (default auto: the one SkewAdam "
                    "runs on --device, also what --measure steps with)")
     p.add_argument("--shards", type=int, default=1,
-                   help="FSDP2 ranks (Shard(0)): also print the bytes an orthogonal tier gathers per rank and step")
+                   help="FSDP2 ranks (Shard(0)): also print the bytes SkewAdam's statistics all-reduce and an "
+                   "orthogonal tier gathers, per rank and step")
     p.add_argument("--optimizer", action="append", type=_arm, default=None, metavar="NAME",
                    help="plan only these (repeatable; default: " + ", ".join(arms.PLAN_DEFAULT) + "; any of "
                    + ", ".join(arms.names(planned=True)) + ")")
