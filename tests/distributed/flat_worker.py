@@ -19,6 +19,7 @@ The model (`FlatMoE`, float64) routes every token to every expert with sigmoid g
 ``dcp_*`` save and load with `torch.distributed.checkpoint` across world sizes: the pytest side saves a checkpoint
 on one process (``OUT_DIR/ckpt_one``) that ``dcp_from_one_process`` loads onto the 2 ranks, and
 ``dcp_to_one_process`` saves one on 2 ranks (``OUT_DIR/ckpt_two``) for the pytest side to load on one process.
+``refusal``: a flattened bank whose local rows are not one run (a strided placement) is refused at construction.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from checks import run_checks
 from skewadam import SkewAdam, plan
@@ -244,6 +246,18 @@ def check_dcp_to_one_process(out_dir: Path) -> dict:
     return {"resumed_bitwise": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)}
 
 
+def check_refusal() -> dict:
+    """A flattened bank ``[12, 4]`` placed ``_StridedShard(0, split_factor=2)``: rank 0 holds rows 0-2 and 6-8, not
+    one run of rows; the error message of the constructor (or "accepted")."""
+    strided = [_StridedShard(0, split_factor=2)]
+    p = nn.Parameter(distribute_tensor(torch.zeros(12, 4, dtype=torch.float64), MESH, strided, src_data_rank=None))
+    try:
+        SkewAdam([{"params": [p], "tier": "expert", "experts": 3}])
+    except ValueError as e:
+        return {"message": str(e)}
+    return {"message": "accepted"}
+
+
 def named_checks(out_dir: Path) -> dict:
     global MESH
     MESH = init_device_mesh("cpu", (W,))
@@ -259,6 +273,7 @@ def named_checks(out_dir: Path) -> dict:
         "negative_control": lambda: check_sharded("cut", disable_reducer=True),
         "dcp_from_one_process": lambda: check_dcp_from_one_process(out_dir),
         "dcp_to_one_process": lambda: check_dcp_to_one_process(out_dir),
+        "refusal": check_refusal,
     }
 
 

@@ -144,6 +144,12 @@ def test_a_two_rank_checkpoint_resumes_bitwise_on_two_ranks_and_on_one_process(r
 
 
 @pytest.mark.distributed
+def test_a_flattened_bank_whose_local_rows_are_not_one_run_is_refused_naming_the_fix(results):
+    for fig in _get(results, "refusal"):
+        assert "not one contiguous run" in fig["message"] and "Shard(0)" in fig["message"], fig
+
+
+@pytest.mark.distributed
 def test_the_olmo_core_example_trains_an_olmoe_under_fsdp2_and_resumes_bitwise(tmp_path):
     """examples/train_olmo_core.py: OLMo-core's OLMoE config (5 experts of width 24: 2 ranks cut expert 2 in half),
     its own apply_fsdp, SkewAdam.from_model; the statistics crossing ranks are what the planner counts; a run resumed
