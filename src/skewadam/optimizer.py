@@ -299,10 +299,12 @@ class SkewAdam(Optimizer):
 
                 check_grad(p)
                 local = tuple(map(_local, local))
-            # a flattened bank [E*D, ...]: its local rows as banks [k, rows, ...], each named by p for the reducer
-            records = [make((*local, fixed[1], *fixed[4:7]))] if experts is None else _flat_records(local, fixed)
-            params += [p] * len(records)
-            tensors += records
+            if experts is None:
+                params.append(p)
+                tensors.append(make((*local, fixed[1], *fixed[4:7])))
+            else:  # a flattened bank [E*D, ...]: its local rows as banks [k, rows, ...], each named by p (the reducer)
+                tensors += (records := _flat_records(local, fixed))
+                params += [p] * len(records)
         if not params:
             return None
         b1, b2 = group["betas"]
