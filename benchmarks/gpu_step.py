@@ -9,13 +9,19 @@ rotates; each step is timed with CUDA events. A ratio is the median over rounds 
 beyond what was allocated before it (the state exists from the warm-up steps on). Then it runs
 ``tests/test_triton.py`` (compiled, on the GPU) and prints one JSON summary.
 
-Goals (issue 14, from memory traffic): SkewAdam/AdamW fused <= 0.8 with fp32 weights, <= 0.55 with bf16 weights;
-transient memory < 1% of the parameters' bytes.
+Goals (from memory traffic): SkewAdam/AdamW fused <= 0.8 with fp32 weights, <= 0.55 with bf16 weights; transient
+memory < 1% of the parameters' bytes.
+
+``--train-memory`` measures whole training steps instead (forward, backward, ``step()``, ``zero_grad()``) of SkewAdam
+on Triton: the peak allocated bytes over a few steps after warm-up, for the regular step and, where SkewAdam takes
+``in_backward=True``, the step inside backward (gradients stepped and freed as they complete), each on a fresh copy
+of the same model and tokens; their losses (equal when the two steps are) and the planner's peak beside them.
 
 Usage (from the repository root):
     python benchmarks/gpu_step.py                      # on a GPU: < 5 minutes on one H200
     python benchmarks/gpu_step.py --dry-run            # CPU, Triton's interpreter, a tiny model: the script's logic
     python benchmarks/gpu_step.py --compile-only       # no GPU needed: compile every kernel a step launches (sm_90)
+    python benchmarks/gpu_step.py --train-memory       # on a GPU: peak memory of training steps, regular/in backward
 
 The SkewAdam arms are ``SkewAdam(param_groups(model), impl="triton")`` (and ``impl="eager"``), stepped as a user
 would: ``opt.step()``, with ``skip_nonfinite=True`` (the Triton kernel's finite check stays on the device).
@@ -54,6 +60,10 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
                     help="SkewAdam's first-moment storage (backbone tier)")
     ap.add_argument("--no-eager", action="store_true", help="leave out SkewAdam's eager torch-ops kernel")
     ap.add_argument("--no-tests", action="store_true", help="do not run tests/test_triton.py afterwards")
+    ap.add_argument("--train-memory", action="store_true",
+                    help="peak allocated memory of training steps, the regular step and the step inside backward")
+    ap.add_argument("--batch", type=int, default=8, help="--train-memory: sequences per step")
+    ap.add_argument("--seq", type=int, default=128, help="--train-memory: tokens per sequence")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides (ints)")
     ap.add_argument("--out", help="also write the JSON summary to this file")
     return ap.parse_args(argv)
@@ -76,7 +86,7 @@ def transient_bytes_planned(opt) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- the measurement
-def build_model(model: dict, dtype, device):
+def build_model(model: dict, dtype, device, grads: bool = True):
     import torch
 
     from skewadam.bench.models import MoETransformer, get_config
@@ -84,6 +94,8 @@ def build_model(model: dict, dtype, device):
     torch.manual_seed(0)
     with torch.device(device):
         m = MoETransformer(get_config(model["preset"], **model["overrides"])).to(dtype)
+    if not grads:
+        return m
     gen = torch.Generator(device=device).manual_seed(1)
     for p in m.parameters():
         p.grad = (torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32) * 1e-3).to(dtype)
@@ -207,6 +219,71 @@ def run_tests(dry_run: bool) -> dict[str, Any]:
             "summary": lines[-1] if lines else "", "tail": lines[-15:] if rc not in (0,) else lines[-1:]}
 
 
+# ---------------------------------------------------------------------------------------------- training steps
+def _takes(fn, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(fn).parameters
+
+
+def train_memory(dtype_name: str, args, device, model_spec: dict) -> dict[str, Any]:
+    """Peak allocated bytes of ``args.steps`` training steps after ``args.warmup`` (state allocated, kernels
+    compiled), per step mode, with the bytes held before them (parameters and state), the gradient bytes and the
+    losses; the planner's peak for the same model, batch and kernel."""
+    import torch
+
+    from skewadam import SkewAdam
+    from skewadam.bench.planner import plan
+    from skewadam.groups import param_groups
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    arm = {"fp32": "skewadam", "bf16": "skewadam-bf16m", "int8": "skewadam-int8m"}[args.momentum_dtype]
+    cuda = device.type == "cuda"
+    modes = {"regular": {}}
+    if _takes(SkewAdam, "in_backward"):  # the step inside backward, where this build has it
+        modes["in_backward"] = {"in_backward": True}
+    out: dict[str, Any] = {}
+    for mode, kw in modes.items():
+        model = build_model(model_spec, dtype, device, grads=False)
+        opt = SkewAdam(param_groups(model, log=False), lr=1e-4, impl="triton", momentum_dtype=args.momentum_dtype, **kw)
+        T = min(args.seq, model.config.block_size)
+        gen = torch.Generator(device=device).manual_seed(2)
+        tokens = [torch.randint(model.config.vocab_size, (args.batch, T + 1), generator=gen, device=device)
+                  for _ in range(args.warmup + args.steps)]
+        losses, held, peak = [], None, None
+        for i, batch in enumerate(tokens):
+            if i == args.warmup and cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                held = torch.cuda.memory_allocated()
+            loss = model(batch[:, :-1], batch[:, 1:]).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+        if cuda:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+        planned = None
+        if not kw or _takes(plan, "in_backward"):
+            planned = plan(model, batch=args.batch, seq=T, param_dtype=dtype_name, optimizers=[arm], impl="triton",
+                           device="cuda", **kw)[arm].peak  # (the GPU's plan, for a dry run too)
+        out[mode] = {"held_bytes": held, "peak_bytes": peak, "planned_peak_bytes": planned,
+                     "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                     "losses": [float(x) for x in losses]}
+        del model, opt, tokens, losses
+        if cuda:
+            torch.cuda.empty_cache()
+    if "in_backward" in out:
+        a, b = out["regular"], out["in_backward"]
+        out["losses_equal"] = a["losses"] == b["losses"]
+        if cuda:
+            out["peak_drop_of_grad_bytes"] = (a["peak_bytes"] - b["peak_bytes"]) / a["grad_bytes"]
+    else:
+        out["in_backward"] = "SkewAdam does not take in_backward in this build"
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- compile only
 def _signature(a) -> str:
     import torch
@@ -223,7 +300,8 @@ def _signature(a) -> str:
 
 def compile_only(arch: int, model_spec: dict) -> dict[str, Any]:
     """Record every kernel launch of steps over the benchmark's parameters and a coverage set (every dtype, first
-    moment format, eps mode, lr as a float and a tensor, the three passes with and without a skip flag), on CPU
+    moment format, eps mode, lr as a float and a tensor, the three passes with and without a skip flag, Adafactor's
+    relative step and beta2 decay), on CPU
     tensors without launching, then compile each distinct configuration for ``arch`` (Triton's whole pipeline to a
     cubin; no GPU is used)."""
     import torch
@@ -246,9 +324,10 @@ def compile_only(arch: int, model_spec: dict) -> dict[str, Any]:
         seen.setdefault(key, (kernel, sig, dict(meta), warps))
 
     from skewadam import SkewAdam
+    from skewadam.kernels.triton import entry, tables
 
-    saved = tk._launch, tk._check_device, tk.available
-    tk._launch, tk._check_device, tk.available = record, lambda device: None, lambda device="cuda": True
+    saved = entry.launch, tables.interpreted
+    entry.launch, tables.interpreted = record, lambda: True  # record, and take CPU tensors as the interpreter does
     try:
         for dtype in ("fp32", "bf16"):
             m = build_model(DRY_MODEL, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], torch.device("cpu"))
@@ -265,9 +344,12 @@ def compile_only(arch: int, model_spec: dict) -> dict[str, Any]:
                         _, g = opt._init_group(opt.param_groups[i], i, 0, True)
                         for skip in (None, torch.zeros((), dtype=torch.bool)):
                             tk.apply_updates_(g, tk.update_moments_(g, tk.grad_stats(g), skip=skip), skip=skip)
+                        adafactor = g._replace(relative_step=True, beta2_decay=-0.8)  # Adafactor's options
+                        tk.step_([adafactor], skip_nonfinite=True)
+                        tk.apply_updates_(adafactor, tk.update_moments_(adafactor, tk.grad_stats(adafactor)))
         tk.stochastic_round_bf16(torch.zeros(3), 1)
     finally:
-        tk._launch, tk._check_device, tk.available = saved
+        entry.launch, tables.interpreted = saved
     target = GPUTarget("cuda", arch, 32)
     failures, t0 = [], time.perf_counter()
     for (name, _, consts, warps), (kernel, sig, meta, _) in seen.items():
@@ -322,9 +404,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no GPU: use --dry-run (CPU, interpreter) or --compile-only")
     if args.dry_run:
-        args.rounds, args.steps, args.warmup = 1, 1, 1
+        args.rounds, args.steps, args.warmup, args.batch, args.seq = 1, 1, 1, 2, 16
     summary["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)"
     summary["model"] = model_spec
+    if args.train_memory:
+        summary["train_memory"] = {d: train_memory(d, args, device, model_spec) for d in args.dtypes.split(",")}
+        summary["wall_s"] = round(time.perf_counter() - t0, 1)
+        return _emit(summary, args.out)
     summary["results"] = {d: measure(d, args, device, model_spec) for d in args.dtypes.split(",")}
     goals = {}
     for d, res in summary["results"].items():
@@ -338,10 +424,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.no_tests:
         summary["tests"] = run_tests(args.dry_run)
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
+    return _emit(summary, args.out)
+
+
+def _emit(summary: dict[str, Any], out: Optional[str]) -> int:
+    """Print the JSON summary (and write it to ``out``)."""
     text = json.dumps(summary, indent=1, default=str)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    if out:
+        Path(out).write_text(text)
     return 0
 
 

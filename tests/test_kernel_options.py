@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernel_cases import impl  # noqa: F401 - a fixture
 from reference import RefParam
 from skewadam import SkewAdam, kernels
 from skewadam.state import is_bank
@@ -32,13 +33,6 @@ SPECS = [
 OPTIONS = {"relative_step": {"relative_step": True}, "beta2_decay": {"beta2_decay": -0.8},
            "both": {"relative_step": True, "beta2_decay": -0.5}}
 HP = dict(lr=0.02, betas=(0.9, 0.99), weight_decay=0.1)
-
-
-@pytest.fixture(params=kernels.impls(interpreted=True))
-def impl(request) -> str:
-    if request.param == "triton":
-        pytest.skip("the Triton kernels take Adafactor's options on the triton branch")
-    return request.param
 
 
 def _initial(specs, dtype):

@@ -6,10 +6,11 @@ state that does not fit its parameter (naming it), leaves tensors with a zero-si
 
 `impl` (a fixture over `skewadam.kernels.impls(interpreted=True)`) runs a test on every implementation usable here
 (without a GPU, the Triton kernel in Triton's interpreter: tests/conftest.py sets it); `three_pass` runs it on one
-process's whole-step call and on the three passes of the distributed seam (an identity reducer). The interpreter is
-slow (about 0.1 s a launch): for the Triton kernel, the fp64-reference check is tests/test_triton.py's (same
-reference, smaller shapes), it skips the two large tensors below (there for the C++ kernel's threads), and the slow
-parametrizations run one representative case (`_interpreted_case`).
+process's whole-step call and on the three passes of the distributed seam (an identity reducer). They, the specs and
+the gradients are the kernel tests' shared set (tests/kernel_cases.py). The interpreter is slow (about 0.1 s a
+launch): for the Triton kernel, the fp64-reference check is tests/test_triton.py's (same reference, smaller shapes),
+it skips the two large tensors of SPECS (there for the C++ kernel's threads), and the slow parametrizations run one
+representative case (`_interpreted_case`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import pytest
 import torch
 
+from kernel_cases import IDENTITY, LIVE, SPECS, ZERO_SPECS, impl, step_grads, three_pass  # noqa: F401 - fixtures
 from reference import RefParam
 from skewadam import SkewAdam, kernels
 from skewadam.kernels import cpu, eager, rounding, types
@@ -26,37 +28,6 @@ from skewadam.state import is_bank
 
 CPP = "cpp" in kernels.impls()
 needs_cpp = pytest.mark.skipif(not CPP, reason="the C++ CPU kernel does not build here")
-
-
-@pytest.fixture(params=kernels.impls(interpreted=True))
-def impl(request) -> str:
-    return request.param
-
-
-@pytest.fixture(params=[False, True], ids=["one-process", "three-pass"])
-def three_pass(request) -> bool:
-    return request.param
-
-
-IDENTITY = lambda items: None  # noqa: E731 - a reducer that sums nothing: the three passes of one process
-
-
-# (shape, tier, overrides): every rank 0-d..4-d, banks (3-d expert tensors), momentum and factoring switched both ways,
-# and a unit too large for one core's cache (fp64 [600, 600] slices), which the C++ kernel splits across threads.
-SPECS = [
-    ((), "backbone", {}),
-    ((7,), "backbone", {}),
-    ((5, 9), "backbone", {}),
-    ((2, 3, 4, 5), "backbone", {}),
-    ((3, 5, 9), "expert", {}),
-    ((4, 70, 130), "expert", {"use_momentum": True}),
-    ((40,), "router", {}),
-    ((6, 8), "router", {}),
-    ((33, 17), "expert", {"use_factored": False}),
-    ((3, 6, 10), "expert", {"bank": False}),
-    ((2, 600, 600), "expert", {}),
-    ((300, 1000), "backbone", {"use_factored": False}),
-]
 
 
 def _interpreted_case(impl, representative: bool) -> None:
@@ -70,22 +41,9 @@ def _specs(impl):
     return SPECS[:-2] if impl == "triton" else SPECS
 
 
-def _grads(shapes, steps, dtype, seed=0):
-    """Per step, a gradient per shape; bank slice 0 of 3-d expert tensors is idle (all zero) on odd steps."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for k in range(steps):
-        grads = [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
-        for grad in grads:
-            if grad.ndim == 3 and k % 2 and len(grad):
-                grad[0].zero_()
-        out.append(grads)
-    return out
-
-
 def _run(impl, specs, steps, dtype, *, seed=0, reducer=None, lr_tensor=None, **kw):
-    """Train ``specs`` for ``steps`` on `_grads`; ``lr_tensor``: set as every group's lr after construction (as torchao
-    and torch.compile'd loops keep it)."""
+    """Train ``specs`` for ``steps`` on `step_grads`; ``lr_tensor``: set as every group's lr after construction (as
+    torchao and torch.compile'd loops keep it)."""
     torch.manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64).to(dtype)) for s, _, _ in specs]
     groups = [{"params": [p], "tier": t, **o} for p, (_, t, o) in zip(params, specs)]
@@ -95,7 +53,7 @@ def _run(impl, specs, steps, dtype, *, seed=0, reducer=None, lr_tensor=None, **k
     if lr_tensor is not None:
         for group in opt.param_groups:
             group["lr"] = lr_tensor
-    for grads in _grads([s for s, _, _ in specs], steps, dtype):
+    for grads in step_grads(specs, steps, dtype):
         for p, g in zip(params, grads):
             p.grad = g
         opt.step()
@@ -115,7 +73,7 @@ def test_every_impl_matches_the_fp64_reference(impl, eps_mode):
         group = next(g for g in opt.param_groups if g["params"][0] is p)
         refs.append(RefParam(torch.randn(shape, dtype=torch.float64), momentum=group["use_momentum"],
                              factored=group["use_factored"], bank=is_bank(len(shape), tier, group["bank"])))
-    for grads in _grads([s for s, _, _ in SPECS], 20, torch.float64):
+    for grads in step_grads(SPECS, 20, torch.float64):
         for ref, g in zip(refs, grads):
             ref.step(g, **hp)
     for (shape, _, _), ref, p in zip(SPECS, refs, params):
@@ -216,7 +174,7 @@ def test_a_nonfinite_gradient_skips_the_whole_step(impl, where):
     params, opt = _run(impl, _specs(impl), 2, torch.float32, lr=0.01)
     before = [p.detach().clone() for p in params]
     state = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in params}
-    for p, g in zip(params, _grads([p.shape for p in params], 1, torch.float32, seed=5)[0]):
+    for p, g in zip(params, step_grads(_specs(impl), 1, torch.float32, seed=5)[0]):
         p.grad = g
     bad = params[-1] if where == "last tensor" else params[4]
     bad.grad.view(-1)[-1] = float("nan") if where == "bank slice" else float("inf")
@@ -484,7 +442,7 @@ def test_every_kernel_checks_the_int8_scales_and_bank_step_counts(impl):
 
 
 @needs_cpp
-@pytest.mark.parametrize("field", ["sumsq", "rc_sumsq", "row", "col", "row_var_sum"])
+@pytest.mark.parametrize("field", ["sumsq", "rc_sumsq", "row", "col", "row_var_sum", "absmax"])
 def test_cpp_checks_the_statistics_it_indexes_with(field):
     mod, group = _record("cpp")
     stats = mod.grad_stats(group)
@@ -532,15 +490,6 @@ def test_cpp_reads_the_records_fields_of_types_py():
 
 
 # ------------------------------------------------------------------------------------------- zero-size dims
-ZERO_SPECS = [
-    ((0,), "backbone", {}), ((0, 5), "backbone", {}), ((3, 0), "backbone", {}), ((0, 0), "backbone", {}),
-    ((2, 0, 4), "backbone", {}), ((0, 5), "router", {}), ((3, 0), "router", {}), ((3, 0), "expert", {}),
-    ((2, 0, 4), "expert", {}), ((0, 3, 4), "expert", {}), ((2, 3, 0), "expert", {"use_momentum": True}),
-    ((0, 4), "expert", {"use_factored": False}), ((2, 0, 4), "expert", {"use_factored": False, "use_momentum": True}),
-]
-LIVE = ((5, 9), "backbone", {})
-
-
 @pytest.mark.parametrize("momentum_dtype", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_tensors_with_a_zero_size_dim_are_left_untouched(impl, three_pass, dtype, momentum_dtype):

@@ -93,7 +93,7 @@ class Backend:
 BACKENDS: dict[str, Backend] = {
     b.name: b for b in (
         Backend("triton", "the Triton GPU kernel", f"{__name__}.triton", ("cuda",), ("cuda",), device_steps=True,
-                skip_on_host=False, temporaries=f"{__name__}.triton", requires="pip install triton"),
+                skip_on_host=False, temporaries=f"{__name__}.triton_layout", requires="pip install triton"),
         Backend("cpp", "the C++ CPU kernel", f"{__name__}.cpu", ("cpu",), ("cpu",), device_steps=False,
                 skip_on_host=True, temporaries=f"{__name__}.cpu", requires="a C++ compiler and ninja"),
         Backend("eager", "the eager kernels (torch ops)", f"{__name__}.eager", None, (), device_steps=False,

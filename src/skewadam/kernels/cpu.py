@@ -9,9 +9,12 @@ Partial sums are added in a fixed block order, so results do not depend on the n
 What is bitwise eager's, on any x86-64 (both compute it with the same IEEE operations, each rounded on its own: the
 kernel is built with ``-ffp-contract=off``, eager avoids the fused ``torch.lerp``, and the int8 code takes a correctly
 rounded square root on both): the step counts, the first moment in every storage (fp32/fp64 values, bf16 values,
-int8 codes and scales) and the full second moment ``exp_avg_sq``; bf16 parameters and momentum are rounded with
-exactly the bits of `skewadam.kernels.rounding`. The factored statistics and the weights depend on sums, which the
-two add in different orders: they agree to rounding (within a few ULPs; the fp64 reference to 1e-12).
+int8 codes and scales) and the full second moment ``exp_avg_sq`` (its EMA in double, one rounding); bf16 parameters and
+momentum are rounded with exactly the bits of `skewadam.kernels.rounding`. The factored statistics and the weights
+depend on sums, which the two add in different orders: they agree to rounding (within a few ULPs; the fp64 reference
+to 1e-12). Pass 1's sums are float64 tensors as eager's, with eager's range (`skewadam.kernels.eager`: the largest
+gradient that steps exactly): a block of fp32 or bf16 elements is added in float where all its sums are safely in
+range, else in double (`skewadam.kernels.types`' order of operations).
 
 The extension is compiled on first use with `torch.utils.cpp_extension.load` (``-O3 -march=native -fopenmp``, about
 a minute; a line on stderr before and after) and cached under ``$TORCH_EXTENSIONS_DIR`` (default
@@ -260,12 +263,12 @@ def stochastic_round_bf16(x: Tensor, key: int) -> Tensor:
 def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dtype: torch.dtype) -> int:
     """Bytes `step_` allocates for parameters ``[(shape, bank), ...]``, an upper bound (the state is not known here):
     the row and column statistics pass 1 keeps for the factored parameters whose units it fuses (every tensor whose
-    units are matrices and would fit `FUSE_BYTES` at one byte per element), per matrix ``[R, C]`` ``2 + 2R + 2C``
-    values in the statistics dtype, plus ``C`` per block of rows when it has several, each parameter's 64-byte
-    aligned; and the statistics of one batch of split units (fp64 slots: the larger of 1/16 of the largest unit's
-    elements, `BLOCK`, and one unit's statistics); 64 bytes for the result and empty buffers. Not counted: row- and
-    unit-sized scratch outside torch's allocator (~0.02 MiB per step measured) and contiguous copies of
-    non-contiguous tensors."""
+    units are matrices and would fit `FUSE_BYTES` at one byte per element), per matrix ``[R, C]`` ``2 + R + C`` sums
+    in float64 (plus ``C`` per block of rows when it has several) and ``R + C`` denominators in the statistics dtype,
+    each parameter's 64-byte aligned; and the statistics of one batch of split units (fp64 slots: the larger of 1/16
+    of the largest unit's elements, `BLOCK`, and one unit's statistics); 64 bytes for the result and empty buffers.
+    Not counted: row- and unit-sized scratch outside torch's allocator (~0.02 MiB per step measured) and contiguous
+    copies of non-contiguous tensors."""
     itemsize = (torch.float32 if param_dtype == torch.bfloat16 else param_dtype).itemsize
     kept, split, largest = 0, 0, 0
     for shape, bank in tensors:
@@ -277,9 +280,9 @@ def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dt
             continue
         R, C = shape[-2:]
         blocks = -(-R // max(1, min(R, max(MIN_BLOCK_ROWS, BLOCK // max(C, 1)))))
-        per_matrix = 2 + 2 * R + 2 * C + (blocks * C if blocks > 1 else 0)
+        per_matrix = 8 * (2 + R + C + (blocks * C if blocks > 1 else 0)) + itemsize * (R + C)  # bytes
         if numel <= FUSE_BYTES:
-            kept += -(-math.prod(shape[:-2]) * per_matrix * itemsize // 64) * 64
+            kept += -(-math.prod(shape[:-2]) * per_matrix // 64) * 64
         if numel * 8 > FUSE_BYTES:  # too large to fuse with some momentum: split
-            split = max(split, math.prod(unit[:-2]) * per_matrix)
+            split = max(split, -(-math.prod(unit[:-2]) * per_matrix // 8))
     return kept + (8 * max(largest // 16, BLOCK, split) if split else 0) + (64 if tensors else 0)

@@ -25,7 +25,17 @@ rowmean_i``, so a row-sharded tensor needs no extra collective (exact up to summ
 EMAs are ``s * beta + x * (1 - beta)``, each operation rounded on its own (`ema`), not ``torch.lerp``, whose CPU kernel
 fuses a multiply-add or not depending on the CPU's vector unit: the element-wise state (momentum in every storage, the
 full second moment, step counts) is then bitwise the C++ kernel's on any CPU. Sums (the factored statistics, the
-clip) are added in another order, so weights agree to rounding.
+clip) are added in another order, so weights agree to rounding. The exact order of operations is
+`skewadam.kernels.types`' (what the Triton kernels match).
+
+Range: pass 1 sums squares in float64 (`GradStats`), where no finite fp32 or bf16 gradient overflows them, so only
+inf/NaN gradients are non-finite; the second-moment EMAs are float64 too, rounded once into the fp32 state. A step is
+exact while that state holds ``beta2 * v + (1 - beta2) * mean(g^2)``: from a zero state up to ``|g| = sqrt(FLT_MAX /
+(1 - beta2))`` (5.8e20 at beta2 = 0.999); held at G, the state tends to G^2, so gradients sustained above
+``sqrt(FLT_MAX)`` (1.8e19) overflow it. Beyond, the second moment holds inf and the update of what it covers vanishes
+(as fp32 AdamW's does: only the weight decay applies). fp64 parameters: their float64 squares overflow near
+1.3e154 / sqrt(numel) (the step counts as non-finite) and underflow below 1.5e-162, so a unit's activity is its max
+``|g|``.
 
 Memory: a tensor is processed along dim 0, a chunk of whole dim-0 slices (rows of a matrix, bank slices) of at most
 `CHUNK_NUMEL` elements at a time (at least one slice), so the fp32 temporaries of a pass (about ten in a bf16 step)
@@ -48,8 +58,8 @@ from torch import Tensor
 
 from .quant import load_momentum, store_momentum_
 from .rounding import rounding_key, stochastic_round_bf16
-from .types import (RELATIVE_STEP_EPS, ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, all_finite, check,
-                    check_lr, stat_dims, unit_dims, unit_numel)
+from .types import (RELATIVE_STEP_EPS, ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, active_units,
+                    all_finite, check, check_lr, stat_dims, unit_dims, unit_numel)
 
 __all__ = ["GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "step_", "unit_dims",
            "stat_dims", "chunk_slices", "ema", "step_key", "CHUNK_NUMEL", "BLOCK_NUMEL", "SKIP_ON_HOST",
@@ -86,6 +96,13 @@ def _ema_(s: Tensor, x: Tensor, beta: Beta, active: Optional[Tensor] = None) -> 
         s.mul_(b).add_(torch.mul(x, w))
     else:
         s.copy_(torch.where(active, ema(s, x, beta), s))
+
+
+def _ema64_(s: Tensor, x: Tensor, beta: Beta) -> None:
+    """A second moment's EMA: ``s = ema(s, x, beta)`` computed in float64 from the float64 ``x`` (overwritten), the
+    coefficients float64, rounded once into ``s`` (a bank's idle slices have coefficients (1, 0): left as they are)."""
+    b, w = _coefficients(beta)
+    s.copy_(x.mul_(w).add_(s.to(torch.float64, copy=True).mul_(b)))
 
 
 def _slices(shape: Sequence[int]) -> tuple[int, int]:
@@ -140,19 +157,32 @@ def _cat(parts: list) -> Optional[Tensor]:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _unit_sums(x: Tensor, bank: bool, per_block: int) -> list[Tensor]:
-    """Per summation block of ``x`` (a chunk): its sum over each unit's dims (a bank: one per slice), keepdim."""
+def _unit_sums(x: Tensor, bank: bool, per_block: int, reduce=torch.sum) -> list[Tensor]:
+    """Per summation block of ``x`` (a chunk): its sum (or other ``reduce``) over each unit's dims (a bank: one per
+    slice), keepdim."""
     if x.ndim == 0:
         return [x]
     dims = unit_dims(x.ndim, bank)
-    return [x[b].sum(dims, keepdim=True) for b in _blocks(x.shape[0], per_block)]
+    return [reduce(x[b], dims, keepdim=True) for b in _blocks(x.shape[0], per_block)]
 
 
-def _total(parts: list[Tensor], bank: bool) -> Tensor:
-    """The per-unit sums from `_unit_sums`' block parts: a bank's per-slice sums joined, other tensors' added."""
+def _total(parts: list[Tensor], bank: bool, reduce=torch.sum) -> Tensor:
+    """The per-unit sums (or other ``reduce``) from `_unit_sums`' block parts: a bank's per-slice ones joined, other
+    tensors' combined."""
     if len(parts) == 1 or bank:
         return _cat(parts)
-    return torch.cat(parts).sum(0, keepdim=True)
+    return reduce(torch.cat(parts), 0, keepdim=True)
+
+
+def _amax(x: Tensor, dims, keepdim: bool = True) -> Tensor:
+    """``x.amax(dims)``, 0 over dims that hold no element (a unit without elements is never stepped)."""
+    return x.amax(dims, keepdim=keepdim) if x.numel() else x.sum(dims, keepdim=keepdim)
+
+
+def _square64(x: Tensor) -> Tensor:
+    """``x^2`` in float64 (exact for fp32 and bf16 values), in place on the copy the conversion makes."""
+    y = x.to(torch.float64)
+    return y.square_() if y is not x else y.square()
 
 
 def _dtype(pt: ParamTensors) -> torch.dtype:
@@ -180,14 +210,17 @@ def grad_stats(group: Group) -> list[GradStats]:
 
 def _grad_stats(pt: ParamTensors, relative_step: bool) -> GradStats:
     g, row_var, bank = pt.grad, pt.row_var, pt.bank
-    dtype = _dtype(pt)
     per_block = _block_slices(g.shape)
     n0 = _slices(g.shape)[0]
-    sums, rows, cols, psq = [], [], [], []
+    fp64 = g.dtype == torch.float64  # squares below 1e-162 underflow: a unit's activity needs max |g|
+    sums, rows, cols, psq, maxes = [], [], [], [], []
     for sl in _chunks(g.shape):
         if relative_step:
-            psq += _unit_sums(_at(pt.param, sl, n0).to(torch.float64).square(), bank, per_block)
-        sq = _compute(_at(g, sl, n0), dtype).square()
+            psq += _unit_sums(_square64(_at(pt.param, sl, n0)), bank, per_block)
+        gc = _at(g, sl, n0)
+        if fp64:
+            maxes += _unit_sums(gc.abs(), bank, per_block, _amax)
+        sq = _square64(gc)
         if row_var is None:
             sums += _unit_sums(sq, bank, per_block)
             continue
@@ -195,15 +228,16 @@ def _grad_stats(pt: ParamTensors, relative_step: bool) -> GradStats:
             rows.append(sq[b].sum(-1, keepdim=True))
             cols.append(sq[b].sum(-2, keepdim=True))
     p_sumsq = _total(psq, bank) if relative_step else None
+    absmax = _total(maxes, bank, _amax) if fp64 else None
     if row_var is None:
-        return GradStats(_total(sums, bank), None, None, None, None, p_sumsq)
+        return GradStats(_total(sums, bank), None, None, None, None, p_sumsq, absmax)
     row = _cat(rows)
     col = _cat(cols)
     if g.ndim == 2 and len(cols) > 1:  # dim 0 is the matrix's rows: the blocks hold partial column sums
         col = col.sum(0, keepdim=True)
     rc = row.sum(-2, keepdim=True)
-    return GradStats(rc.sum(unit_dims(g.ndim, bank), keepdim=True), rc, row, col, row_var.sum(-2, keepdim=True),
-                     p_sumsq)
+    return GradStats(rc.sum(unit_dims(g.ndim, bank), keepdim=True), rc, row, col,
+                     row_var.sum(-2, keepdim=True, dtype=torch.float64), p_sumsq, absmax)
 
 
 # ------------------------------------------------------------------------------------------------------------ pass 2
@@ -221,25 +255,30 @@ def _bias_correction(step: Tensor, bank: bool, beta1: Optional[float], beta2: Op
     return c.to(dtype)
 
 
-def _beta2(step: Tensor, bank: bool, ndim: int, group: Group, dtype: torch.dtype) -> Beta:
+def _beta2(step: Tensor, active: Optional[Tensor], group: Group) -> Beta:
     """The second moment's beta: the group's, or with ``beta2_decay`` d ``1 - t**d`` at each unit's new step count t
     in float64 by the host's libm (as the C++ kernel computes it: a bank's counts are read on the host, one sync on a
-    GPU), a bank's as per-slice coefficients in ``dtype``."""
+    GPU). A bank's (``active``: its live slices) as per-slice float64 coefficients ``(beta, 1 - beta)``, ``(1, 0)``
+    on idle slices, whose EMAs (of finite inputs: their gradient is zero) then leave them exactly as they are."""
     d = group.beta2_decay
+    if active is None:
+        return group.beta2 if d is None else 1.0 - step.item() ** d
     if d is None:
-        return group.beta2
-    if not bank:
-        return 1.0 - step.item() ** d
-    betas = [1.0 - max(t, 1.0) ** d for t in step.tolist()]  # idle slices (t = 0) are masked out
-    return tuple(torch.tensor(c, dtype=torch.float64).to(device=step.device, dtype=dtype).view(-1, *[1] * (ndim - 1))
-                 for c in (betas, [1.0 - b for b in betas]))
+        b = torch.full_like(active, group.beta2, dtype=torch.float64)
+        w = torch.full_like(active, 1.0 - group.beta2, dtype=torch.float64)
+    else:
+        betas = [1.0 - max(t, 1.0) ** d for t in step.tolist()]
+        b, w = (torch.tensor(c, dtype=torch.float64).to(step.device).view(active.shape)
+                for c in (betas, [1.0 - x for x in betas]))
+    return torch.where(active, b, 1.0), torch.where(active, w, 0.0)
 
 
 def _zero_moments(pt: ParamTensors, st: GradStats) -> Moments:
     """What pass 2 returns for a skipped step or a parameter with no elements: nothing to clip or write."""
-    z = torch.zeros_like(st.sumsq)
-    return Moments(z, z.clone() if pt.bank else 0.0, None if st.row is None else torch.zeros_like(st.row),
-                   None if st.col is None else torch.zeros_like(st.col),
+    dtype = _dtype(pt)
+    z = torch.zeros_like(st.sumsq, dtype=dtype)
+    return Moments(z, z.clone() if pt.bank else 0.0, None if st.row is None else torch.zeros_like(st.row, dtype=dtype),
+                   None if st.col is None else torch.zeros_like(st.col, dtype=dtype),
                    torch.zeros_like(st.sumsq, dtype=torch.bool) if pt.bank else None)
 
 
@@ -268,7 +307,7 @@ def _update_moments(pt: ParamTensors, st: GradStats, group: Group) -> Moments:
     n_unit = unit_numel(pt.shape, bank)
     active = None
     if bank:
-        active = st.sumsq > 0 if n_unit else torch.zeros_like(st.sumsq, dtype=torch.bool)
+        active = active_units(st) if n_unit else torch.zeros_like(st.sumsq, dtype=torch.bool)
         step.add_(active.view(-1))  # an expert that saw no token has an all-zero slice: leave it untouched
     elif n_unit == 0:
         return _zero_moments(pt, st)
@@ -279,24 +318,22 @@ def _update_moments(pt: ParamTensors, st: GradStats, group: Group) -> Moments:
                             dtype)
     if bank:
         corr = corr.view(-1, *([1] * (g.ndim - 1)))
-    beta2 = _beta2(step, bank, g.ndim, group, dtype)
+    beta2 = _beta2(step, active, group)
     add = group.eps if group.eps_mode == "add" else 0.0
     floor = group.eps if group.eps_mode == "floor" else 0.0
     rinv = cinv = None
     if pt.row_var is not None:  # the factored EMAs and denominators: row- and column-sized, done whole
         R, C = pt.shape[-2], pt.shape[-1]
-        _ema_(pt.row_var, st.row / C + add, beta2, active)
-        _ema_(pt.col_var, st.col / R + add, beta2, active)
+        _ema64_(pt.row_var, st.row / max(C, 1) + add, beta2)  # (an empty dim's sums are 0: keep x finite)
+        _ema64_(pt.col_var, st.col / max(R, 1) + add, beta2)
         b2, w2 = _coefficients(beta2)
-        rsum = st.row_var_sum * b2 + (st.rc_sumsq / C + R * add) * w2
-        if active is not None:
-            rsum = torch.where(active, rsum, st.row_var_sum)
-        rmean = rsum / R
+        rmean = (st.row_var_sum * b2 + (st.rc_sumsq / C + R * add) * w2) / R
+        # rinv in float64, rounded once (a row's ratio to the mean can be below fp32's range where rinv is not)
         if group.eps_mode == "floor":
-            rinv = (pt.row_var / rmean.clamp(min=ROW_MEAN_FLOOR)).clamp_(min=floor).rsqrt_()
+            rinv = (pt.row_var / rmean.clamp(min=ROW_MEAN_FLOOR)).clamp_(min=floor).rsqrt_().to(dtype)
             cinv = pt.col_var.clamp(min=floor).rsqrt()
         else:
-            rinv = (pt.row_var / rmean.clamp(min=torch.finfo(dtype).tiny)).rsqrt_()
+            rinv = (pt.row_var / rmean.clamp(min=torch.finfo(torch.float64).tiny)).rsqrt_().to(dtype)
             cinv = pt.col_var.rsqrt()
     key = 0  # only a bf16 first moment draws rounding bits
     if m is not None and m.dtype == torch.bfloat16 and dtype != torch.bfloat16:
@@ -321,7 +358,7 @@ def _moments_chunk(g, m, scale, v, rinv, cinv, active, corr, *, dtype, beta1, be
     """Momentum and full second moment of one chunk, in place; returns the chunk's u."""
     g = _compute(g, dtype)
     if v is not None:
-        _ema_(v, g.square() + add if add else g.square(), beta2, active)
+        _ema64_(v, _square64(g).add_(add) if add else _square64(g), beta2)
     src = g
     if m is not None and m.dtype == dtype:
         _ema_(m, g, beta1, active)

@@ -22,6 +22,34 @@ tensor does not fit its parameter (a compiled kernel checks the same sizes itsel
 Shape legend (here and in the kernels): ``E`` bank slices (dim 0 of a stacked expert tensor), ``...`` batch dims, ``R``
 rows (dim -2), ``C`` columns (dim -1). A *unit* gets its own RMS clip and step count: a bank slice, or the whole tensor.
 A unit with no elements (in the global shape) is left untouched, its step count included.
+
+Operation order, what every kernel computes (T: the statistics dtype, fp32 for bf16 parameters; "bitwise": the same
+IEEE operations, each rounded on its own, no fused multiply-add; sums are added in each kernel's own order, so what
+depends on them agrees to rounding):
+
+- Pass 1, float64: ``sq = double(g) * double(g)`` (exact for fp32 and bf16 values); ``sumsq`` per unit, ``row``/
+  ``col`` per row/column of each matrix, ``rc_sumsq`` per matrix: sums of ``sq``; ``row_var_sum``: of
+  ``double(row_var)``; ``p_sumsq`` (relative step): of ``double(p)^2`` per unit; ``absmax`` (fp64 parameters): max
+  ``|g|`` per unit. A kernel may add a block's squares in float instead where every resulting sum lies in
+  [2^-90, FLT_MAX] (no square overflowed, what underflowed is below the sum's float rounding), and in double where
+  one does not (the C++ kernel does: as fast as float sums); the sums then agree to float rounding. Active units:
+  `active_units`, for a bank slice; every unit with elements otherwise.
+- Pass 2, per active unit with new step count t, in double: ``beta2_t = 1 - pow(t, beta2_decay)`` (libm pow: bitwise)
+  or ``beta2``; ``b = beta2_t``, ``w = 1.0 - beta2_t``; ``corr = sqrt(1 - pow(beta2, t))`` (1 with beta2_decay)
+  ``/ (1 - pow(beta1, t))`` (without momentum: no division); ``add``/``floor``: eps in its eps mode, else 0.
+
+  * full second moment (bitwise): ``v = T(double(v) * b + (double(x) * double(x) + add) * w)``, x the gradient in T.
+  * factored: ``row_var = T(double(row_var) * b + (row / C + add) * w)``, ``col_var`` the same with ``col / R`` (C, R:
+    global sizes); ``rmean = (row_var_sum * b + (rc_sumsq / C + R * add) * w) / R`` (an idle bank slice's:
+    ``row_var_sum / R``); floor mode: ``rinv = T(1 / sqrt(max(double(row_var) / max(rmean, 1e-15), eps)))``, in T
+    ``cinv = 1 / sqrt(max(col_var, T(eps)))``; add mode: ``rinv = T(1 / sqrt(double(row_var) / max(rmean,
+    DBL_MIN)))``, ``cinv = 1 / sqrt(col_var)``.
+  * momentum, in T (bitwise): ``m = m * T(beta1) + x * T(1 - beta1)``, stored in its format (`skewadam.kernels.quant`).
+  * in T: ``u = src * (rinv * T(corr)) * cinv`` or ``src * T(corr) / sqrt(max(v, T(floor)))`` (src: the stored
+    momentum, else x); ``u_sumsq``: per unit, the sum of ``u * u``. ``Moments.corr = corr``, times
+    ``max(RELATIVE_STEP_EPS, sqrt(p_sumsq / n))`` with a relative step, in double (a bank's rounded to T).
+- Pass 3, in T: ``p = p * T(1 - lr * wd) - lr * u'``, u' as u with ``Moments.corr / max(1, sqrt(u_sumsq / n))`` for
+  its scale (bf16: rounded stochastically).
 """
 
 from __future__ import annotations
@@ -36,8 +64,9 @@ from torch import Tensor
 from ..state import num_blocks
 
 __all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS",
-           "EPS_MODES", "PARAM_DTYPES", "unit_dims", "unit_numel", "stat_dims", "check_param_dtype", "check",
-           "check_lr", "check_group", "all_finite"]
+           "EPS_MODES", "PARAM_DTYPES", "unit_dims", "active_units", "unit_numel", "stat_dims", "check_param_dtype",
+           "check", "check_lr", "check_group", "all_finite"]
+
 
 class MomFmt(enum.IntEnum):
     """How a parameter's first moment is stored: one numbering for every compiled kernel (the C++ kernel's
@@ -98,7 +127,9 @@ class Group(NamedTuple):
 
 
 class GradStats(NamedTuple):
-    """Pass-1 sums of g^2. Each field pairs with the dims it sums over (`stat_dims`) for the distributed seam."""
+    """Pass-1 sums of g^2, float64 tensors whatever the parameter's dtype (the square of an fp32 or bf16 value is
+    exact there, and no sum of finite ones overflows). Each field pairs with the dims it sums over (`stat_dims`) for
+    the distributed seam: a shard's partial sums add up to the tensor's."""
 
     sumsq: Tensor  # per unit, keepdim: [E, 1, ...] or [1, ...]
     rc_sumsq: Optional[Tensor]  # factored: per batch matrix [..., 1, 1]
@@ -106,6 +137,7 @@ class GradStats(NamedTuple):
     col: Optional[Tensor]  # factored: sum_i g^2, [..., 1, C]
     row_var_sum: Optional[Tensor]  # factored: sum_i row_var before this step, [..., 1, 1]
     p_sumsq: Optional[Tensor] = None  # relative step: per unit, keepdim, sum of p^2 before this step
+    absmax: Optional[Tensor] = None  # fp64 parameters: per unit, keepdim, max |g| (their squares can underflow)
 
 
 class Moments(NamedTuple):
@@ -123,6 +155,13 @@ def unit_dims(ndim: int, bank: bool) -> tuple[int, ...]:
     return tuple(range(1 if bank else 0, ndim))
 
 
+def active_units(stats: GradStats) -> Tensor:
+    """Per unit, whether its gradient has a nonzero element (a bank slice without one is an expert that received no
+    token: idle, left untouched): ``sumsq > 0``, or for fp64 parameters ``absmax > 0``. Both stay decidable after the
+    reducer sums them across shards (a sum of per-shard maxima is > 0 iff one is)."""
+    return (stats.absmax if stats.absmax is not None else stats.sumsq) > 0
+
+
 def unit_numel(shape: Sequence[int], bank: bool) -> int:
     """Elements of one unit of a parameter of (global) ``shape``: what its means divide by."""
     return math.prod(shape[1:] if bank else shape)
@@ -130,7 +169,8 @@ def unit_numel(shape: Sequence[int], bank: bool) -> int:
 
 def stat_dims(stats: GradStats, ndim: int, bank: bool) -> list[tuple[Tensor, tuple[int, ...]]]:
     """Pair each present statistic with the parameter dims it sums over (what a shard must all-reduce)."""
-    dims = [unit_dims(ndim, bank), (ndim - 2, ndim - 1), (ndim - 1,), (ndim - 2,), (ndim - 2,), unit_dims(ndim, bank)]
+    unit = unit_dims(ndim, bank)
+    dims = [unit, (ndim - 2, ndim - 1), (ndim - 1,), (ndim - 2,), (ndim - 2,), unit, unit]
     return [(t, d) for t, d in zip(stats, dims) if t is not None]
 
 

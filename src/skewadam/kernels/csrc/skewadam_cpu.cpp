@@ -1,7 +1,8 @@
 // SkewAdam's update on CPU: the passes of skewadam/kernels/eager.py as C++ loops over blocks, on ATen's threads.
 //
 // The math is eager.py's, operation for operation, in the statistics dtype T (fp32 for bf16 parameters, the
-// parameter's dtype otherwise); see that file for the formulas. cpu.py builds this file with -ffp-contract=off, so
+// parameter's dtype otherwise), pass 1's sums and the second-moment EMAs in double; types.py gives the order of
+// operations, eager.py the formulas. cpu.py builds this file with -ffp-contract=off, so
 // every operation is rounded on its own, as torch's element-wise ops round: the element-wise state (step counts, the
 // first moment in every storage, the full second moment) is bitwise eager's on any x86-64. Sums are added in another
 // order than torch adds them, so the factored statistics and the weights agree with eager to rounding.
@@ -44,7 +45,7 @@
 //
 // Transient memory: no buffer of the size of a parameter (except a contiguous copy of a non-contiguous one). The
 // three-pass path returns the small statistics as tensors (rows, columns, one value per unit); `step` keeps the row
-// and column statistics of the factored parameters whose units it fuses (Stats::size values in the math dtype per
+// and column statistics of the factored parameters whose units it fuses (Stats::bytes per
 // parameter: cpu.step_transient_bytes), per unit and per block a few numbers, and for split units at most 1/16 of
 // the largest unit's elements.
 //
@@ -76,9 +77,9 @@
 #include <vector>
 
 #if !defined(SKEWADAM_QBLOCK) || !defined(SKEWADAM_QMAX) || !defined(SKEWADAM_MOMENTUM_STREAM) || \
-    !defined(SKEWADAM_MUL1) || !defined(SKEWADAM_MUL2) || !defined(SKEWADAM_GOLDEN) || !defined(SKEWADAM_ROW_MEAN_FLOOR) || \
-    !defined(SKEWADAM_RELATIVE_STEP_EPS) || !defined(SKEWADAM_MOM_PLAIN) || !defined(SKEWADAM_MOM_BF16) || \
-    !defined(SKEWADAM_MOM_INT8) || !defined(SKEWADAM_MOM_NONE)
+    !defined(SKEWADAM_MUL1) || !defined(SKEWADAM_MUL2) || !defined(SKEWADAM_GOLDEN) || \
+    !defined(SKEWADAM_ROW_MEAN_FLOOR) || !defined(SKEWADAM_RELATIVE_STEP_EPS) || !defined(SKEWADAM_MOM_PLAIN) || \
+    !defined(SKEWADAM_MOM_BF16) || !defined(SKEWADAM_MOM_INT8) || !defined(SKEWADAM_MOM_NONE)
 #error "build this file with skewadam/kernels/cpu.py: it passes the constants of quant.py, rounding.py and types.py"
 #endif
 
@@ -377,7 +378,7 @@ using ParamRec = std::tuple<Tensor, Tensor, Tensor, OptTensor, OptTensor, OptTen
                             std::vector<int64_t>, bool, int64_t, py::object>;
 using GroupRec = std::tuple<std::vector<ParamRec>, py::object, double, double, double, std::string, double, int64_t,
                             bool, std::optional<double>>;
-using StatsRec = std::tuple<Tensor, OptTensor, OptTensor, OptTensor, OptTensor, OptTensor>;
+using StatsRec = std::tuple<Tensor, OptTensor, OptTensor, OptTensor, OptTensor, OptTensor, OptTensor>;
 using Corr = std::variant<Tensor, double>;
 using MomentsRec = std::tuple<Tensor, Corr, OptTensor, OptTensor, OptTensor>;
 
@@ -387,7 +388,7 @@ py::dict fields() {
                                                "row_var", "col_var", "shape", "bank", "stream", "name"};
   d["Group"] = std::vector<std::string>{"params", "lr", "beta1", "beta2", "eps", "eps_mode", "weight_decay", "seed",
                                         "relative_step", "beta2_decay"};
-  d["GradStats"] = std::vector<std::string>{"sumsq", "rc_sumsq", "row", "col", "row_var_sum", "p_sumsq"};
+  d["GradStats"] = std::vector<std::string>{"sumsq", "rc_sumsq", "row", "col", "row_var_sum", "p_sumsq", "absmax"};
   d["Moments"] = std::vector<std::string>{"u_sumsq", "corr", "rinv", "cinv", "active"};
   return d;
 }
@@ -587,27 +588,35 @@ std::vector<int64_t> stat_shape(at::IntArrayRef p, int64_t r, int64_t c) {
 }
 
 // Factored statistics of matrices [m0, m0 + count) of one parameter, in the math dtype T: per matrix rc (sum of its
-// row sums) and rvs (sum of row_var before the step); per row the sum of g^2 and rinv; per column the sum of g^2 and
-// cinv; colp, each block's column partials (only when a matrix has more than one block).
+// row sums) and rvs (sum of row_var before the step); per row the sum of g^2; per column the sum of g^2; colp, each
+// block's column partials (only when a matrix has more than one block): sums, in double. Per row rinv and per column
+// cinv, in T.
 struct Stats {
   int64_t m0 = 0;
-  void *rc = nullptr, *rvs = nullptr, *row = nullptr, *rinv = nullptr, *col = nullptr, *cinv = nullptr,
-       *colp = nullptr;
+  double *rc = nullptr, *rvs = nullptr, *row = nullptr, *col = nullptr, *colp = nullptr;
+  void *rinv = nullptr, *cinv = nullptr;
 
-  static int64_t size(const Geo& G, int64_t count) {
-    return count * (2 + 2 * G.R + 2 * G.C + (G.blocks_per_mat > 1 ? G.blocks_per_mat * G.C : 0));
+  // Bytes of `count` matrices' statistics, with T of `t_size` bytes.
+  static int64_t bytes(const Geo& G, int64_t count, int64_t t_size) {
+    const int64_t sums = 2 + G.R + G.C + (G.blocks_per_mat > 1 ? G.blocks_per_mat * G.C : 0);
+    return count * (sums * int64_t(sizeof(double)) + (G.R + G.C) * t_size);
   }
-  // Point into `count` matrices' worth of T at base (Stats::size elements).
+  // Point into `count` matrices' worth of statistics at base (8-byte aligned, Stats::bytes of them): sums first.
   template <class T>
-  static Stats carve(T* base, const Geo& G, int64_t m0, int64_t count) {
+  static Stats carve(void* base, const Geo& G, int64_t m0, int64_t count) {
     Stats s;
     s.m0 = m0;
-    for (void** slot : {&s.rc, &s.rvs}) *slot = std::exchange(base, base + count);
-    for (void** slot : {&s.row, &s.rinv}) *slot = std::exchange(base, base + count * G.R);
-    for (void** slot : {&s.col, &s.cinv}) *slot = std::exchange(base, base + count * G.C);
-    if (G.blocks_per_mat > 1) s.colp = base;
+    double* d = static_cast<double*>(base);
+    for (double** slot : {&s.rc, &s.rvs}) *slot = std::exchange(d, d + count);
+    s.row = std::exchange(d, d + count * G.R);
+    s.col = std::exchange(d, d + count * G.C);
+    if (G.blocks_per_mat > 1) s.colp = std::exchange(d, d + count * G.blocks_per_mat * G.C);
+    T* t = reinterpret_cast<T*>(d);
+    s.rinv = std::exchange(t, t + count * G.R);
+    s.cinv = t;
     return s;
   }
+  double* at(double* p, int64_t m, int64_t width) const { return p + (m - m0) * width; }
   template <class T>
   T* at(void* p, int64_t m, int64_t width) const {
     return static_cast<T*>(p) + (m - m0) * width;
@@ -624,7 +633,8 @@ struct Param {
   void *p = nullptr, *m = nullptr, *v = nullptr, *row_var = nullptr, *col_var = nullptr;
   float* step = nullptr;
   int64_t stream = 0;            // rounding stream (param index of rounding_key)
-  void* sumsq = nullptr;         // per unit, sum of g^2 (T)
+  double* sumsq = nullptr;       // per unit, sum of g^2
+  const double* absmax = nullptr;  // fp64 parameters: per unit, max |g| (their squares can underflow)
   Stats st;                      // all matrices' statistics (three-pass path)
   std::vector<char> active;      // per unit
   std::vector<double> corr;      // per unit: pass 2's scale of u, the bias correction, in double (cast to T where used)
@@ -633,8 +643,9 @@ struct Param {
   const double* p_sumsq = nullptr;  // relative step: per unit, sum of p^2 before the step
   std::vector<double> clip;      // per unit: 1 / max(1, rms(u)), in T's precision
   std::vector<double> partial;   // per block: sum of g^2 or of u^2
-  std::vector<double> p_partial;  // relative step: per block, sum of p^2; then per unit (p_sumsq on the one-process path)
-  std::vector<double> sumsq_buf;  // storage of sumsq on the single-process path (room for a double or float)
+  std::vector<double> p_partial;  // relative step: per block, sum of p^2
+  std::vector<double> max_partial;  // fp64 parameters: per block, max |g|
+  std::vector<double> sumsq_buf, absmax_buf, p_sumsq_buf;  // the per-unit values on the single-process path
   uint32_t key = 0;              // stochastic rounding key (bf16 parameters)
   // first moment's storage: format, int8 scales [rows, mNB], last dim, bf16 rounding key
   int mfmt = kMomNone;  // kMomNone: no first moment (else q.m is null only when the parameter has no elements)
@@ -670,14 +681,14 @@ constexpr const char* kStateFix =
     "replaced by a tensor of another shape): load the state saved for this model, or reset this parameter's state "
     "with `del optimizer.state[p]`";
 
-// `t` (when `need`: present) has `sizes` and `dtype`, else is absent.
-void check_state(const Param& q, const char* key, const OptTensor& t, bool need, at::IntArrayRef sizes,
-                 at::ScalarType dtype) {
+// `t` (when `need`: present) has `sizes` and `dtype`, else is absent; `param`: the parameter's shape, for the message.
+void check_state(const Param& q, at::IntArrayRef param, const char* key, const OptTensor& t, bool need,
+                 at::IntArrayRef sizes, at::ScalarType dtype) {
   SKEWADAM_CHECK(q, t.has_value() == need, "state '", key, "' is ", t ? "present" : "missing", " where a parameter",
                  " of its kind ", need ? "needs one" : "has none", kStateFix);
   if (!t) return;
   SKEWADAM_CHECK(q, t->sizes() == sizes, "state '", key, "' has shape ", t->sizes(), ", a parameter of shape ",
-                 sizes, " needs ", sizes, kStateFix);
+                 param, " needs ", sizes, kStateFix);
   SKEWADAM_CHECK(q, t->scalar_type() == dtype, "state '", key, "' is ", t->scalar_type(), ", expected ", dtype);
 }
 
@@ -719,10 +730,10 @@ Param make_param(const ParamRec& r, Contig& ct, Pass pass, bool reads_param = fa
                    bank, "), which has no matrix per unit", kStateFix);
     SKEWADAM_CHECK(q, p.size(-1) < (int64_t(1) << 31), "rows of 2^31 or more elements are not supported (shape ",
                    p.sizes(), "); use impl='eager'");
-    check_state(q, "row_var", rv, true, stat_shape(p.sizes(), -1, 1), T);
-    check_state(q, "col_var", cv, true, stat_shape(p.sizes(), 1, p.size(-1)), T);
+    check_state(q, p.sizes(), "row_var", rv, true, stat_shape(p.sizes(), -1, 1), T);
+    check_state(q, p.sizes(), "col_var", cv, true, stat_shape(p.sizes(), 1, p.size(-1)), T);
   }
-  check_state(q, "exp_avg_sq", v, !factored, p.sizes(), T);
+  check_state(q, p.sizes(), "exp_avg_sq", v, !factored, p.sizes(), T);
   if (m) {
     const at::ScalarType st = m->scalar_type();
     SKEWADAM_CHECK(q, m->sizes() == p.sizes(), "state 'exp_avg' has shape ", m->sizes(), ", a parameter of shape ",
@@ -734,14 +745,14 @@ Param make_param(const ParamRec& r, Contig& ct, Pass pass, bool reads_param = fa
       SKEWADAM_CHECK(q, nd >= 1, "int8 momentum of a 0-d parameter", kStateFix);
       q.mC = p.size(-1);
       q.mNB = std::max<int64_t>(1, (q.mC + kQBlock - 1) / kQBlock);
-      check_state(q, "exp_avg_scale", scale, true, stat_shape(p.sizes(), -1, q.mNB), at::kFloat);
+      check_state(q, p.sizes(), "exp_avg_scale", scale, true, stat_shape(p.sizes(), -1, q.mNB), at::kFloat);
       q.mfmt = kMomInt8;
     } else {
-      check_state(q, "exp_avg_scale", scale, false, {}, at::kFloat);
+      check_state(q, p.sizes(), "exp_avg_scale", scale, false, {}, at::kFloat);
       q.mfmt = st == T ? kMomPlain : kMomBF16;
     }
   } else {
-    check_state(q, "exp_avg_scale", scale, false, {}, at::kFloat);
+    check_state(q, p.sizes(), "exp_avg_scale", scale, false, {}, at::kFloat);
   }
   // pointers: what this pass reads and writes
   const bool state_w = pass == kMomentsPass || pass == kFusedPass, param_w = pass == kApplyPass || pass == kFusedPass;
@@ -774,16 +785,35 @@ void check_input(const Param& q, const char* what, const OptTensor& t, bool need
 }
 
 // ------------------------------------------------------------------------------------------------ pass 1
-// Pass 1, NS rows of n elements `stride` apart: each row's sum of g^2 into out[s * out_stride], column sums into col.
-template <class E, int NS>
-inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t n, typename E::T* __restrict col,
-                    typename E::T* __restrict out, int64_t out_stride) {
-  using T = typename E::T;
-  T acc[NS][kLanes] = {};
+// Pass 1's sums are double: the square of an fp32 or bf16 value is exact there and no sum of finite ones overflows.
+// Converting every element to double would make pass 1 twice as slow, so a block of fp32 or bf16 elements is summed
+// in float first (as fast as fp32 sums ever were) and its float sums are kept, as doubles, when each lies in
+// [kSafeMin, FLT_MAX]: then no square overflowed, and what underflowed (< 2^-150 an element, < 2^-119 a sum) moves a
+// sum of at least 2^-90 by less than its float rounding, so they agree with the double sums to float rounding. A
+// block with a sum outside (a gradient above ~1e19, a row or column of tiny or no nonzero elements) is summed again
+// in double.
+constexpr float kSafeMin = 0x1p-90f;
+
+// Whether sums x[0..n) all lie in [kSafeMin, FLT_MAX] (a NaN passes: the double sums would be NaN as well).
+inline bool safe(const float* x, int64_t n) {
+  float lo = std::numeric_limits<float>::max(), hi = kSafeMin;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+  }
+  return lo >= kSafeMin && hi <= std::numeric_limits<float>::max();
+}
+
+// Pass 1, NS rows of n elements `stride` apart, in A: each row's sum of g^2 into out[s * out_stride], column sums
+// into col.
+template <class E, class A, int NS>
+inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t n, A* __restrict col,
+                    A* __restrict out, int64_t out_stride) {
+  A acc[NS][kLanes] = {};
   for_lanes(n, [&](int64_t jk, int k) {
-    T c = col[jk];
+    A c = col[jk];
     for (int s = 0; s < NS; ++s) {
-      const T x = E::load(g[s * stride + jk]);
+      const A x = E::load(g[s * stride + jk]);
       acc[s][k] = madd(x, x, acc[s][k]);
       c = madd(x, x, c);
     }
@@ -793,12 +823,12 @@ inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t
 }
 
 // Pass 1, NS runs of n elements `stride` apart: sum of x^2 into acc, in A.
-template <class E, int NS, class A>
+template <class E, class A, int NS>
 inline void p1_run(const typename E::raw* __restrict g, int64_t stride, int64_t n, A* __restrict acc) {
   for_lanes(n, [&](int64_t jk, int k) {
     A sq[NS];
     for (int s = 0; s < NS; ++s) {
-      const A x = A(E::load(g[s * stride + jk]));
+      const A x = E::load(g[s * stride + jk]);
       sq[s] = x * x;
     }
     acc[k] += tree_sum<NS>(sq);
@@ -814,45 +844,88 @@ void block_elems(const Geo& G, int64_t b, int64_t& e0, int64_t& e1) {
   e1 = (m * G.R + i1) * G.C;
 }
 
-// Sum of x^2 over block b of a tensor of q's layout (its gradient or parameter), accumulated in A.
+// Sum of x^2 over block b of a tensor of q's layout (its gradient or parameter), in A.
 template <class E, class A>
-double sumsq_block(const Param& q, const void* x, int64_t b) {
+A sumsq_as(const Param& q, const void* x, int64_t b) {
   int64_t e0, e1;
   block_elems(q.geo, b, e0, e1);
   A acc[kLanes] = {};
   run_groups(e0, e1, [&](auto ns, int64_t e, int64_t n, int64_t stride) {
-    p1_run<E, decltype(ns)::value>(at_<typename E::raw>(x) + e, stride, n, acc);
+    p1_run<E, A, decltype(ns)::value>(at_<typename E::raw>(x) + e, stride, n, acc);
   });
-  return double(lanes_sum(acc));
+  return lanes_sum(acc);
 }
 
-// Factored block b: its rows' sums of g^2 and its column partials (or, for a one-block matrix, the column sums).
+// Sum of x^2 over block b (in float where safe, see above).
 template <class E>
-void p1_block(const Param& q, const Stats& s, int64_t b) {
-  using T = typename E::T;
+double sumsq_block(const Param& q, const void* x, int64_t b) {
+  if constexpr (std::is_same_v<typename E::T, float>) {
+    const float sum = sumsq_as<E, float>(q, x, b);
+    if (safe(&sum, 1)) return sum;
+  }
+  return sumsq_as<E, double>(q, x, b);
+}
+
+// Max |g| over block b of an fp64 gradient (> 0 iff some element is nonzero, where its sum of squares can underflow).
+double absmax_block(const Param& q, int64_t b) {
+  int64_t e0, e1;
+  block_elems(q.geo, b, e0, e1);
+  const double* g = at_<double>(q.g);
+  double mx[kLanes] = {};
+  for_lanes(e1 - e0, [&](int64_t j, int k) { mx[k] = std::max(mx[k], std::abs(g[e0 + j])); });
+  return *std::max_element(mx, mx + kLanes);
+}
+
+// Factored block b in A: its rows' sums of g^2 into rows (its first row's first) and its column partials into col
+// (C of them).
+template <class E, class A>
+void p1_block_as(const Param& q, int64_t b, A* rows, A* col) {
   const Geo& G = q.geo;
   const auto* g = at_<typename E::raw>(q.g);
   int64_t m, i0, i1;
   G.rows(b, m, i0, i1);
   const int64_t C = G.C;
-  T* row = s.at<T>(s.row, m, G.R);
-  T* col = G.blocks_per_mat > 1 ? s.at<T>(s.colp, m, G.blocks_per_mat * C) + (b % G.blocks_per_mat) * C
-                                : s.at<T>(s.col, m, C);
-  std::fill_n(col, C, T(0));
+  std::fill_n(col, C, A(0));
   row_groups(i0, i1, [&](auto ns, int64_t i, int64_t qr) {
-    p1_rows<E, decltype(ns)::value>(g + (m * G.R + i) * C, qr * C, C, col, row + i, qr);
+    p1_rows<E, A, decltype(ns)::value>(g + (m * G.R + i) * C, qr * C, C, col, rows + (i - i0), qr);
   });
 }
 
-// Pass 1 of block b (the one-process step keeps a fused factored parameter's row and column sums in q.st); with a
-// relative step also its sum of p^2, in double.
+// Factored block b: its rows' sums of g^2 and its column partials (or, for a one-block matrix, the column sums), in
+// float where safe (see above).
+template <class E>
+void p1_block(const Param& q, const Stats& s, int64_t b) {
+  const Geo& G = q.geo;
+  int64_t m, i0, i1;
+  G.rows(b, m, i0, i1);
+  const int64_t C = G.C;
+  double* row = s.at(s.row, m, G.R);
+  double* col = G.blocks_per_mat > 1 ? s.at(s.colp, m, G.blocks_per_mat * C) + (b % G.blocks_per_mat) * C
+                                     : s.at(s.col, m, C);
+  if constexpr (std::is_same_v<typename E::T, float>) {
+    thread_local std::vector<float> scratch;  // the block's float sums: its rows', then its columns'
+    scratch.resize(size_t(G.rows_per_block + C));
+    float *rowf = scratch.data(), *colf = scratch.data() + G.rows_per_block;
+    p1_block_as<E, float>(q, b, rowf, colf);
+    if (safe(rowf, i1 - i0) && safe(colf, C)) {
+      std::copy(rowf, rowf + (i1 - i0), row + i0);
+      std::copy_n(colf, C, col);
+      return;
+    }
+  }
+  p1_block_as<E, double>(q, b, row + i0, col);
+}
+
+// Pass 1 of block b (the one-process step keeps a fused factored parameter's row and column sums in q.st); fp64
+// parameters also its max |g|, a relative step its sum of p^2.
 template <class E>
 void p1_any(Param& q, int64_t b, bool relative_step) {
   if (q.st.rc)
     p1_block<E>(q, q.st, b);
   else
-    q.partial[b] = sumsq_block<E, typename E::T>(q, q.g, b);
-  if (relative_step) q.p_partial[b] = sumsq_block<E, double>(q, q.p, b);
+    q.partial[b] = sumsq_block<E>(q, q.g, b);
+  if constexpr (std::is_same_v<typename E::raw, double>) q.max_partial[b] = absmax_block(q, b);
+  if (relative_step) q.p_partial[b] = sumsq_block<E>(q, q.p, b);
 }
 
 // Matrices [m_begin, m_end): column sums from their block partials (in block order; zero for a matrix with no local
@@ -863,22 +936,22 @@ void p1_finish(const Param& q, const Stats& s, int64_t m_begin, int64_t m_end) {
   const int64_t R = G.R, C = G.C;
   const T* rv = at_<T>(q.row_var);
   for (int64_t m = m_begin; m < m_end; ++m) {
-    T* col = s.at<T>(s.col, m, C);
-    if (G.blocks_per_mat == 0) std::fill_n(col, C, T(0));
+    double* col = s.at(s.col, m, C);
+    if (G.blocks_per_mat == 0) std::fill_n(col, C, 0.0);
     if (G.blocks_per_mat > 1) {
-      const T* cp = s.at<T>(s.colp, m, G.blocks_per_mat * C);
+      const double* cp = s.at(s.colp, m, G.blocks_per_mat * C);
       std::copy_n(cp, C, col);
       for (int64_t k = 1; k < G.blocks_per_mat; ++k)
         for (int64_t j = 0; j < C; ++j) col[j] += cp[k * C + j];
     }
-    const T* row = s.at<T>(s.row, m, R);
+    const double* row = s.at(s.row, m, R);
     double sr = 0, sv = 0;
     for (int64_t i = 0; i < R; ++i) {
-      sr += double(row[i]);
+      sr += row[i];
       sv += double(rv[m * R + i]);
     }
-    *s.at<T>(s.rc, m, 1) = T(sr);
-    *s.at<T>(s.rvs, m, 1) = T(sv);
+    *s.at(s.rc, m, 1) = sr;
+    *s.at(s.rvs, m, 1) = sv;
   }
 }
 
@@ -892,17 +965,16 @@ void set_keys(Param& q, const Hyper& h) {
   q.mkey = mix32(q.key + kMomentumStream);  // bf16 momentum: quant.store_momentum_'s key
 }
 
-// Per unit: active (a unit with elements; a bank slice also needs a non-zero gradient), step count, bias correction;
-// the bf16 rounding keys.
-template <class T>
+// Per unit: active (a unit with elements; a bank slice also needs a nonzero gradient element: types.active_units),
+// step count, bias correction; the bf16 rounding keys.
 void count_steps(Param& q, const Hyper& h) {
   const Geo& G = q.geo;
   q.active.assign(G.units, G.ng > 0);
   float* step = q.step;
   if (G.bank) {
-    const T* s = at_<T>(q.sumsq);
+    const double* s = q.absmax ? q.absmax : q.sumsq;
     for (int64_t u = 0; u < G.units; ++u) {
-      q.active[u] = q.active[u] && s[u] > T(0);  // an expert that saw no token has an all-zero slice: leave it
+      q.active[u] = q.active[u] && s[u] > 0.0;  // an expert that saw no token has an all-zero slice: leave it
       step[u] += float(q.active[u]);
     }
   } else if (q.active[0]) {
@@ -924,35 +996,36 @@ void count_steps(Param& q, const Hyper& h) {
   set_keys(q, h);
 }
 
-// Matrices [m_begin, m_end): the factored EMAs (active units only) and the row/column inverse denominators.
+// Matrices [m_begin, m_end): the factored EMAs (active units only), in double from pass 1's double sums, each new
+// state value rounded once into T; the row inverse denominators in double from the state, rounded once (a row's
+// ratio to the mean can be below T's range where rinv is not), the column ones in T.
 template <class T>
 void update_factored(const Param& q, const Stats& s, const Hyper& h, int64_t m_begin, int64_t m_end) {
   const Geo& G = q.geo;
   const int64_t R = G.R, C = G.C;
-  const T add = h.add_mode ? T(h.eps) : T(0), floor = h.add_mode ? T(0) : T(h.eps);
-  const T Cg = T(G.Cg), Rg = T(G.Rg), Radd = T(G.Rg * (h.add_mode ? h.eps : 0.0));
+  const double add = h.add_mode ? h.eps : 0.0, floor = h.add_mode ? 0.0 : h.eps, Radd = G.Rg * add;
   for (int64_t m = m_begin; m < m_end; ++m) {
     const int64_t unit = G.unit_of_mat(m);
     const bool on = q.active[unit];
-    const Ema<T> ema(q.beta2[unit]);
-    const T b2 = T(q.beta2[unit]), omb2 = T(1.0 - q.beta2[unit]);
+    const Ema<double> ema(q.beta2[unit]);
     T* rv = at_<T>(q.row_var) + m * R;
     T* cv = at_<T>(q.col_var) + m * C;
-    const T *row = s.at<T>(s.row, m, R), *col = s.at<T>(s.col, m, C);
+    const double *row = s.at(s.row, m, R), *col = s.at(s.col, m, C);
     T *rinv = s.at<T>(s.rinv, m, R), *cinv = s.at<T>(s.cinv, m, C);
     if (on) {
-      for (int64_t i = 0; i < R; ++i) rv[i] = ema(rv[i], row[i] / Cg + add);
-      for (int64_t j = 0; j < C; ++j) cv[j] = ema(cv[j], col[j] / Rg + add);
+      for (int64_t i = 0; i < R; ++i) rv[i] = T(ema(double(rv[i]), row[i] / G.Cg + add));
+      for (int64_t j = 0; j < C; ++j) cv[j] = T(ema(double(cv[j]), col[j] / G.Rg + add));
     }
-    const T rvs = *s.at<T>(s.rvs, m, 1), rc = *s.at<T>(s.rc, m, 1);
-    const T rmean = (on ? rvs * b2 + (rc / Cg + Radd) * omb2 : rvs) / Rg;
+    const double rvs = *s.at(s.rvs, m, 1), rc = *s.at(s.rc, m, 1);
+    const double rmean = (on ? ema(rvs, rc / G.Cg + Radd) : rvs) / G.Rg;
     if (!h.add_mode) {
-      const T rm = std::max(rmean, T(kRowMeanFloor));
-      for (int64_t i = 0; i < R; ++i) rinv[i] = T(1) / std::sqrt(std::max(rv[i] / rm, floor));
-      for (int64_t j = 0; j < C; ++j) cinv[j] = T(1) / std::sqrt(std::max(cv[j], floor));
+      const double rm = std::max(rmean, kRowMeanFloor);
+      const T fl = T(floor);
+      for (int64_t i = 0; i < R; ++i) rinv[i] = T(1.0 / std::sqrt(std::max(double(rv[i]) / rm, floor)));
+      for (int64_t j = 0; j < C; ++j) cinv[j] = T(1) / std::sqrt(std::max(cv[j], fl));
     } else {
-      const T rm = std::max(rmean, std::numeric_limits<T>::min());
-      for (int64_t i = 0; i < R; ++i) rinv[i] = T(1) / std::sqrt(rv[i] / rm);
+      const double rm = std::max(rmean, std::numeric_limits<double>::min());
+      for (int64_t i = 0; i < R; ++i) rinv[i] = T(1.0 / std::sqrt(double(rv[i]) / rm));
       for (int64_t j = 0; j < C; ++j) cinv[j] = T(1) / std::sqrt(cv[j]);
     }
   }
@@ -1146,11 +1219,15 @@ struct FactoredDir {  // u = src * (rinv_i * c) * cinv_j, rs[s] = rinv_i * c for
 };
 
 template <class T>
-struct FullDir {  // u = src * c / sqrt(max(v_i, floor)); pass 2 first moves v_i towards x^2 + add
+struct FullDir {  // u = src * c / sqrt(max(v_i, floor)); pass 2 first moves v_i towards x^2 + add, in double
   using Ptr = T*;
-  T c, floor, add;
-  Ema<T> ema;
-  void moment(Ptr __restrict v, int64_t i, T x) const { v[i] = ema(v[i], x * x + add); }
+  T c, floor;
+  double add;
+  Ema<double> ema;
+  void moment(Ptr __restrict v, int64_t i, T x) const {
+    const double xd = x;
+    v[i] = T(ema(double(v[i]), xd * xd + add));
+  }
   T u(Ptr __restrict v, int, int64_t, int64_t i, T src) const { return src * c / std::sqrt(std::max(v[i], floor)); }
   T plus(Ptr __restrict v, int s, int64_t j, int64_t i, T src, T base) const { return u(v, s, j, i, src) + base; }
 };
@@ -1255,8 +1332,8 @@ double p2_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
       });
     } else {
       const int64_t u = b / G.blocks_per_unit;
-      const FullDir<T> dir{T(q.corr[u]), h.add_mode ? T(0) : T(h.eps), h.add_mode ? T(h.eps) : T(0),
-                           Ema<T>(q.beta2[u])};
+      const FullDir<T> dir{T(q.corr[u]), h.add_mode ? T(0) : T(h.eps), h.add_mode ? h.eps : 0.0,
+                           Ema<double>(q.beta2[u])};
       full_spans<kChunked>(q, b, [&](auto ns, int64_t e, int64_t stride, int64_t n) {
         constexpr int NS = decltype(ns)::value;
         const auto sp = update_span<NS>(mom, e, stride, n, buf);
@@ -1294,8 +1371,8 @@ void p3_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
       });
     } else {
       const int64_t u = b / G.blocks_per_unit;
-      const FullDir<T> dir{T(q.scale[u]) * T(q.clip[u]) * nlr, h.add_mode ? T(0) : T(h.eps), T(0),
-                           Ema<T>(0.0)};  // (pass 3 updates no moment)
+      const FullDir<T> dir{T(q.scale[u]) * T(q.clip[u]) * nlr, h.add_mode ? T(0) : T(h.eps), 0.0,
+                           Ema<double>(0.0)};  // (pass 3 updates no moment)
       full_spans<kChunked>(q, b, [&](auto ns, int64_t e, int64_t stride, int64_t n) {
         constexpr int NS = decltype(ns)::value;
         Rounder rnd[NS];
@@ -1332,11 +1409,24 @@ bool fuses(const Param& q) {
 }
 
 // Unit u's sum of g^2 from its matrices' rc, as grad_stats adds them.
-template <class T>
-T mats_sum(const Param& q, const Stats& s, int64_t u) {
+double mats_sum(const Param& q, const Stats& s, int64_t u) {
   double sum = 0;
-  for (int64_t m = u * q.geo.mats_per_unit; m < (u + 1) * q.geo.mats_per_unit; ++m) sum += double(*s.at<T>(s.rc, m, 1));
-  return T(sum);
+  for (int64_t m = u * q.geo.mats_per_unit; m < (u + 1) * q.geo.mats_per_unit; ++m) sum += *s.at(s.rc, m, 1);
+  return sum;
+}
+
+// Per unit, from pass 1's block results (p1_finish done): the sum of g^2 into q.sumsq; where not null, fp64's max
+// |g| into absmax and a relative step's sum of p^2 into p_sumsq.
+void unit_stats(const Param& q, double* absmax, double* p_sumsq) {
+  const int64_t nb = q.geo.blocks_per_unit;
+  for (int64_t u = 0; u < q.geo.units; ++u) {
+    q.sumsq[u] = q.st.rc ? mats_sum(q, q.st, u) : unit_sum<double>(q, u);
+    if (absmax) {
+      const auto first = q.max_partial.begin() + u * nb;
+      absmax[u] = nb ? *std::max_element(first, first + nb) : 0.0;
+    }
+    if (p_sumsq) p_sumsq[u] = unit_sum<double>(q, u, &q.p_partial);
+  }
 }
 
 // Passes 2 and 3 of one unit, done whole by one thread: the EMAs of its matrices' factored statistics (from the row
@@ -1363,8 +1453,10 @@ void split_units(std::vector<Param>& qs, const std::vector<const Hyper*>& hs,
     std::vector<int64_t> offsets;
     int64_t size = 0, elements = 0;
     for (; next < units.size(); ++next) {
-      const Geo& G = qs[units[next].first].geo;
-      const int64_t need = G.factored ? Stats::size(G, G.mats_per_unit) : 0;
+      const Param& q = qs[units[next].first];
+      const Geo& G = q.geo;
+      const int64_t t_size = c10::elementSize(math_dtype(q.dtype));
+      const int64_t need = G.factored ? (Stats::bytes(G, G.mats_per_unit, t_size) + 7) / 8 : 0;  // in doubles
       if (!batch.empty() && size + need > budget) break;
       batch.push_back(units[next]);
       offsets.push_back(size);
@@ -1378,10 +1470,9 @@ void split_units(std::vector<Param>& qs, const std::vector<const Hyper*>& hs,
       const auto [i, u] = batch[k];
       Param& q = qs[i];
       with_elem(q, [&](auto e) {
-        using T = typename decltype(e)::T;  // double scratch elements hold T values, one per element
         if (q.geo.factored)
-          stats[k] = Stats::carve(reinterpret_cast<T*>(scratch.data_ptr<double>() + offsets[k]), q.geo,
-                                  u * q.geo.mats_per_unit, q.geo.mats_per_unit);
+          stats[k] = Stats::carve<typename decltype(e)::T>(scratch.data_ptr<double>() + offsets[k], q.geo,
+                                                           u * q.geo.mats_per_unit, q.geo.mats_per_unit);
       });
       for (int64_t b = u * q.geo.blocks_per_unit; b < (u + 1) * q.geo.blocks_per_unit; ++b)
         blocks.emplace_back(int32_t(k), b);
@@ -1439,17 +1530,26 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
     for (const ParamRec& r : std::get<0>(groups[gi])) {
       Param& q = qs.emplace_back(make_param(r, ct, kFusedPass));
       q.partial.assign(q.geo.blocks(), 0.0);
-      if (hypers[gi].relative_step) q.p_partial.assign(q.geo.blocks(), 0.0);
       q.clip.assign(q.geo.units, 1.0);
       q.sumsq_buf.assign(q.geo.units, 0.0);
       q.sumsq = q.sumsq_buf.data();
+      if (q.dtype == at::kDouble) {
+        q.max_partial.assign(q.geo.blocks(), 0.0);
+        q.absmax_buf.assign(q.geo.units, 0.0);
+        q.absmax = q.absmax_buf.data();
+      }
+      if (hypers[gi].relative_step) {
+        q.p_partial.assign(q.geo.blocks(), 0.0);
+        q.p_sumsq_buf.assign(q.geo.units, 0.0);
+        q.p_sumsq = q.p_sumsq_buf.data();
+      }
       hs.push_back(&hypers[gi]);
       for (int64_t b = 0; b < q.geo.blocks(); ++b) blocks.emplace_back(int32_t(qs.size() - 1), b);
       elements += q.geo.numel;
       stats_at.push_back(-1);
-      if (q.geo.factored && fuses(q)) {  // at a 64-byte boundary, in T (the math dtype)
+      if (q.geo.factored && fuses(q)) {  // at a 64-byte boundary
         stats_at.back() = (stats_size + 63) / 64 * 64;
-        stats_size = stats_at.back() + Stats::size(q.geo, q.geo.M) * int64_t(c10::elementSize(math_dtype(q.dtype)));
+        stats_size = stats_at.back() + Stats::bytes(q.geo, q.geo.M, c10::elementSize(math_dtype(q.dtype)));
       }
     }
   }
@@ -1459,29 +1559,21 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
   for (size_t i = 0; i < qs.size(); ++i)
     if (stats_at[i] >= 0)
       with_elem(qs[i], [&](auto e) {
-        using T = typename decltype(e)::T;
-        qs[i].st = Stats::carve(reinterpret_cast<T*>(stats.data_ptr<uint8_t>() + stats_at[i]), qs[i].geo, 0,
-                                qs[i].geo.M);
+        qs[i].st = Stats::carve<typename decltype(e)::T>(stats.data_ptr<uint8_t>() + stats_at[i], qs[i].geo, 0,
+                                                         qs[i].geo.M);
       });
   run_items(int64_t(blocks.size()), elements, [&](int64_t k) {
     const auto [i, b] = blocks[k];
     with_elem(qs[i], [&](auto e) { p1_any<decltype(e)>(qs[i], b, hs[i]->relative_step); });
   });
   bool finite = true;
-  for (Param& q : qs)
+  for (Param& q : qs) {
     with_elem(q, [&](auto e) {
-      using T = typename decltype(e)::T;
-      if (q.st.rc) p1_finish<T>(q, q.st, 0, q.geo.M);
-      for (int64_t u = 0; u < q.geo.units; ++u) {
-        at_<T>(q.sumsq)[u] = q.st.rc ? mats_sum<T>(q, q.st, u) : unit_sum<T>(q, u);
-        finite = finite && std::isfinite(at_<T>(q.sumsq)[u]);
-      }
-      if (q.p_partial.empty()) return;
-      std::vector<double> p_sumsq(q.geo.units);  // a relative step's: per unit, in place of the block partials
-      for (int64_t u = 0; u < q.geo.units; ++u) p_sumsq[u] = unit_sum<double>(q, u, &q.p_partial);
-      q.p_partial = std::move(p_sumsq);
-      q.p_sumsq = q.p_partial.data();
+      if (q.st.rc) p1_finish<typename decltype(e)::T>(q, q.st, 0, q.geo.M);
     });
+    unit_stats(q, q.absmax ? q.absmax_buf.data() : nullptr, q.p_sumsq ? q.p_sumsq_buf.data() : nullptr);
+    for (int64_t u = 0; u < q.geo.units; ++u) finite = finite && std::isfinite(q.sumsq[u]);
+  }
   const bool skipped = skip_nonfinite && !finite;
   if (skipped) return at::scalar_tensor(true, at::TensorOptions().dtype(at::kBool));
   // passes 2 and 3: units that fit a core's L2 cache whole, by one thread each; larger ones split
@@ -1490,7 +1582,7 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
   for (size_t i = 0; i < qs.size(); ++i) {
     Param& q = qs[i];
     const Geo& G = q.geo;
-    with_elem(q, [&](auto e) { count_steps<typename decltype(e)::T>(q, *hs[i]); });
+    count_steps(q, *hs[i]);
     largest = std::max(largest, G.unit_numel);
     for (int64_t u = 0; u < G.units; ++u) {
       if (!q.active[u] || G.blocks_per_unit == 0) continue;
@@ -1512,8 +1604,8 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
   return at::scalar_tensor(false, at::TensorOptions().dtype(at::kBool));
 }
 
-// Pass 1 (eager.grad_stats): per parameter GradStats (sumsq, rc_sumsq, row, col, row_var_sum; None where not factored;
-// p_sumsq None).
+// Pass 1 (eager.grad_stats): per parameter GradStats, float64 tensors (sumsq, rc_sumsq, row, col, row_var_sum; None
+// where not factored; p_sumsq with a relative step; absmax for fp64 parameters).
 std::vector<StatsRec> grad_stats(const GroupRec& group) {
   const auto& recs = std::get<0>(group);
   const size_t n = recs.size();
@@ -1529,50 +1621,48 @@ std::vector<StatsRec> grad_stats(const GroupRec& group) {
     Param& q = qs.emplace_back(make_param(recs[i], ct, kStatsPass, relative_step));
     const Tensor& p = std::get<0>(recs[i]);
     const Geo& G = q.geo;
-    auto opts = p.options().dtype(math_dtype(q.dtype));
-    Tensor sumsq = at::empty(unit_keepdim_shape(p.sizes(), G.bank), opts);
-    q.sumsq = sumsq.data_ptr();
+    const auto opts = p.options().dtype(at::kDouble);
+    const auto units = unit_keepdim_shape(p.sizes(), G.bank);
+    Tensor sumsq = at::empty(units, opts);
+    q.sumsq = sumsq.data_ptr<double>();
     q.partial.assign(G.blocks(), 0.0);
-    OptTensor p_sumsq;
+    OptTensor p_sumsq, absmax;
     if (relative_step) {
       q.p_partial.assign(G.blocks(), 0.0);
-      p_sumsq = at::empty(unit_keepdim_shape(p.sizes(), G.bank), opts.dtype(at::kDouble));
+      p_sumsq = at::empty(units, opts);
+    }
+    if (q.dtype == at::kDouble) {
+      q.max_partial.assign(G.blocks(), 0.0);
+      absmax = at::empty(units, opts);
     }
     for (int64_t b = 0; b < G.blocks(); ++b) blocks.emplace_back(int32_t(i), b);
     elements += G.numel;
-    out[i] = {sumsq, std::nullopt, std::nullopt, std::nullopt, std::nullopt, p_sumsq};
+    out[i] = {sumsq, std::nullopt, std::nullopt, std::nullopt, std::nullopt, p_sumsq, absmax};
     if (!G.factored) continue;
     Tensor rc = at::empty(stat_shape(p.sizes(), 1, 1), opts), row = at::empty(stat_shape(p.sizes(), -1, 1), opts),
            col = at::empty(stat_shape(p.sizes(), 1, G.C), opts), rvs = at::empty(stat_shape(p.sizes(), 1, 1), opts);
-    q.st.rc = rc.data_ptr();
-    q.st.row = row.data_ptr();
-    q.st.col = col.data_ptr();
-    q.st.rvs = rvs.data_ptr();
+    q.st.rc = rc.data_ptr<double>();
+    q.st.row = row.data_ptr<double>();
+    q.st.col = col.data_ptr<double>();
+    q.st.rvs = rvs.data_ptr<double>();
     if (G.blocks_per_mat > 1) {
       colps.push_back(at::empty({G.M * G.blocks_per_mat * G.C}, opts));
-      q.st.colp = colps.back().data_ptr();
+      q.st.colp = colps.back().data_ptr<double>();
     }
-    out[i] = {sumsq, rc, row, col, rvs, p_sumsq};
+    out[i] = {sumsq, rc, row, col, rvs, p_sumsq, absmax};
   }
   run_items(int64_t(blocks.size()), elements, [&](int64_t k) {
     const auto [i, b] = blocks[k];
     with_elem(qs[i], [&](auto e) { p1_any<decltype(e)>(qs[i], b, relative_step); });
   });
-  for (size_t i = 0; i < n; ++i)
-    if (relative_step)
-      for (int64_t u = 0; u < qs[i].geo.units; ++u)
-        std::get<5>(out[i])->data_ptr<double>()[u] = unit_sum<double>(qs[i], u, &qs[i].p_partial);
-  for (Param& q : qs)
+  for (size_t i = 0; i < n; ++i) {
+    Param& q = qs[i];
     with_elem(q, [&](auto e) {
-      using T = typename decltype(e)::T;
-      const Geo& G = q.geo;
-      if (!G.factored) {
-        for (int64_t u = 0; u < G.units; ++u) at_<T>(q.sumsq)[u] = unit_sum<T>(q, u);
-        return;
-      }
-      p1_finish<T>(q, q.st, 0, G.M);
-      for (int64_t u = 0; u < G.units; ++u) at_<T>(q.sumsq)[u] = mats_sum<T>(q, q.st, u);
+      if (q.geo.factored) p1_finish<typename decltype(e)::T>(q, q.st, 0, q.geo.M);
     });
+    const OptTensor &p_sumsq = std::get<5>(out[i]), &absmax = std::get<6>(out[i]);
+    unit_stats(q, absmax ? absmax->data_ptr<double>() : nullptr, p_sumsq ? p_sumsq->data_ptr<double>() : nullptr);
+  }
   return out;
 }
 
@@ -1597,14 +1687,16 @@ std::vector<MomentsRec> update_moments(const GroupRec& group, const std::vector<
     const Tensor& p = std::get<0>(recs[i]);
     const Geo& G = q.geo;
     const at::ScalarType T = math_dtype(q.dtype);
-    const auto& [sumsq, rc, row, col, rvs, p_sumsq] = stats[i];
+    const auto& [sumsq, rc, row, col, rvs, p_sumsq, absmax] = stats[i];
     const auto units = unit_keepdim_shape(p.sizes(), G.bank);
-    check_input(q, "GradStats.sumsq", sumsq, true, units, T);
-    check_input(q, "GradStats.rc_sumsq", rc, G.factored, G.factored ? stat_shape(p.sizes(), 1, 1) : units, T);
-    check_input(q, "GradStats.row", row, G.factored, G.factored ? stat_shape(p.sizes(), -1, 1) : units, T);
-    check_input(q, "GradStats.col", col, G.factored, G.factored ? stat_shape(p.sizes(), 1, G.C) : units, T);
-    check_input(q, "GradStats.row_var_sum", rvs, G.factored, G.factored ? stat_shape(p.sizes(), 1, 1) : units, T);
-    check_input(q, "GradStats.p_sumsq", p_sumsq, h.relative_step, units, at::kDouble);
+    const at::ScalarType D = at::kDouble;
+    check_input(q, "GradStats.sumsq", sumsq, true, units, D);
+    check_input(q, "GradStats.rc_sumsq", rc, G.factored, G.factored ? stat_shape(p.sizes(), 1, 1) : units, D);
+    check_input(q, "GradStats.row", row, G.factored, G.factored ? stat_shape(p.sizes(), -1, 1) : units, D);
+    check_input(q, "GradStats.col", col, G.factored, G.factored ? stat_shape(p.sizes(), 1, G.C) : units, D);
+    check_input(q, "GradStats.row_var_sum", rvs, G.factored, G.factored ? stat_shape(p.sizes(), 1, 1) : units, D);
+    check_input(q, "GradStats.p_sumsq", p_sumsq, h.relative_step, units, D);
+    check_input(q, "GradStats.absmax", absmax, q.dtype == at::kDouble, units, D);
     auto opts = p.options().dtype(T);
     OptTensor rinv, cinv, active_t;
     Corr corr = 0.0;
@@ -1620,14 +1712,16 @@ std::vector<MomentsRec> update_moments(const GroupRec& group, const std::vector<
       out.emplace_back(at::zeros(units, opts), corr, rinv, cinv, active_t);
       continue;
     }
-    q.sumsq = const_cast<void*>(ct.read(sumsq));
-    q.p_sumsq = static_cast<const double*>(ct.read(p_sumsq));
-    with_elem(q, [&](auto e) { count_steps<typename decltype(e)::T>(q, h); });
+    const auto read = [&](const OptTensor& t) { return static_cast<double*>(const_cast<void*>(ct.read(t))); };
+    q.sumsq = read(sumsq);
+    q.p_sumsq = read(p_sumsq);
+    q.absmax = read(absmax);
+    count_steps(q, h);
     if (G.factored) {
-      q.st.rc = const_cast<void*>(ct.read(*rc));
-      q.st.row = const_cast<void*>(ct.read(*row));
-      q.st.col = const_cast<void*>(ct.read(*col));
-      q.st.rvs = const_cast<void*>(ct.read(*rvs));
+      q.st.rc = read(rc);
+      q.st.row = read(row);
+      q.st.col = read(col);
+      q.st.rvs = read(rvs);
       q.st.rinv = rinv->data_ptr();
       q.st.cinv = cinv->data_ptr();
       with_elem(q, [&](auto e) { update_factored<typename decltype(e)::T>(q, q.st, h, 0, G.M); });
