@@ -139,6 +139,17 @@ def test_cli_plan_shards_prints_what_the_orthogonal_tier_gathers(capsys):
     assert not any(r[0] == "skewadam" and r[-1] == f"{want:,}" for r in rows)
 
 
+def test_cli_plan_shards_prints_what_the_statistics_all_reduce(capsys):
+    """--shards N: the bytes each rank all-reduces per step for SkewAdam's statistics, the planner's."""
+    from skewadam import plan
+
+    out = _cli(["plan", "tiny", "--optimizer", "skewadam", "--optimizer", "adamw", "--shards", "2"], capsys)
+    want = plan("tiny", optimizers=["skewadam"], shards=2)["skewadam"].reduce_bytes
+    assert want > 0 and "all-reduces per step for the optimizer's statistics (FSDP2 over 2 ranks" in out
+    table = out.split("all-reduces per step")[1].split("optimizers:")[0]
+    assert [line.split()[-1] for line in table.splitlines() if line.startswith(("skewadam", "adamw"))] == [f"{want:,}"]
+
+
 def test_cli_plan_set_overrides_a_config_value(capsys):
     out = json.loads(_cli(["plan", "olmoe-1b-7b", "--json", "--optimizer", "skewadam",
                            "--set", "num_hidden_layers=2"], capsys))

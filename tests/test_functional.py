@@ -182,15 +182,20 @@ def test_settings_changed_after_construction_are_refused_alike_on_every_kernel(c
 @pytest.mark.parametrize("impl", KERNELS)
 def test_a_flattened_bank_error_names_the_parameters_own_shape(impl):
     """The kernels step a flattened bank [E*D, F] as its view [E, D, F]; an error names the parameter's own shape
-    (8, 3), not only the view (2, 4, 3)."""
+    (8, 3), not only the view (2, 4, 3), and the layout its state keeps (rows [8, 1], not the view's [2, 4, 1])."""
     p = torch.nn.Parameter(torch.randn(8, 3))
     opt = SkewAdam([{"params": [p], "tier": "expert", "experts": 2}], impl=impl)
     p.grad = torch.randn_like(p)
     opt.step()
-    opt.state[p]["row_var"] = torch.zeros(8, 1)  # the shape of the parameter, not of its view's statistics
+    opt.state[p]["row_var"] = torch.zeros(2, 4, 1)  # the view's shape, not the flattened bank's own rows
     with pytest.raises(ValueError, match=re.escape("param_groups[0]['params'][0] of shape (8, 3), stepped as the bank "
-                                                   "(2, 4, 3): state 'row_var' has shape (8, 1), a parameter of shape "
-                                                   "(2, 4, 3) needs shape (2, 4, 1)")):
+                                                   "(2, 4, 3): state 'row_var' has shape (2, 4, 1), a flattened bank "
+                                                   "keeps it with 2 dims and 8 rows in dim 0")):
+        opt.step()
+    opt.state[p]["row_var"] = torch.zeros(8, 2)  # the rows right, a column too many: the kernels' check, on the view
+    with pytest.raises(ValueError, match=re.escape("param_groups[0]['params'][0] of shape (8, 3), stepped as the bank "
+                                                   "(2, 4, 3): state 'row_var' has shape (2, 4, 2), a parameter of "
+                                                   "shape (2, 4, 3) needs shape (2, 4, 1)")):
         opt.step()
 
 

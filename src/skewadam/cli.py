@@ -133,7 +133,8 @@ def _add_plan(sub) -> None:
                        f"{b.name}: {b.summary}" for b in BACKENDS.values()) + " (default auto: the one SkewAdam "
                    "runs on --device, also what --measure steps with)")
     p.add_argument("--shards", type=int, default=1,
-                   help="FSDP2 ranks (Shard(0)): also print the bytes an orthogonal tier gathers per rank and step")
+                   help="FSDP2 ranks (Shard(0)): also print the bytes SkewAdam's statistics all-reduce and an "
+                   "orthogonal tier gathers, per rank and step")
     p.add_argument("--in-backward", action="store_true",
                    help="SkewAdam steps each tensor inside backward (in_backward=True): count the gradients in flight "
                    "(the largest one backward produces at once), not all of them; --measure steps so too")

@@ -19,6 +19,17 @@ over rows, a bank's ``step [E]`` over everything but experts). Uneven and empty 
 shape (torchao's ``DTensor.from_local(..., shape=, stride=)``). A non-bank ``step`` is a plain host scalar, as torch's
 optimizers keep it (identical on every rank, read each step).
 
+A flattened expert bank ``[E*D, F]`` (OLMo-core, DBRX; group key ``experts``) sharded on its rows (FSDP2's
+``Shard(0)``) may be cut anywhere: a rank's rows can hold part of an expert, several whole ones, or none. Its local
+shard is stepped as bank *pieces* (`flat_bank_pieces`): every expert once, in expert order, with its local rows
+(possibly none), each run of experts with as many local rows one ordinary bank record ``[k, rows, F]`` of global
+shape ``(k, D, F)``. Its state keeps the parameter's row layout where it spans the rows (``exp_avg [E*D, F]``,
+``row_var [E*D, 1]``, ``exp_avg_scale``: sharded like the parameter) and is per expert elsewhere (``col_var
+[E, 1, F]`` and ``step [E]``: ``Replicate`` over the rows; every rank updates every expert's copy from the same
+reduced sums, so the replicas stay bitwise equal). `skewadam.functional` hands the reducer one item per bank: each
+statistic's pieces in expert order, kind after kind, so the per-expert sums (``[E, 1, F]`` column sums, ``[E, 1, 1]``
+per-expert sums) line up on every rank, summed over the bank's dim 0; row sums stay local (rows are never cut).
+
 Refused with an error: ``Partial`` placements (unreduced values), FSDP1's ``FlatParameter`` and DeepSpeed ZeRO-3
 parameters (``ds_shape``/``ds_tensor``): flattening destroys the row/column structure that factored statistics and the
 per-tensor clip are defined on. (DeepSpeed ZeRO-1/2 hand the optimizer flat 1-D partitions with no marker; they cannot
@@ -46,19 +57,20 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .kernels.rounding import mix32
-from .state import StateTensor
+from .state import StateTensor, flat_bank_merged, spanned_dims
 
-__all__ = ["state_placements", "new_state_dtensor", "check_layout", "check_grad", "rounding_stream", "DTensorReducer"]
+__all__ = ["state_placements", "new_state_dtensor", "check_layout", "check_grad", "rounding_stream", "Piece",
+           "flat_bank_pieces", "DTensorReducer"]
 
 _DEEPSPEED_ATTRS = ("ds_shape", "ds_tensor", "ds_id", "ds_numel")
 
@@ -76,9 +88,9 @@ def _sharded_dim(placement: Placement, ndim: int, what: str) -> Optional[int]:
     return None
 
 
-def check_layout(p: Tensor, where: str = "parameter") -> None:
+def check_layout(p: Tensor, where: str = "parameter", experts: Optional[int] = None) -> None:
     """Refuse parameters whose shards cannot carry SkewAdam's statistics: flattened (FSDP1, DeepSpeed ZeRO-3) or
-    Partial."""
+    Partial, and flattened expert banks (``experts``) whose local rows are not one run (`flat_bank_pieces`)."""
     if getattr(p, "_is_flat_param", False):
         raise TypeError(
             f"{where}: FSDP1 FlatParameter (a flattened 1-D shard of many parameters) loses the rows and columns "
@@ -93,46 +105,44 @@ def check_layout(p: Tensor, where: str = "parameter") -> None:
     if isinstance(p, DTensor):
         for pl in p.placements:
             _sharded_dim(pl, max(p.ndim, 1), where)
-
-
-def _kept_dims(key: str, ndim: int, state_ndim: int) -> range | set[int]:
-    """Parameter dims a state tensor spans at full size (the others it has reduced to 1 or dropped)."""
-    if key in ("exp_avg", "exp_avg_sq"):
-        return range(ndim)
-    if key == "row_var":
-        return set(range(ndim)) - {ndim - 1}
-    if key == "col_var":
-        return set(range(ndim)) - {ndim - 2}
-    if key == "exp_avg_scale":  # int8 momentum: one scale per block of the last dim (`skewadam.kernels.quant`)
-        return set(range(ndim)) - {ndim - 1}
-    if key == "step":  # [E] for a bank (its dim 0), () otherwise
-        return range(state_ndim)
-    raise KeyError(f"skewadam.distributed does not know how state {key!r} relates to its parameter's dims")
+        if experts is not None:
+            flat_bank_pieces(p, experts, where)
 
 
 def state_placements(
-    placements: Sequence[Placement], ndim: int, key: str, state_ndim: int
+    placements: Sequence[Placement], ndim: int, key: str, state_ndim: int, *, flattened: bool = False
 ) -> tuple[Placement, ...]:
     """Placements of state ``key`` of a parameter with ``placements``: the parameter's where the state keeps the dim,
-    ``Replicate`` where it does not.
+    ``Replicate`` where it does not. ``flattened``: the parameter is a flattened bank ``[E*D, ...]``, whose state
+    kept per expert (``col_var [E, 1, F]``, ``step [E]``: `skewadam.state.flat_bank_merged`) is replicated over the
+    rows and sharded on the view's dim ``d + 1`` where the parameter is on its dim ``d >= 1``.
 
     Example:
         >>> state_placements([Shard(0)], 2, "col_var", 2)  # [1, C] over a row-sharded [R, C]
         (Replicate(),)
         >>> state_placements([_StridedShard(0, split_factor=2), Shard(0)], 3, "step", 1)  # a bank's [E]
         (_StridedShard(dim=0, sf=2), Shard(dim=0))
+        >>> state_placements([Shard(0), Shard(1)], 2, "col_var", 3, flattened=True)  # [E, 1, F] of [E*D, F]
+        (Replicate(), Shard(dim=2))
     """
-    kept = _kept_dims(key, ndim, state_ndim)
+    per_expert = flattened and not flat_bank_merged(key, ndim + 1)
+    kept = spanned_dims(key, ndim + per_expert, state_ndim)
     out = []
     for pl in placements:
         d = _sharded_dim(pl, max(ndim, 1), f"parameter (state {key!r})")
-        out.append(pl if d is not None and d in kept else Replicate())
+        if not per_expert:
+            out.append(pl if d is not None and d in kept else Replicate())
+        elif d is not None and d > 0 and d + 1 in kept:
+            out.append(Shard(d + 1))
+        else:
+            out.append(Replicate())
     return tuple(out)
 
 
-def new_state_dtensor(param: DTensor, key: str, st: StateTensor) -> Tensor:
-    """Zeros for state ``key`` of a DTensor parameter, as a DTensor placed per `state_placements` (a non-bank
-    ``step`` is a plain CPU scalar, as torch keeps it). Works for uneven and empty local shards.
+def new_state_dtensor(param: DTensor, key: str, st: StateTensor, flattened: bool = False) -> Tensor:
+    """Zeros for state ``key`` of a DTensor parameter (``flattened``: a flattened bank), as a DTensor placed per
+    `state_placements` (a non-bank ``step`` is a plain CPU scalar, as torch keeps it). Works for uneven and empty
+    local shards.
     """
     if key == "step" and not st.shape:
         return torch.zeros((), dtype=st.dtype)
@@ -145,9 +155,13 @@ def new_state_dtensor(param: DTensor, key: str, st: StateTensor) -> Tensor:
             f"momentum_dtype='bf16' for this parameter's group"
         )
     local = param.to_local()
-    kept = _kept_dims(key, param.ndim, len(st.shape))
-    local_shape = tuple(local.shape[d] if d in kept else st.shape[d] for d in range(len(st.shape)))
-    placements = state_placements(param.placements, param.ndim, key, len(st.shape))
+    placements = state_placements(param.placements, param.ndim, key, len(st.shape), flattened=flattened)
+    if flattened and not flat_bank_merged(key, param.ndim + 1):  # per expert: sharded as the columns are, if at all
+        local_shape = tuple(compute_local_shape_and_global_offset(torch.Size(st.shape), param.device_mesh,
+                                                                  placements)[0])
+    else:
+        kept = spanned_dims(key, param.ndim, len(st.shape))
+        local_shape = tuple(local.shape[d] if d in kept else st.shape[d] for d in range(len(st.shape)))
     zeros = torch.zeros(local_shape, dtype=st.dtype, device=local.device)
     return DTensor.from_local(
         zeros, param.device_mesh, placements, run_check=False,
@@ -163,12 +177,70 @@ def _first_element(shape: torch.Size, mesh, placements: tuple[Placement, ...]) -
     return sum(o * st for o, st in zip(offset, strides))
 
 
-def rounding_stream(param: DTensor, index: int) -> int:
+def rounding_stream(param: DTensor, index: int, row: int = 0) -> int:
     """The stochastic-rounding stream of ``param``'s local shard (the ``param_index`` of
-    `skewadam.kernels.rounding.rounding_key`): ``index`` itself for the shard holding global element 0, so that one
-    process draws what it always drew, else ``index`` mixed with the global index of the shard's first element."""
-    first = _first_element(param.shape, param.device_mesh, tuple(param.placements))
+    `skewadam.kernels.rounding.rounding_key`), or of its part from local row ``row`` on (a flattened bank's piece):
+    ``index`` itself for the part starting at global element 0, so that one process draws what it always drew, else
+    ``index`` mixed with the global index of the part's first element."""
+    first = _first_element(param.shape, param.device_mesh, tuple(param.placements)) + row * math.prod(param.shape[1:])
     return index if first == 0 else index ^ mix32(mix32(first) ^ (first >> 32))
+
+
+class Piece(NamedTuple):
+    """A run of a flattened bank's experts that hold the same number of this rank's rows: the kernels step it as the
+    bank ``[experts, rows, ...]`` of global shape ``(experts, D, ...)`` (`flat_bank_pieces`)."""
+
+    first: int  # its first expert
+    experts: int
+    row: int  # its first row in the local shard
+    rows: int  # local rows of each of its experts, 0 to D
+
+
+def flat_bank_pieces(param: Tensor, experts: int, where: str = "parameter") -> tuple[Piece, ...]:
+    """The local shard of a flattened bank ``[E*D, ...]`` as bank pieces: every expert once, in expert order, with
+    the rows of it this rank holds (a shard may cut an expert, hold several whole ones, or none: an expert with no
+    local row is a piece of zero rows, which still steps its replicated per-expert state from the reduced sums).
+    Experts next to each other with as many local rows form one piece. One piece for a tensor that is not a DTensor.
+
+    Example:
+        >>> flat_bank_pieces(w, 3)  # w [3*4, F] Shard(0) on 2 ranks, rank 1 (global rows 6 to 11)
+        (Piece(first=0, experts=1, row=0, rows=0), Piece(first=1, experts=1, row=0, rows=2), Piece(first=2, ...
+    """
+    per = param.shape[0] // experts
+    if not isinstance(param, DTensor):
+        return (Piece(0, experts, 0, per),)
+    lo, hi = _local_rows(param.shape[0], param.device_mesh, tuple(param.placements), where)
+    pieces: list[Piece] = []
+    row = 0
+    for e in range(experts):
+        n = max(0, min(hi, (e + 1) * per) - max(lo, e * per))
+        if pieces and pieces[-1].rows == n:
+            pieces[-1] = pieces[-1]._replace(experts=pieces[-1].experts + 1)
+        else:
+            pieces.append(Piece(e, 1, row, n))
+        row += n
+    return tuple(pieces)
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_rows(n: int, mesh, placements: tuple[Placement, ...], where: str) -> tuple[int, int]:
+    """The global rows ``[lo, hi)`` of dim 0 (of ``n``) that the local shard of a flattened bank holds, as DTensor
+    splits them (no communication); refused where they are not contiguous or another dim is strided."""
+    for pl in placements:
+        if isinstance(pl, _StridedShard) and pl.dim != 0:
+            raise ValueError(f"{where}: a flattened expert bank with a strided placement {pl} of a dim other than 0 "
+                             f"is not supported; shard it with Shard placements, or stack its experts [E, D, F]")
+    dim0 = [pl if _sharded_dim(pl, 2, where) == 0 else Replicate() for pl in placements]
+    if all(isinstance(pl, Replicate) for pl in dim0):
+        return 0, n
+    rows = distribute_tensor(torch.arange(n, device=mesh.device_type), mesh, dim0, src_data_rank=None)
+    local = rows.to_local().tolist()
+    lo = local[0] if local else 0
+    if local != list(range(lo, lo + len(local))):
+        raise ValueError(f"{where}: placements {list(placements)} give this rank rows {local[:4]}... of a flattened "
+                         f"expert bank, not one contiguous run; shard its dim 0 with Shard(0), or stack its experts "
+                         f"[E, D, F] for expert parallelism")
+    return lo, lo + len(local)
 
 
 class DTensorReducer:

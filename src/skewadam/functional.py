@@ -38,7 +38,8 @@ from .kernels.types import Group, all_finite, check, check_group, stat_dims, uni
 __all__ = ["Reducer", "StepGroup", "skewadam_"]
 
 #: ``reduce(items)`` sums each statistic in place across the shards of its parameter, where ``items`` is a list of
-#: ``(param, [(statistic, dims_it_sums_over), ...])``; `skewadam.distributed.DTensorReducer` is one. Optionally
+#: ``(param, [(statistic, dims_it_sums_over), ...])`` (the dims of ``param``, also for a flattened bank's pieces);
+#: `skewadam.distributed.DTensorReducer` is one. Optionally
 #: ``reduce.all_finite(flag)`` (all ranks agree on a 0-d bool flag) and ``gathers``/``gather``/``local_part`` (the
 #: full matrices of a sharded parameter, for the orthogonal update).
 Reducer = Callable[[list[tuple[Tensor, list[tuple[Tensor, tuple[int, ...]]]]]], None]
@@ -49,6 +50,7 @@ class StepGroup(NamedTuple):
 
     record: Group  # the kernels' record: local tensors (shards of DTensors), state, hyperparameters
     params: Sequence[Tensor]  # the parameters as the user holds them, one per record entry: a reducer reads placements
+    # (a flattened bank [E*D, ...] stepped as pieces, records of its view [k, D, ...], is named once per piece)
     update: str = "adam"  # "orthogonal": `skewadam.kernels.orthogonal`; else the tiers' Adam-style update
     where: str = "the param group"  # how errors about the group's hyperparameters name it
 
@@ -140,13 +142,30 @@ def _orthogonal_(g: StepGroup, maxima: list[Tensor], reducer: Optional[Reducer],
 
 
 def _reduce(reducer: Optional[Reducer], groups: list[StepGroup], results: list[list], items: Callable) -> None:
-    """Hand the reducer ``(param, items(record, result))`` for every parameter that has statistics to sum."""
+    """Hand the reducer ``(param, items(record, result))`` for every parameter that has statistics to sum; a
+    flattened bank's pieces (records of one more dim than the bank, next to each other) as one item of the bank:
+    each statistic's pieces in expert order, kind after kind, with the view's dims 0 and 1 mapped to the bank's
+    dim 0, so the per-expert sums line up on every rank however its rows are cut."""
     if reducer is None:
         return
-    work = [(p, its) for g, rs in zip(groups, results) for p, pt, r in zip(g.params, g.record.params, rs)
-            if (its := items(pt, r))]
+    work: list[tuple[Tensor, list]] = []
+    pieces: set[int] = set()  # indices in ``work`` of flattened banks: a list of their pieces' items
+    for g, rs in zip(groups, results):
+        for p, pt, r in zip(g.params, g.record.params, rs):
+            if not (its := items(pt, r)):
+                continue
+            if len(pt.shape) == p.ndim:
+                work.append((p, its))
+                continue
+            its = [(s, tuple(max(d - 1, 0) for d in dims)) for s, dims in its]
+            if work and work[-1][0] is p and len(work) - 1 in pieces:
+                work[-1][1].append(its)
+            else:
+                pieces.add(len(work))
+                work.append((p, [its]))
     if work:
-        reducer(work)
+        reducer([(p, [s for kind in zip(*its) for s in kind]) if i in pieces else (p, its)
+                 for i, (p, its) in enumerate(work)])
 
 
 def _explain(groups: list[StepGroup]) -> None:

@@ -20,7 +20,7 @@ from . import kernels
 from .backward import BackwardSteps, InBackward, check_trainer, stacked
 from .functional import Reducer, StepGroup, skewadam_
 from .kernels.types import Group, ParamTensors
-from .state import StateBytes, is_bank, measure_state, state_flags
+from .state import StateBytes, flat_bank_merged, is_bank, measure_state, state_flags
 from .validation import check_state_dict, resolve_group, validate_params
 
 try:  # DTensor (FSDP2, tensor/expert parallelism); absent on builds without torch.distributed
@@ -34,6 +34,7 @@ __all__ = ["SkewAdam"]
 #: few times per parameter per step.
 _PLAIN = (Tensor, torch.nn.Parameter, type(None))
 _STATE_FIELDS = ParamTensors._fields[3:8]  # the records' optional state (exp_avg ... col_var): state dict keys
+_STATE_KEYS = ("step", *_STATE_FIELDS)
 
 
 def _is_dtensor(t: Optional[Tensor]) -> bool:
@@ -72,13 +73,13 @@ class _Counter:
         obj.__dict__[key] = count if pending is None else pending + count
 
 
-def _rounding_stream(p: Tensor, index: int, momentum_dtype: str) -> int:
-    """The key index of ``p``'s stochastic rounding; a shard's own stream for DTensor shards that round (bf16
-    weights or bf16 momentum)."""
+def _rounding_stream(p: Tensor, index: int, momentum_dtype: str, row: int = 0) -> int:
+    """The key index of ``p``'s stochastic rounding (from local row ``row`` on: a flattened bank's piece); a shard's
+    own stream for DTensor shards that round (bf16 weights or bf16 momentum)."""
     if _is_dtensor(p) and (p.dtype == torch.bfloat16 or momentum_dtype == "bf16"):
         from .distributed import rounding_stream
 
-        return rounding_stream(p, index)
+        return rounding_stream(p, index, row)
     return index
 
 
@@ -152,7 +153,8 @@ class SkewAdam(Optimizer):
         tier: default tier of groups that name none. Default ``"backbone"``.
         use_momentum, use_factored, bank: per-group overrides of the tier's state (``None`` = tier default).
         experts (group key only): how many experts each tensor of an ``expert`` group stacks along dim 0
-            (flattened banks ``[E*D, F]``, `skewadam.classify.flattened_experts`): stepped as the bank ``[E, D, F]``.
+            (flattened banks ``[E*D, F]``, `skewadam.classify.flattened_experts`): stepped as the bank ``[E, D, F]``,
+            also as FSDP2 shards that cut experts (`skewadam.distributed`).
         momentum_dtype: storage of the first moment: ``"fp32"`` (the statistics dtype), ``"bf16"`` (stochastically
             rounded) or ``"int8"`` (block-wise, 256 per fp32 scale; tensors with < 2 dims stay fp32); see
             `skewadam.kernels.quant`, the same stored bytes on every backend.
@@ -329,7 +331,7 @@ class SkewAdam(Optimizer):
             if grad.is_sparse:
                 raise TypeError(f"SkewAdam does not support sparse gradients (param group {index}, tier {tier!r}); "
                                 "use a dense embedding (sparse=False)")
-            fixed = cached[1][i]  # (id(p), shape, dtype, DTensor?, bank flag, rounding stream, name) while they hold
+            fixed = cached[1][i]  # (id(p), shape, dtype, DTensor?, bank, rounding stream, name, pieces) while held
             if fixed is None or fixed[0] != id(p) or fixed[1] != p.shape or fixed[2] is not p.dtype:
                 fixed = cached[1][i] = _fixed(p, group, index, i, first_id)
             state = (not device_steps and states.get(p)) or _state_of(states[p], p, group, device_steps, fresh)
@@ -339,12 +341,12 @@ class SkewAdam(Optimizer):
 
                 check_grad(p)
                 local = tuple(map(_local, local))
-            shape = fixed[1]
-            if experts is not None:  # a flattened bank [E*D, ...]: the kernels step its view [E, D, ...]
-                view, grad_view, shape = _bank_view(p, experts, fixed[6])
-                local = (view, grad_view, *local[2:])
-            params.append(p)
-            tensors.append(make((*local, shape, *fixed[4:])))
+            if experts is None:
+                params.append(p)
+                tensors.append(make((*local, fixed[1], *fixed[4:7])))
+            else:  # a flattened bank [E*D, ...]: its local rows as banks [k, rows, ...], each named by p (the reducer)
+                tensors += (records := _flat_records(local, fixed))
+                params += [p] * len(records)
         if not params:
             return None
         b1, b2 = group["betas"]
@@ -415,15 +417,23 @@ def _restore_saved_dtypes(opt: "SkewAdam", groups: list[dict], states: dict) -> 
 
 def _fixed(p: Tensor, group: dict, index: int, i: int, first_id: int) -> tuple:
     """What the record of parameter ``i`` of group ``index`` takes from ``p`` and its group while they hold: ``(id,
-    shape, dtype, DTensor?, bank flag, rounding stream, name)``; errors name a flattened bank by its own shape and
-    its view's."""
+    shape, dtype, DTensor?, bank flag, rounding stream, name, pieces)``; errors name a flattened bank by its own shape
+    and its view's; ``pieces``: a flattened bank's ``(piece, rounding stream)`` (`_flat_records`), else None."""
     names, experts = group.get("param_names"), group.get("experts")
     name = f"param_groups[{index}]['params'][{i}]" + (f" ({names[i]!r})" if names else "")
-    if experts is not None:
-        name += f" of shape {tuple(p.shape)}, stepped as the bank {(experts, p.shape[0] // experts, *p.shape[1:])}"
     bank = experts is not None or is_bank(p.ndim, group["tier"], group["bank"])
     stream = _rounding_stream(p, first_id + i, group["momentum_dtype"])
-    return id(p), p.shape, p.dtype, _is_dtensor(p), bank, stream, name
+    pieces = None
+    if experts is not None:
+        name += f" of shape {tuple(p.shape)}, stepped as the bank {(experts, p.shape[0] // experts, *p.shape[1:])}"
+        if _is_dtensor(p):
+            from .distributed import flat_bank_pieces
+
+            found = flat_bank_pieces(p, experts, name)
+        else:
+            found = ((0, experts, 0, p.shape[0] // experts),)
+        pieces = tuple((pc, _rounding_stream(p, first_id + i, group["momentum_dtype"], pc[2])) for pc in found)
+    return id(p), p.shape, p.dtype, _is_dtensor(p), bank, stream, name, pieces
 
 
 def _state_of(state: dict, p: Tensor, group: dict, device_steps: bool = False, fresh: Optional[list] = None) -> dict:
@@ -437,31 +447,47 @@ def _state_of(state: dict, p: Tensor, group: dict, device_steps: bool = False, f
         spec = state_flags(group)
         bank = spec.is_bank(p.ndim)
         for key, st in spec.spec(p.shape, p.dtype).items():
-            state[key] = _new_state(p, key, st, bank, device_steps)
+            state[key] = _new_state(p, key, st, bank, device_steps, spec.experts is not None)
         if fresh is not None:
             fresh.append(p)
     return state
 
 
-def _bank_view(p: Tensor, experts: int, name: str) -> tuple[Tensor, Tensor, tuple[int, ...]]:
-    """A flattened bank's parameter and gradient as the stacked bank ``[E, D, ...]`` (views: steps write ``p``)."""
-    if isinstance(p, DTensor):
-        raise ValueError(f"{name}: experts={experts} (a flattened expert bank) is not supported for DTensor "
-                         "parameters; stack the experts as one [E, D, F] tensor, or leave 'experts' out of the group")
-    if not p.is_contiguous():
-        raise ValueError(f"{name}: experts={experts} needs a contiguous parameter, got strides {p.stride()}")
-    shape = (experts, p.shape[0] // experts, *p.shape[1:])
-    if p.grad.shape != p.shape:  # the kernels' own check names this; a view would hide it
-        return p.view(shape), p.grad, shape
-    return p.view(shape), p.grad.reshape(shape), shape
+def _flat_records(local: tuple, fixed: tuple) -> list[ParamTensors]:
+    """A flattened bank's records from its local tensors ``(param, grad, step, exp_avg, ..., col_var)``: one bank per
+    piece of its local rows (`skewadam.distributed.flat_bank_pieces`; the whole bank on one process), ``[k, rows,
+    ...]`` of global shape ``(k, D, ...)``: views of the parameter, gradient and the state kept in its row layout (steps
+    write them), and the piece's experts of the state kept per expert (`skewadam.state.flat_bank_merged`)."""
+    shape, name, pieces = fixed[1], fixed[6], fixed[7]
+    param, grad, *state = local
+    experts = sum(pc[1] for pc, _ in pieces)
+    if not param.is_contiguous():
+        raise ValueError(f"{name}: experts={experts} needs a contiguous parameter, got strides {param.stride()}")
+    rows_layout = [flat_bank_merged(key, param.ndim + 1) for key in _STATE_KEYS]
+    for key, t, rows in zip(_STATE_KEYS, state, rows_layout):
+        want = (param.ndim, param.shape[0]) if rows else (1 if key == "step" else param.ndim + 1, experts)
+        if t is not None and (t.ndim, t.shape[0] if t.ndim else 0) != want:
+            raise ValueError(f"{name}: state {key!r} has shape {tuple(t.shape)}, a flattened bank keeps it with "
+                             f"{want[0]} dims and {want[1]} {'rows' if rows else 'experts'} in dim 0 "
+                             f"(skewadam.state.TierSpec.spec): load the state saved for this model, or reset this "
+                             f"parameter's state with `del optimizer.state[p]`")
+    out = []
+    for (first, k, row, n), stream in pieces:
+        rows, span = slice(row, row + k * n), slice(first, first + k)
+        g = grad[rows].reshape(k, n, *grad.shape[1:]) if grad.shape == param.shape else grad  # (the check names it)
+        st = [None if t is None else t[rows].view(k, n, *t.shape[1:]) if r else t[span]
+              for t, r in zip(state, rows_layout)]
+        out.append(ParamTensors(param[rows].view(k, n, *param.shape[1:]), g, *st, (k, shape[0] // experts, *shape[1:]),
+                                True, stream, name))
+    return out
 
 
-def _new_state(p: Tensor, key: str, st, bank: bool, device_steps: bool = False) -> Tensor:
+def _new_state(p: Tensor, key: str, st, bank: bool, device_steps: bool = False, flattened: bool = False) -> Tensor:
     if key == "step" and not bank:  # a tensor's count: on the host like torch's (read each step), or beside the
         # parameter for a kernel that advances it there (no host sync); a plain tensor for DTensors too
         return torch.zeros(st.shape, dtype=st.dtype, device=_local(p).device if device_steps else "cpu")
     if isinstance(p, DTensor):
         from .distributed import new_state_dtensor
 
-        return new_state_dtensor(p, key, st)
+        return new_state_dtensor(p, key, st, flattened)
     return torch.zeros(st.shape, dtype=st.dtype, device=p.device)  # a bank's step counts live with it

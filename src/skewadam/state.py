@@ -19,7 +19,10 @@ or ``"orthogonal"`` (the orthogonalised momentum of `skewadam.kernels.orthogonal
 moment; without momentum, as for expert banks orthogonalised per expert from the gradient, only ``step``).
 
 A *bank* is a stacked expert tensor ``[E, ...]`` whose slices along dim 0 are treated as separate experts: its
-``step`` holds one count per slice, and whether a slice is factored depends on the slice's rank, not the bank's.
+``step`` holds one count per slice, and whether a slice is factored depends on the slice's rank, not the bank's. A
+*flattened* bank ``[E*D, ...]`` (group key ``experts``) is stepped as the bank ``[E, D, ...]`` and keeps that bank's
+state in its own row layout where the state spans each expert's rows (``exp_avg [E*D, F]``, ``row_var [E*D, 1]``)
+and per expert elsewhere (``col_var [E, 1, F]``, ``step [E]``): `TierSpec.spec`.
 
 Step counters (``step``) are reported apart from the statistics (moments), because the paper's figures count only
 the latter.
@@ -54,7 +57,7 @@ def num_blocks(last_dim: int) -> int:
 __all__ = [
     "BLOCK", "num_blocks", "StateTensor", "TierSpec", "state_flags", "state_spec", "check_state", "spec_nbytes",
     "is_bank", "is_factored", "state_dtype_for", "COUNTER_KEYS", "MOMENTUM_DTYPES", "UPDATES", "StateBytes",
-    "measure_state", "UNTIERED", "format_bytes", "BINARY_UNITS",
+    "measure_state", "UNTIERED", "format_bytes", "BINARY_UNITS", "spanned_dims", "flat_bank_merged",
 ]
 
 #: State entries that are bookkeeping (step counts), reported apart from the statistics themselves.
@@ -127,6 +130,39 @@ def state_spec(
     return spec
 
 
+def spanned_dims(key: str, ndim: int, state_ndim: int) -> range | set[int]:
+    """The dims of an ``ndim``-dim parameter that its state ``key`` (of ``state_ndim`` dims) spans at full size; the
+    others it has reduced to 1 (``row_var`` the last, ``col_var`` the rows) or dropped (a bank's ``step [E]`` keeps
+    only the experts).
+
+    Example:
+        >>> spanned_dims("col_var", 2, 2)  # [1, C] of an [R, C] matrix
+        {1}
+    """
+    if key in ("exp_avg", "exp_avg_sq"):
+        return range(ndim)
+    if key == "row_var":
+        return set(range(ndim)) - {ndim - 1}
+    if key == "col_var":
+        return set(range(ndim)) - {ndim - 2}
+    if key == "exp_avg_scale":  # int8 momentum: one scale per block of the last dim (`skewadam.kernels.quant`)
+        return set(range(ndim)) - {ndim - 1}
+    if key == "step":  # [E] for a bank (its dim 0), () otherwise
+        return range(state_ndim)
+    raise KeyError(f"skewadam.state does not know how state {key!r} relates to its parameter's dims")
+
+
+def flat_bank_merged(key: str, view_ndim: int) -> bool:
+    """Whether a flattened bank keeps state ``key`` with its view's dims 0 and 1 merged (`TierSpec.spec`): where the
+    state spans each expert's rows (view dim 1), as the parameter does, so it shards like the parameter.
+
+    Example:
+        >>> flat_bank_merged("row_var", 3), flat_bank_merged("col_var", 3)  # [E*D, 1], and [E, 1, F] as the view's
+        (True, False)
+    """
+    return key != "step" and 1 in spanned_dims(key, view_ndim, view_ndim)
+
+
 class TierSpec(NamedTuple):
     """What one param group's tensors keep and how they are updated: its tier's defaults with the group's
     overrides, resolved and validated once (`state_flags`). `state_spec` turns it into a parameter's tensors."""
@@ -158,11 +194,19 @@ class TierSpec(NamedTuple):
             return tuple(shape)
         return (self.experts, shape[0] // self.experts, *shape[1:])
 
-    def spec(self, shape: Sequence[int], param_dtype: torch.dtype) -> dict[str, StateTensor]:
-        """`state_spec` of a parameter of this group (of its `view_shape`)."""
-        shape = self.view_shape(shape)
-        return state_spec(shape, param_dtype, use_momentum=self.use_momentum, use_factored=self.use_factored,
-                          bank=self.is_bank(len(shape)), momentum_dtype=self.momentum or "fp32", update=self.update)
+    def spec(self, shape: Sequence[int], param_dtype: torch.dtype, *, stacked: bool = False) -> dict[str, StateTensor]:
+        """`state_spec` of a parameter of this group. A flattened bank ``[E*D, ...]`` keeps its stacked bank's
+        (`view_shape`) with dims 0 and 1 merged where the state spans each expert's rows (`flat_bank_merged`:
+        ``exp_avg [E*D, F]``, ``row_var [E*D, 1]``, ...), so it shards like the parameter and a checkpoint loads
+        across world sizes; the per-expert rest as the stacked bank keeps it (``col_var [E, 1, F]``, ``step [E]``).
+        ``stacked``: the stacked bank's own layout (what checkpoints of earlier versions hold)."""
+        view = self.view_shape(shape)
+        spec = state_spec(view, param_dtype, use_momentum=self.use_momentum, use_factored=self.use_factored,
+                          bank=self.is_bank(len(view)), momentum_dtype=self.momentum or "fp32", update=self.update)
+        if self.experts is None or stacked:
+            return spec
+        return {key: StateTensor((st.shape[0] * st.shape[1], *st.shape[2:]), st.dtype)
+                if flat_bank_merged(key, len(view)) else st for key, st in spec.items()}
 
 
 def state_flags(group: Mapping[str, Any], where: str = "") -> TierSpec:

@@ -99,7 +99,7 @@ def validate_params(params: Iterable[Any], group: dict, idx: int) -> None:
             if torch.distributed.is_available():
                 from .distributed import check_layout
 
-                check_layout(p, f"param group {idx} (tier {group['tier']!r})")
+                check_layout(p, f"param group {idx} (tier {group['tier']!r})", group.get("experts"))
 
 
 def validate_param(p: Tensor, group: dict, idx: int) -> None:
@@ -131,9 +131,10 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) ->
     into an optimizer holding ``param_groups``: each saved group whole (every key SkewAdam saves, none another
     optimizer's; nothing is filled in), with the constructor's checks, and the group it replaces (the same tier and
     flattened banks); each parameter's state against `skewadam.state.state_spec`, by value too (a Python-number
-    ``step`` of older checkpoints and other tools becomes a tensor); ``skipped_steps``, where present, a whole
-    number >= 0. Returns ``(groups, state)`` to load; raises ValueError naming what does not fit, having changed
-    nothing."""
+    ``step`` of older checkpoints and other tools becomes a tensor, a flattened bank's state in the stacked layout
+    of earlier versions is reshaped to its own, `skewadam.state.TierSpec.spec`); ``skipped_steps``, where present, a
+    whole number >= 0. Returns ``(groups, state)`` to load; raises ValueError naming what does not fit, having
+    changed nothing."""
     missing = [key for key in ("state", "param_groups") if key not in state_dict]
     if missing:
         raise ValueError(f"the state dict has no {' and no '.join(map(repr, missing))} (it has keys "
@@ -176,6 +177,10 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) ->
             state = dict(state)
             if isinstance(state.get("step"), (int, float)) and want["step"].shape == ():
                 state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+            if spec.experts is not None:  # a flattened bank's state saved in the stacked layout of earlier versions
+                stacked = spec.spec(p.shape, p.dtype, stacked=True)
+                state.update({key: v.reshape(want[key].shape) for key, v in state.items() if key in want
+                              and isinstance(v, Tensor) and tuple(v.shape) == stacked[key].shape != want[key].shape})
             check_state(state, want, f"state of parameter {i}{f' ({name})' if name else ''} of param group "
                         f"{idx} (tier {saved['tier']!r})")
             states[saved_id] = state

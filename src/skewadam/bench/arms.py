@@ -71,6 +71,10 @@ TensorState = Callable[[tuple[int, ...], str, torch.dtype, bool], list[tuple[str
 #: temporaries of one step.
 Transient = Callable[[Sequence[tuple[tuple[int, ...], str, bool]], torch.dtype, str], int]
 
+#: ``(shape, tier, stepped dtype, orthogonal, experts) -> bytes``: what one trainable tensor's statistics add to the
+#: cross-rank all-reduces of a step under FSDP2 ``Shard(0)`` on several ranks (``experts``: a flattened bank's E).
+Reduced = Callable[[tuple[int, ...], str, torch.dtype, bool, Optional[int]], int]
+
 _F32 = torch.float32
 _STEP = ("step", StateTensor((), _F32))  # torch optimizers' per-tensor 0-d fp32 step count
 
@@ -84,6 +88,8 @@ class Arm:
         make: builds it from `param_groups` output (`build` is the entry point); None for a memory model only.
         state, transient: its state per tensor and its step temporaries, for `skewadam.bench.planner.plan`; None where
             the planner has no model of it.
+        reduced: the bytes its step all-reduces across ranks per tensor under FSDP2 (SkewAdam's statistics); None
+            for an optimizer that reduces nothing.
         temporaries: how ``transient`` counts, in words (the plan prints it among its assumptions).
         master: keeps an fp32 master copy of 16-bit parameters (mixed precision); SkewAdam writes bf16 weights
             itself with stochastic rounding and keeps none.
@@ -115,6 +121,7 @@ class Arm:
     requires: Mapping[str, str] = dataclasses.field(default_factory=dict)
     kernels: bool = False
     in_backward: bool = False
+    reduced: Optional[Reduced] = None
 
     def build(self, model: nn.Module, lr: Optional[float] = None, weight_decay: Optional[float] = None, *,
               impl: str = "auto"):
@@ -272,8 +279,30 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
             ns = 0
         return max(BACKENDS[impl].step_transient_bytes(fused, dtype), ns)
 
+    relative = bool(options.get("relative_step"))
+
+    def reduced(shape, tier, dtype, orthogonal=False, experts=None):
+        """The sums a dim-0 shard cannot complete alone (`skewadam.distributed`): per unit sum g^2 and sum u^2 (and
+        sum p^2 for a relative step, max |g| for float64 parameters), and a factored matrix's whole-matrix,
+        row-statistic and column sums where dim 0 holds its rows, all float64 (`GradStats`). A stacked bank is
+        sharded on its experts (all of its sums are per expert: none); a flattened bank [E*D, F] is cut in its
+        experts' rows (every expert's sums). The orthogonal update gathers instead."""
+        if orthogonal or not shape:
+            return 0
+        spec = flags[tier, False]._replace(experts=experts)
+        view = spec.view_shape(shape)
+        bank = spec.is_bank(len(view))
+        if bank and experts is None:
+            return 0
+        units = view[0] if bank else 1
+        n = units * (2 + relative + (dtype == torch.float64))
+        if spec.use_factored and len(view) - bank == 2:  # a matrix per unit, its rows along dim 0
+            n += units * (2 + view[-1])
+        return n * 8
+
     return Arm(name, label, make, state, transient, master=False, tier_options=tier_options, kernels=True, lr=lr,
                orthogonal=orthogonal, variant_of=variant_of, in_backward=bool(options.get("in_backward")),
+               reduced=reduced,
                temporaries="as its kernel backend counts them (`step_transient_bytes` of skewadam.kernels.BACKENDS) "
                "and, for orthogonal groups, skewadam.kernels.orthogonal (the stacked Newton-Schulz iterates): the "
                "larger of the two")

@@ -225,6 +225,7 @@ class OptimizerPlan:
     peak: Optional[int]  # estimate; None without an activation estimate
     gather_bytes: int = 0  # per rank and step under FSDP2 over `Plan.shards` ranks: the orthogonal tier's all-gathers
     in_backward: bool = False  # stepped inside backward: ``grads`` is the most gradient bytes in flight, not all
+    reduce_bytes: int = 0  # per rank and step under FSDP2 over `Plan.shards` ranks: its statistics' all-reduces
 
     @property
     def static(self) -> int:
@@ -285,12 +286,14 @@ class Plan:
             [n + (" (in backward)" if o.in_backward else ""), *("n/a" if c is None else format_bytes(c) for c in (
                 o.params, o.grads, o.master, o.state.total, o.activations, o.step_temporaries, o.peak))]
             for n, o in self.optimizers.items()])
-        if any(o.gather_bytes for o in self.optimizers.values()):
-            lines += ["", f"bytes each rank receives per step to gather the orthogonal tier's matrices (FSDP2 over "
-                          f"{self.shards} ranks, Shard(0))"]
-            lines += _table(["optimizer", "gathered", "bytes"], [
-                [n, format_bytes(o.gather_bytes), f"{o.gather_bytes:,}"] for n, o in self.optimizers.items()
-                if o.gather_bytes])
+        for key, column, what in (
+                ("reduce_bytes", "all-reduced", "all-reduces per step for the optimizer's statistics"),
+                ("gather_bytes", "gathered", "receives per step to gather the orthogonal tier's matrices")):
+            sent = {n: getattr(o, key) for n, o in self.optimizers.items() if getattr(o, key)}
+            if sent:
+                lines += ["", f"bytes each rank {what} (FSDP2 over {self.shards} ranks, Shard(0))"]
+                lines += _table(["optimizer", column, "bytes"], [[n, format_bytes(b), f"{b:,}"]
+                                                                  for n, b in sent.items()])
         lines += ["", "optimizers:", *(f"  {n}: {o.label}" for n, o in self.optimizers.items())]
         lines += ["assumptions:", *(f"  - {a}" for a in self.assumptions)]
         return "\n".join(lines)
@@ -385,7 +388,9 @@ def plan(
         device: where the model would train, for ``impl="auto"`` (default ``"cpu"``).
         shards: FSDP2 ranks (``Shard(0)`` on every tensor), for the bytes an orthogonal tier all-gathers per step
             (``gather_bytes``: its 2-D matrices' updates, the full matrix less the rank's shard; a bank sharded
-            on its expert dim gathers nothing). State and memory stay those of one process.
+            on its expert dim gathers nothing) and those SkewAdam's statistics add to all-reduces per step
+            (``reduce_bytes``: per-tensor sums, a matrix's column sums, a flattened bank's per-expert sums, and the
+            non-finite flag: one per tensor inside backward). State and memory stay those of one process.
         in_backward: SkewAdam's arms step each tensor inside backward (``SkewAdam(..., in_backward=True)``, as the
             arm ``skewadam-in-backward`` always does): each gradient is freed as soon as backward completes it, so
             the peak holds the largest gradient one backward node produces at once (a tensor's, or a tied
@@ -422,6 +427,12 @@ def plan(
     if missing:
         raise ValueError(f"labels miss trainable parameter(s) {missing[:5]}: label every one (skewadam.classify)")
     trainable = [(n, tuple(p.shape), labels[n]) for n, p in params.items() if p.requires_grad]
+    if shards > 1:  # the flattened banks, whose experts' sums a dim-0 shard cuts
+        from ..classify import label
+
+        experts = label(model, tiers={n: labels[n] for n, _, _ in trainable}).experts
+    else:
+        experts = {}
     n_params = sum(p.numel() for p in params.values())
     n_trainable = sum(math.prod(s) for _, s, _ in trainable)
     by_tier = {t.value: 0 for t in Tier}
@@ -456,8 +467,12 @@ def plan(
         # the update is gathered in the compute dtype (fp32 for 16-bit weights); an even share of it is the rank's own
         update_bytes = 4 if stepped.itemsize < 4 else stepped.itemsize
         gathered = sum(math.prod(s) for s, _, o in tensors if o and len(s) == 2) * update_bytes * (shards - 1) // shards
+        reduced = 0
+        if shards > 1 and arm.reduced is not None:  # and the 4-byte float32 flag that skips a non-finite step
+            reduced = 4 * (len(trainable) if inside else 1) + sum(  # inside backward: a flag per tensor's step
+                arm.reduced(shape, tier, stepped, n in orth, experts.get(n)) for n, shape, tier in trainable)
         rows[arm.name] = OptimizerPlan(arm.name, arm.label, n_params * itemsize, grads, master, state, activations,
-                                       temporaries, peak, gathered, inside)
+                                       temporaries, peak, gathered, inside, reduced)
     counted: dict[str, list[str]] = {}
     for arm in chosen:
         counted.setdefault(arm.temporaries, []).append(arm.name)
