@@ -179,8 +179,8 @@ def test_a_flattened_bank_s_state_is_counted_as_the_stacked_bank_s():
 def test_the_planner_counts_the_sums_fsdp2_all_reduces_per_step_every_expert_s_for_flattened_banks():
     """Under ``Shard(0)`` over several ranks a flattened bank's rows cut its experts: each of the E experts' column
     sums [1, D] and 4 sums per step (3 banks x 4 x (6 + 4) numbers); the same experts stacked ``[E, F, D]`` are
-    sharded on experts and need none. 2 sums for each other tensor (router, norm weight and bias), fp32, and the
-    4-byte skip flag; an optimizer that reduces nothing, or one rank, counts 0."""
+    sharded on experts and need none. 2 sums for each other tensor (router, norm weight and bias); float64 but sum u^2
+    (fp32), and the 4-byte skip flag; an optimizer that reduces nothing, or one rank, counts 0."""
     from skewadam import plan
 
     flat = FlatMoE()
@@ -188,8 +188,9 @@ def test_the_planner_counts_the_sums_fsdp2_all_reduces_per_step_every_expert_s_f
     for name in ("w1", "v1", "w2"):
         stacked.experts.register_parameter(name, nn.Parameter(torch.randn(E, F, D)))
     got = plan(flat, optimizers=["skewadam", "adamw"], shards=2)
-    assert got["skewadam"].reduce_bytes == 4 * (3 * E * (D + 4) + 3 * 2) + 4
+    units = 3 * E + 3  # each has a sum u^2, in fp32; the other sums are float64
+    assert got["skewadam"].reduce_bytes == 8 * (3 * E * (D + 4) + 3 * 2 - units) + 4 * units + 4
     labels = {n: "expert" if n.startswith("experts.") else "router" if n.startswith("router") else "backbone"
               for n, _ in stacked.named_parameters()}
-    assert plan(stacked, optimizers=["skewadam"], shards=2, labels=labels)["skewadam"].reduce_bytes == 4 * 3 * 2 + 4
+    assert plan(stacked, optimizers=["skewadam"], shards=2, labels=labels)["skewadam"].reduce_bytes == (8 + 4) * 3 + 4
     assert got["adamw"].reduce_bytes == 0 == plan(flat, optimizers=["skewadam"])["skewadam"].reduce_bytes

@@ -15,6 +15,7 @@ The model (`FlatMoE`, float64) routes every token to every expert with sigmoid g
 - ``empty``: E=1, H=1: rank 1's shards of the banks (and of the router ``[1, M]``) are empty.
 - ``columns``: the cut sizes with the banks ``Shard(1)`` (columns: their row sums cross ranks).
 - momentum (fp32, int8) in the expert tier, bf16 weights (each piece rounds with its own bits, as shards do).
+- ``*_in_backward``: each tensor stepped inside backward (``in_backward=True``) on the 2 ranks.
 
 ``dcp_*`` save and load with `torch.distributed.checkpoint` across world sizes: the pytest side saves a checkpoint
 on one process (``OUT_DIR/ckpt_one``) that ``dcp_from_one_process`` loads onto the 2 ranks, and
@@ -146,13 +147,14 @@ def columns_shard(p):
 
 
 def check_sharded(size: str, expert_options: dict | None = None, momentum_dtype: str = "fp32", shard=rows_shard,
-                  disable_reducer: bool = False, dtype=torch.float64) -> dict:
-    """Train on 2 ranks and one process from the same weights and global batches; figures: the largest difference,
-    whether each rank's copies of the per-expert state (``col_var``, ``step``) equal the other's bitwise, the pieces
-    each rank steps, the reducer's traffic."""
+                  disable_reducer: bool = False, dtype=torch.float64, in_backward: bool = False) -> dict:
+    """Train on 2 ranks (each tensor stepped inside backward if ``in_backward``: FSDP2 runs the hooks after its
+    reduce-scatter) and one process (the regular step) from the same weights and global batches; figures: the
+    largest difference, whether each rank's copies of the per-expert state (``col_var``, ``step``) equal the other's
+    bitwise, the pieces each rank steps, the reducer's traffic."""
     expert_options = expert_options or {}
     model = build(size, shard, dtype=dtype)
-    opt = SkewAdam(groups(model, expert_options, momentum_dtype), lr=LR)
+    opt = SkewAdam(groups(model, expert_options, momentum_dtype), lr=LR, in_backward=in_backward)
     if disable_reducer:
         opt._reducer = lambda items: None
     train(model, opt, data(dtype=dtype), sharded=True)
@@ -270,6 +272,8 @@ def named_checks(out_dir: Path) -> dict:
         "cut_int8": lambda: check_sharded("cut", {"use_momentum": True, "momentum_dtype": "int8"}, "int8"),
         "empty_int8": lambda: check_sharded("empty", {"use_momentum": True, "momentum_dtype": "int8"}, "int8"),
         "cut_bf16": lambda: check_sharded("cut", {"use_momentum": True}, dtype=torch.bfloat16),
+        "cut_in_backward": lambda: check_sharded("cut", {"use_momentum": True}, in_backward=True),
+        "empty_in_backward": lambda: check_sharded("empty", in_backward=True),
         "negative_control": lambda: check_sharded("cut", disable_reducer=True),
         "dcp_from_one_process": lambda: check_dcp_from_one_process(out_dir),
         "dcp_to_one_process": lambda: check_dcp_to_one_process(out_dir),

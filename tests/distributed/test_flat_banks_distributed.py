@@ -22,7 +22,8 @@ import test_distributed
 from test_distributed import TOL, torchrun
 
 WORKER = Path(__file__).with_name("flat_worker.py")
-SHARDED = ["cut", "one_expert", "empty", "columns", "cut_momentum", "cut_int8", "empty_int8"]
+SHARDED = ["cut", "one_expert", "empty", "columns", "cut_momentum", "cut_int8", "empty_int8", "cut_in_backward",
+           "empty_in_backward"]
 INTERPRETED = ["cut", "empty", "cut_int8", "columns"]  # what the Triton kernel runs under its interpreter
 DCP = ["dcp_from_one_process", "dcp_to_one_process"]
 
@@ -107,16 +108,23 @@ def _statistics(experts: int) -> int:
     return (6 + 4) + (8 + 4) + 3 * 2 + 2 * experts * (fw.M + 4)
 
 
+def _units(experts: int) -> int:
+    """Update units: 2 matrices, 2 biases, the router, each bank's experts: each has a sum u^2 (in the state dtype:
+    float32 for bf16 weights), and float64 weights add each one's max |g| (whether it is idle)."""
+    return 2 + 3 + 2 * experts
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("check, experts", [("cut", 3), ("one_expert", 1), ("empty", 1), ("cut_bf16", 3)])
 def test_what_crosses_ranks_is_the_per_expert_sums_the_planner_counts(results, check, experts):
-    """Three all-reduces per step (pass 1, the skip flag, the clip); float64 statistics (float32 for bf16 weights)
-    plus the 4-byte flag; `skewadam.plan(..., shards=2)` counts them in float32 (its parameters are fp32 or bf16)."""
+    """Three all-reduces per step (pass 1, the skip flag, the clip); float64 statistics, sum u^2 in the state dtype,
+    plus the 4-byte flag; `skewadam.plan(..., shards=2)` counts them for fp32 or bf16 weights (what it plans)."""
+    sums, units = _statistics(experts), _units(experts)
+    as_bf16 = 8 * (sums - units) + 4 * units + 4
     for fig in _get(results, check):
         assert fig["collectives_per_step"] == 3, fig
-        size = 4 if check.endswith("bf16") else 8
-        assert fig["bytes_per_step"] == size * _statistics(experts) + 4, fig
-        assert fig["planned_bytes_per_step"] == 4 * _statistics(experts) + 4, fig
+        assert fig["bytes_per_step"] == (as_bf16 if check.endswith("bf16") else 8 * (sums + units) + 4), fig
+        assert fig["planned_bytes_per_step"] == as_bf16, fig
 
 
 @pytest.mark.distributed

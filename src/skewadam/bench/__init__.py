@@ -9,6 +9,7 @@ models.py      the reference MoE transformer and its size presets (tiny, cpu, pa
 data.py        corpora as byte tokens: the embedded Shakespeare or a user's folder, split by document
 presets.py     models by name: the reference presets and Transformers MoE configs, built without downloads
 arms.py        the arms: every optimizer under comparison, one registry (name, label, lr, builder, memory model)
+activations.py the planner's activation model: what a step keeps for backward, the most bytes alive during it
 planner.py     `plan`: bytes of parameters, gradients, master weights, state and step temporaries, per arm
 config.py      RunConfig / BenchConfig and the named presets of ``skewadam bench --preset``; a run's identity
 logs.py        run logs checked by schema and identity before they count

@@ -55,7 +55,7 @@ from torch import nn
 
 from ..groups import group_settings, param_groups
 from ..kernels import BACKENDS
-from ..state import StateTensor, state_flags
+from ..state import StateTensor, state_dtype_for, state_flags
 from ..tiers import Tier
 from .extras import quiet_imports
 
@@ -284,9 +284,9 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
     def reduced(shape, tier, dtype, orthogonal=False, experts=None):
         """The sums a dim-0 shard cannot complete alone (`skewadam.distributed`): per unit sum g^2 and sum u^2 (and
         sum p^2 for a relative step, max |g| for float64 parameters), and a factored matrix's whole-matrix,
-        row-statistic and column sums where dim 0 holds its rows, all float64 (`GradStats`). A stacked bank is
-        sharded on its experts (all of its sums are per expert: none); a flattened bank [E*D, F] is cut in its
-        experts' rows (every expert's sums). The orthogonal update gathers instead."""
+        row-statistic and column sums where dim 0 holds its rows: float64 (`GradStats`), sum u^2 in the state dtype.
+        A stacked bank is sharded on its experts (all of its sums are per expert: none); a flattened bank [E*D, F]
+        is cut in its experts' rows (every expert's sums). The orthogonal update gathers instead."""
         if orthogonal or not shape:
             return 0
         spec = flags[tier, False]._replace(experts=experts)
@@ -295,10 +295,10 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
         if bank and experts is None:
             return 0
         units = view[0] if bank else 1
-        n = units * (2 + relative + (dtype == torch.float64))
+        n = units * (1 + relative + (dtype == torch.float64))
         if spec.use_factored and len(view) - bank == 2:  # a matrix per unit, its rows along dim 0
             n += units * (2 + view[-1])
-        return n * 8
+        return n * 8 + units * state_dtype_for(dtype).itemsize
 
     return Arm(name, label, make, state, transient, master=False, tier_options=tier_options, kernels=True, lr=lr,
                orthogonal=orthogonal, variant_of=variant_of, in_backward=bool(options.get("in_backward")),

@@ -19,7 +19,8 @@ from torch import nn
 
 from .. import kernels
 from . import arms
-from .planner import DTYPES, config_value, default_seq, plan
+from .activations import config_value
+from .planner import DTYPES, default_seq, plan
 from .presets import lm_losses, load_model
 
 __all__ = ["measure_peak", "train_steps", "peak_rss", "rss"]

@@ -19,18 +19,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from ..groups import orthogonal_names
 from ..kernels import BACKENDS
-from ..state import StateBytes, Tally, format_bytes, is_bank
+from ..state import StateBytes, Tally, format_bytes
 from ..tiers import Tier
 from . import arms
+from .activations import (TOP_K_KEYS, Segment, Unmodelled, activation_segments, backward_peak,
+                          backward_peak_stepped, config_value)
 
-__all__ = ["OptimizerPlan", "Plan", "plan", "kernel_for", "format_bytes", "config_value", "default_seq", "DTYPES"]
+__all__ = ["OptimizerPlan", "Plan", "plan", "kernel_for", "format_bytes", "default_seq", "DTYPES"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -52,131 +54,8 @@ def _plan_state(arm: arms.Arm, tensors: Sequence[tuple[tuple[int, ...], str, boo
     return tally.result()
 
 
-# ------------------------------------------------------------------------------------------------- activations
-class _Segment(NamedTuple):
-    """A stretch of the network in forward order: what its forward keeps for backward, the parameter gradients its
-    backward creates, the bytes alive only while its backward runs, and the trainable parameters whose gradients
-    its backward completes (a tied embedding's: the lookup's segment)."""
-
-    saved: int
-    grads: int
-    transient: int
-    names: tuple[str, ...] = ()
-
-
-def _layers(model: nn.Module) -> tuple[str, int]:
-    """The repeated blocks: the ``nn.ModuleList`` holding the most parameters, as (prefix, length)."""
-    best, best_n, length = "", -1, 0
-    for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m):
-            n = sum(p.numel() for p in m.parameters())
-            if n > best_n:
-                best, best_n, length = name, n, len(m)
-    return best, length
-
-
-def config_value(model: nn.Module, keys: Sequence[str]) -> Optional[int]:
-    config = getattr(model, "config", None)
-    for key in keys:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
-
-
-_TOP_K_KEYS = ("top_k", "num_experts_per_tok", "experts_per_token", "moe_top_k", "num_selected_experts")
-_N_EXPERT_KEYS = ("n_experts", "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
-class _Unmodelled(Exception):
-    """The activation estimate does not apply to this model (the reason is the message)."""
-
-
-def _activation_segments(
-    model: nn.Module, labels: Mapping[str, str], *, tokens: int, itemsize: int, top_k: Optional[int]
-) -> tuple[list[_Segment], int, int, int]:
-    """``(segments, held, saved, tied)`` of one training step of a language model over ``tokens`` tokens; ``tied``:
-    the bytes of a tied embedding's gradient (begun by the head's backward, completed by the lookup's).
-
-    Rules (an estimate, no tracing): every matrix multiply keeps about its input and its output for backward, so a
-    weight ``[out, in]`` that sees ``n`` tokens costs ``n * (in + out)`` activations (attention scores are not
-    stored: flash/SDPA attention); a routed expert sees ``tokens * top_k / n_experts`` tokens; embeddings keep their
-    output; the LM head keeps its input, the logits (``held``: the caller's output keeps them through the step) and
-    the fp32 log-softmax of the loss, and its backward briefly holds two fp32 gradients of the logits. A tied
-    embedding's gradient is created by the head, and its lookup's backward briefly holds two of them.
-    Segments: embeddings, each block of the largest ``nn.ModuleList``, then the head.
-    """
-    vocab = config_value(model, ("vocab_size",))
-    if vocab is None:
-        raise _Unmodelled(f"{type(model).__name__} has no config.vocab_size (activations are modelled for LMs)")
-    names = dict(model.named_parameters())
-    embeds = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    head_w = getattr(head, "weight", None)
-    if head_w is None:  # a head that reuses the token embedding in forward (our reference model)
-        head_w = next((w for w in embeds.values() if w.shape[0] == vocab), None)
-    tied = head_w is not None and id(head_w) in embeds
-    d_model = head_w.shape[-1] if head_w is not None else max((w.shape[-1] for w in embeds.values()), default=0)
-    prefix, n_layers = _layers(model)
-    head_seg = n_layers + 1
-    seg_of: dict[str, int] = {}  # 0 = embeddings, 1..n = blocks, n+1 = head (whatever follows the blocks)
-    after_blocks = False
-    for name in names:
-        if prefix and name.startswith(prefix + "."):
-            seg_of[name] = 1 + int(name[len(prefix) + 1:].split(".")[0])
-            after_blocks = True
-        else:
-            seg_of[name] = head_seg if after_blocks else 0
-    routers = {seg_of[n]: names[n].shape[0] for n, t in labels.items() if t == Tier.ROUTER.value and names[n].ndim == 2}
-    saved, grads, biggest = [0] * (n_layers + 2), [0] * (n_layers + 2), [0] * (n_layers + 2)
-    completes: list[list[str]] = [[] for _ in range(n_layers + 2)]
-    for name, p in names.items():
-        s = seg_of[name]
-        if p.requires_grad:
-            grads[head_seg if p is head_w else s] += p.numel() * itemsize
-            completes[s].append(name)
-        if p.ndim < 2 or id(p) in embeds or p is head_w:
-            continue
-        if labels.get(name) == Tier.EXPERT.value:
-            k = top_k if top_k is not None else config_value(model, _TOP_K_KEYS)
-            if k is None:
-                raise _Unmodelled(f"{type(model).__name__}: experts per token unknown; pass top_k")
-            if is_bank(p.ndim, Tier.EXPERT.value, None):
-                n_tok = tokens * k * math.prod(p.shape[1:-2])  # the bank's slices share the routed tokens
-            else:
-                n_experts = routers.get(s) or config_value(model, _N_EXPERT_KEYS)
-                if n_experts is None:
-                    raise _Unmodelled(f"{name}: no router in its block and no config.num_experts")
-                n_tok = tokens * k * math.prod(p.shape[:-2]) / n_experts
-        else:
-            n_tok = tokens * math.prod(p.shape[:-2])
-        saved[s] += int(n_tok * (p.shape[-2] + p.shape[-1]) * itemsize)
-        biggest[s] = max(biggest[s], int(n_tok * max(p.shape[-2:]) * itemsize))
-    logits, fp32_logits = tokens * vocab * itemsize, tokens * vocab * 4
-    saved[0] += tokens * d_model * itemsize  # the embedding output
-    saved[-1] += tokens * d_model * itemsize + fp32_logits  # head input, log-softmax output
-    lookup = (1 + tied) * vocab * d_model * itemsize
-    head_transient = 2 * fp32_logits + (logits if itemsize != 4 else 0)  # + the cast back, for 16-bit logits
-    transients = [lookup] + [2 * biggest[i] for i in range(1, n_layers + 1)] + [head_transient]
-    segments = [_Segment(saved[i], grads[i], transients[i], tuple(completes[i])) for i in range(n_layers + 2)]
-    tied_bytes = head_w.numel() * itemsize if tied and head_w.requires_grad else 0
-    return segments, logits, sum(saved) + logits, tied_bytes
-
-
-def _backward_peak(segments: Sequence[_Segment], held: int) -> tuple[int, int]:
-    """``(peak, after)``: the most bytes alive during backward, and those left after it (held + all gradients)."""
-    mem = held + sum(s.saved for s in segments)
-    peak = mem
-    for seg in reversed(segments):
-        peak = max(peak, mem + seg.transient)
-        mem += seg.grads
-        peak = max(peak, mem)
-        mem -= seg.saved
-    return peak, mem
-
-
 def _in_flight(arm: arms.Arm, trainable: Sequence[tuple[str, tuple[int, ...], str]], orth: set[str],
-               stepped: torch.dtype, kernel: str, itemsize: int, segments: Sequence[_Segment],
+               stepped: torch.dtype, kernel: str, itemsize: int, segments: Sequence[Segment],
                tied: int) -> tuple[int, int, list[int]]:
     """For ``arm`` stepped inside backward: ``(most gradient bytes alive at once, largest one tensor's step
     temporaries, per segment its largest gradient with that gradient's step temporaries)``."""
@@ -193,20 +72,6 @@ def _in_flight(arm: arms.Arm, trainable: Sequence[tuple[str, tuple[int, ...], st
         grads = max(grads, between + max((own[n][0] for n in seg.names), default=0))
     in_flight = [max((sum(own[n]) for n in seg.names), default=0) for seg in segments]
     return grads, max((t for _, t in own.values()), default=0), in_flight
-
-
-def _backward_peak_stepped(segments: Sequence[_Segment], held: int, in_flight: Sequence[int], tied: int) -> int:
-    """The most bytes alive during a backward that steps and frees each gradient as it completes (an optimizer
-    stepped inside backward): a segment's backward holds its transients or ``in_flight[i]`` (its largest gradient
-    with that gradient's step temporaries), whichever is more, and a ``tied`` embedding's gradient is held from the
-    head's backward to the lookup's (whose transients count it)."""
-    mem = held + sum(s.saved for s in segments)
-    peak = mem
-    for i in range(len(segments) - 1, -1, -1):
-        between = tied if 0 < i < len(segments) - 1 else 0
-        peak = max(peak, mem + between + max(segments[i].transient, in_flight[i]))
-        mem -= segments[i].saved
-    return peak
 
 
 # --------------------------------------------------------------------------------------------------------- plan
@@ -439,13 +304,13 @@ def plan(
     for _, shape, tier in trainable:
         by_tier[tier] += math.prod(shape)
     seq = default_seq(model) if seq is None else seq
-    k = top_k if top_k is not None else config_value(model, _TOP_K_KEYS)
+    k = top_k if top_k is not None else config_value(model, TOP_K_KEYS)
     try:
-        segments, held, activations, tied = _activation_segments(
+        segments, held, activations, tied = activation_segments(
             model, labels, tokens=batch * seq, itemsize=itemsize, top_k=k)
-        bwd_peak, after_bwd = _backward_peak(segments, held)
+        bwd_peak, after_bwd = backward_peak(segments, held)
         unmodelled = None
-    except _Unmodelled as e:
+    except Unmodelled as e:
         segments, held, tied, activations = [], 0, 0, None
         bwd_peak = after_bwd = None
         unmodelled = str(e)
@@ -463,7 +328,7 @@ def plan(
         inside = arm.in_backward or (in_backward and arm.kernels)
         if inside:  # each gradient stepped and freed as backward completes it
             grads, temporaries, in_flight = _in_flight(arm, trainable, orth, stepped, kernel, itemsize, segments, tied)
-            peak = None if unmodelled else static + _backward_peak_stepped(segments, held, in_flight, tied)
+            peak = None if unmodelled else static + backward_peak_stepped(segments, held, in_flight, tied)
         # the update is gathered in the compute dtype (fp32 for 16-bit weights); an even share of it is the rank's own
         update_bytes = 4 if stepped.itemsize < 4 else stepped.itemsize
         gathered = sum(math.prod(s) for s, _, o in tensors if o and len(s) == 2) * update_bytes * (shards - 1) // shards

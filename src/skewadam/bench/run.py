@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import json
 import os
 import subprocess
 import sys
