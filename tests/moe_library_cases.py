@@ -8,7 +8,8 @@ decided the less obvious labels. A case whose library is not installed is skippe
 Shared rules of the reading: routed experts see only the tokens routed to them (expert); the router is every
 parameter of the module whose output is scored over the E experts and fed to a top-k (its bias, scales, a first
 projection of a two-stage router); shared experts run on every token and so are backbone, as is the gate that scales
-them (it scores no routed expert). Buffers (expert-bias load balancing) are not parameters.
+them (it scores no routed expert). Buffers (expert-bias load balancing) are not parameters. The untied output head
+(`Case.head`) is the projection to the vocabulary that produces the logits, read from each library's forward.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from torch import nn
 
 #: Sizes of the hand-built layers (DeepSpeed, fairscale, lucidrains, st-moe): width, expert width, experts.
 D, F, E = 32, 16, 8
+#: Each library's untied output head (the hand-built layers sit in `_Model`, whose head is `head`).
+_HEADS = {"torchtitan": r"^lm_head\.weight$", "olmo_core": r"^lm_head\.w_out\.weight$",
+          "megatron": r"^output_layer\.weight$", "litgpt": r"^lm_head\.weight$"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,11 @@ class Case:
     @property
     def library(self) -> str:
         return self.id.split(":")[0]
+
+    @property
+    def head(self) -> str:
+        """A regex matching the name of the untied output head."""
+        return _HEADS.get(self.library, r"^head\.weight$")
 
     def missing(self) -> str:
         """The first required module that does not import, with the reason ("" if all import)."""

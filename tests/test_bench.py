@@ -73,6 +73,18 @@ def test_a_text_shorter_than_the_block_size_is_refused_before_any_run(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_users_folder_is_one_printed_line_counting_the_files_skipped_before_any_run(tmp_path, monkeypatch):
+    for i in range(3):
+        (tmp_path / f"m{i}.py").write_text("def f():\n    return 1\n" * 20)
+    (tmp_path / "blob.pyc").write_bytes(b"\x00" * 64)
+    bench = BenchConfig(base=RunConfig(**{**TINY, "data": str(tmp_path), "block_size": 16}), optimizers=("adamw",))
+    monkeypatch.setattr(bench_mod, "_run_all", lambda *args: [])  # the runs are not what this test is about
+    lines = []
+    run_bench(bench, tmp_path / "out", progress=False, plots=False, echo=lines.append)
+    assert lines == [f"--data {tmp_path}: 2 train docs (882 tokens), 1 val docs (440 tokens), byte vocabulary 256; "
+                     f"skipped 1 binary"]
+
+
 # ------------------------------------------------------------------------------------------ optional packages
 def test_missing_optional_packages_are_found_once_before_any_run(monkeypatch, tmp_path):
     for module in ("tqdm", "matplotlib", "torchao"):

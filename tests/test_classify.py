@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from skewadam import SkewAdam
-from skewadam.classify import classify
+from skewadam.classify import classify, hidden_matrices, output_heads
 from skewadam.groups import describe, param_groups, split_kwargs
 from skewadam.models import MoETransformer, get_config
 
@@ -111,6 +111,57 @@ def by_tier(labels):
     for name, tier in labels.items():
         out[tier].add(name)
     return out
+
+
+class _FFN(nn.Module):
+    """A dense FFN whose hidden width equals the vocabulary: its up projection has the token table's shape."""
+
+    def __init__(self, d, f, sequential):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, f), nn.GELU(), nn.Linear(f, d)) if sequential else None
+        if not sequential:
+            self.up, self.down = nn.Linear(d, f, bias=False), nn.Linear(f, d, bias=False)
+
+
+class _Layer(nn.Module):
+    def __init__(self, d, f, sequential=False):
+        super().__init__()
+        self.norm, self.attn, self.ffn = nn.LayerNorm(d), nn.Linear(d, d), _FFN(d, f, sequential)
+
+
+class _LMHead(nn.Module):  # OLMo-core's LMHead: the final norm and the projection to the vocabulary
+    def __init__(self, d, v):
+        super().__init__()
+        self.norm, self.w_out = nn.LayerNorm(d), nn.Linear(d, v, bias=False)
+
+
+class _Decoder(nn.Module):  # the layers, the final norm and the head in one module; the table outside it
+    def __init__(self, d, v):
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(d, v) for _ in range(2))
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, v, bias=False)
+
+
+class HeadLM(nn.Module):
+    """An LM with an untied head in one of the layouts libraries use, its FFN as wide as the vocabulary."""
+
+    HEADS = {"torchtitan": "output.weight", "sequential_ffn": "output.weight", "olmo_core": "lm_head.w_out.weight",
+             "nested": "decoder.head.weight", "bare": "unembed", "bare_transposed": "unembed"}
+
+    def __init__(self, layout, v=40, d=D):
+        super().__init__()
+        self.tok = nn.Embedding(v, d)
+        if layout == "nested":
+            self.decoder = _Decoder(d, v)
+            return
+        self.layers = nn.ModuleList(_Layer(d, v, sequential=layout == "sequential_ffn") for _ in range(2))
+        self.norm = nn.LayerNorm(d)
+        if layout == "olmo_core":
+            self.lm_head = _LMHead(d, v)
+        elif layout.startswith("bare"):  # logits = x @ unembed.T, or x @ unembed
+            self.unembed = nn.Parameter(torch.zeros((d, v) if layout == "bare_transposed" else (v, d)))
+        else:
+            self.output = nn.Linear(d, v, bias=False)
 
 
 # ------------------------------------------------------------------------------------------------ labels
@@ -377,6 +428,48 @@ def test_census_of_an_moe_model_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         describe(MoETransformer(get_config("tiny")))
+
+
+# ------------------------------------------------------------------------------------------------ heads
+def test_dense_ffn_matrices_of_the_token_tables_shape_are_hidden_in_the_bench_model():
+    """The cpu preset's dense w1/w3 are [256, 128], the token table's shape: hidden matrices; the head is tied (no
+    head of its own) and neither table is hidden."""
+    model = MoETransformer(get_config("cpu"))
+    names = hidden_matrices(model)
+    assert tuple(model.tok_emb.weight.shape) == tuple(model.blocks[0].ffn.w1.weight.shape) == (256, 128)
+    assert {f"blocks.{i}.ffn.{w}.weight" for i in (0, 2) for w in ("w1", "w2", "w3")} <= set(names)
+    assert output_heads(model) == [] and not any(n.startswith(("tok_emb", "pos_emb")) for n in names)
+
+
+@pytest.mark.parametrize("layout", sorted(HeadLM.HEADS))
+def test_an_untied_head_is_the_vocabulary_projection_that_ends_the_network(layout):
+    """Found by structure in each layout (at the root, in an LMHead, beside the layers in one module, a bare
+    parameter either way round); the FFN's [V, D] up projection is not a head: its block reads V back."""
+    model = HeadLM(layout)
+    assert output_heads(model) == [HeadLM.HEADS[layout]]
+    names = hidden_matrices(model)
+    ffn = [n for n, p in model.named_parameters() if ".ffn." in n and p.ndim == 2]
+    assert len(ffn) == 4 and set(ffn) <= set(names)
+    assert HeadLM.HEADS[layout] not in names and "tok.weight" not in names
+
+
+def test_a_tied_head_is_the_table_and_a_matrix_of_the_tables_shape_stays_hidden():
+    model = Net(ListMoE(), vocab=3 * D)  # attention's qkv [3D, D] has the table's shape [V, D]
+    assert output_heads(model) == []
+    names = hidden_matrices(model)
+    assert "blocks.0.attn.qkv.weight" in names and "emb.weight" not in names
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_transformers_head_is_what_get_output_embeddings_returns(tied):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
+    model = transformers.LlamaForCausalLM(cfg)  # gate_proj/up_proj [64, 16]: the table's shape
+    assert output_heads(model) == ([] if tied else ["lm_head.weight"])
+    names = hidden_matrices(model)
+    assert {f"model.layers.{i}.mlp.{w}_proj.weight" for i in range(2) for w in ("gate", "up", "down")} <= set(names)
+    assert not any("embed_tokens" in n or "lm_head" in n for n in names)
 
 
 def test_importing_classify_does_not_import_transformers():

@@ -16,7 +16,7 @@ import torch
 
 from moe_library_cases import CASES, Case, one_process_group
 
-from skewadam.classify import classify, flattened_experts
+from skewadam.classify import classify, flattened_experts, hidden_matrices, output_heads
 from skewadam.groups import param_groups
 
 _CACHE: dict[str, tuple] = {}
@@ -75,6 +75,20 @@ def test_wrong_labels_per_library_are_zero():
     print("\n" + "\n".join(f"{lib:<20} {m:>3} models {t:>6} tensors {w:>4} wrong" for lib, (m, t, w) in
                            per_library.items()))
     assert all(w == 0 for _, _, w in per_library.values())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_the_output_head_is_the_projection_that_produces_the_logits_and_every_other_matrix_is_hidden(case):
+    """The head by structure (the vocabulary projection that ends the network), never by the table's shape: every
+    other backbone matrix but the embedding tables (Megatron's ``VocabParallelEmbedding`` too) is a hidden matrix."""
+    model, labels = _built(case)
+    heads = output_heads(model, labels)
+    assert heads == [n for n in labels if re.search(case.head, n)] and len(heads) == 1
+    tables = {id(m.weight) for m in model.modules() if type(m).__name__.endswith("Embedding") and hasattr(m, "weight")}
+    params = dict(model.named_parameters())
+    expect = [n for n, t in labels.items()
+              if t == "backbone" and params[n].ndim == 2 and id(params[n]) not in tables and n not in heads]
+    assert hidden_matrices(model, labels) == expect
 
 
 # ------------------------------------------------------------------------------------------------ signals

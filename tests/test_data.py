@@ -31,22 +31,63 @@ def test_single_document_splits_by_position():
     assert train == [("a.txt[train]", "x" * 90)] and val == [("a.txt[val]", "y" * 10)]
 
 
-def test_user_folder_reads_text_files_recursively(tmp_path):
+def test_a_folder_is_read_by_content_not_by_suffix(tmp_path):
+    """Every UTF-8 text file is a document whatever its name; binary, non-UTF-8, empty and hidden files are counted."""
     (tmp_path / "sub").mkdir()
     (tmp_path / "a.txt").write_text("alpha " * 50)
-    (tmp_path / "sub" / "b.md").write_text("beta " * 50)
-    (tmp_path / "c.bin").write_bytes(b"\x00\x01")
+    (tmp_path / "sub" / "b.py").write_text("def f():\n    return 'é'\n")
+    (tmp_path / "Makefile").write_text("all:\n\techo ok\n")
+    (tmp_path / "bom.c").write_bytes("\ufeffint main;".encode())
+    (tmp_path / "image.txt").write_bytes(b"PNG\x00\x01text")  # a NUL byte: binary, whatever the suffix
+    (tmp_path / "late.md").write_bytes(b"x" * 10_000 + b"\x00")  # past the first 8 KiB still counts
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     (tmp_path / "empty.txt").write_text("  \n")
-    assert [n for n, _ in read_documents(tmp_path)] == ["a.txt", "sub/b.md"]
+    (tmp_path / ".hidden").write_text("secret")
+    docs, skipped = read_documents(tmp_path)
+    assert [n for n, _ in docs] == ["Makefile", "a.txt", "bom.c", "sub/b.py"]
+    assert dict(docs)["bom.c"] == "int main;" and dict(docs)["sub/b.py"].endswith("'é'\n")
+    assert (skipped.binary, skipped.not_utf8, skipped.empty, skipped.hidden, skipped.folders) == (2, 1, 1, 1, 0)
+    assert str(skipped) == "2 binary, 1 not UTF-8, 1 empty, 1 hidden"
     corpus = load_corpus(tmp_path)
-    assert corpus.val_docs + corpus.train_docs in (("a.txt", "sub/b.md"), ("sub/b.md", "a.txt"))
+    assert sorted(corpus.val_docs + corpus.train_docs) == ["Makefile", "a.txt", "bom.c", "sub/b.py"]
+    assert corpus.describe().endswith("skipped 2 binary, 1 not UTF-8, 1 empty, 1 hidden")
 
 
-def test_missing_or_empty_data_path_names_the_fix(tmp_path):
+def test_version_control_caches_and_installed_packages_are_not_entered(tmp_path):
+    """A source tree's own text: .git, __pycache__ and site-packages below the root are not read, and counted."""
+    for folder in (".git", "__pycache__", "lib/site-packages/pkg", "src"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "mod.py").write_text("x = 1\n")
+    docs, skipped = read_documents(tmp_path)
+    assert [n for n, _ in docs] == ["src/mod.py"] and skipped.folders == 3
+    assert "3 folder(s) not entered" in str(skipped)
+    assert [n for n, _ in read_documents(tmp_path / "lib" / "site-packages")[0]] == ["pkg/mod.py"]  # asked for
+
+
+def test_a_source_tree_splits_by_document(tmp_path):
+    """Source files are documents: the validation files are whole files, none of them seen in training."""
+    for i in range(30):
+        (tmp_path / f"m{i}.py").write_text(f"def f{i}():\n    return {i}\n" * 5)
+    corpus = load_corpus(tmp_path, val_fraction=0.1)
+    assert len(corpus.val_docs) == 3 and len(corpus.train_docs) == 27
+    assert not set(corpus.val_docs) & set(corpus.train_docs)
+    val_text = decode(corpus.val)
+    assert all(f"def {n[:-3].replace('m', 'f')}()" in val_text for n in corpus.val_docs)
+
+
+def test_missing_empty_or_binary_data_path_names_the_fix(tmp_path):
     with pytest.raises(FileNotFoundError, match="text file or a folder"):
         read_documents(tmp_path / "nope")
-    with pytest.raises(ValueError, match="no non-empty text files"):
+    with pytest.raises(ValueError, match="no non-empty UTF-8 text files"):
         read_documents(tmp_path)
+    (tmp_path / "data.bin").write_bytes(b"\x00\x01")
+    with pytest.raises(ValueError, match="no non-empty UTF-8 text files .skipped: 1 binary"):
+        read_documents(tmp_path)
+    with pytest.raises(ValueError, match="is binary, not text; give a UTF-8 text file"):
+        read_documents(tmp_path / "data.bin")
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(ValueError, match="is not UTF-8, not text; .*iconv"):
+        read_documents(tmp_path / "latin1.txt")
 
 
 def test_bytes_round_trip_including_non_ascii():

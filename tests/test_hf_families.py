@@ -9,12 +9,13 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
 from hf_family_cases import FAMILIES, Family  # noqa: E402
 
-from skewadam.classify import classify  # noqa: E402
+from skewadam.classify import classify, hidden_matrices, output_heads  # noqa: E402
 
 
 _CACHE: dict[str, tuple] = {}
@@ -51,6 +52,21 @@ def test_family_tiers_match_the_forward_code(family):
     assert not wrong, f"{len(wrong)} mislabelled (got, expected): {dict(list(wrong.items())[:8])}"
     assert set(labels) == set(expected)  # frozen tensors left out, nothing invented
     assert all(re.search(family.frozen, n) for n in frozen) if frozen else not family.frozen
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.id)
+def test_hidden_matrices_are_every_backbone_matrix_but_the_tables_and_the_head(family):
+    """The head is what ``get_output_embeddings()`` returns (none when tied or on a base model); no matrix of a layer
+    is left out for having a table's shape (a DSA indexer's ``wk``, a shared expert's ``up_proj``)."""
+    model, labels = _built(family)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    untied = [] if head is None or id(head.weight) in tables else [head.weight]
+    params = dict(model.named_parameters())
+    assert output_heads(model, labels) == [n for n, p in params.items() if any(p is w for w in untied)]
+    expect = [n for n, t in labels.items() if t == "backbone" and params[n].ndim == 2 and id(params[n]) not in tables
+              and not any(params[n] is w for w in untied)]
+    assert hidden_matrices(model, labels) == expect
 
 
 def test_families_cover_the_issue_list():

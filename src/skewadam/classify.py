@@ -49,6 +49,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import re
 from typing import Optional, Sequence
 
@@ -57,7 +58,7 @@ from torch import Tensor, nn
 from .structure import structure
 from .tiers import Tier
 
-__all__ = ["classify", "flattened_experts", "split_trainable", "hidden_matrices"]
+__all__ = ["classify", "flattened_experts", "split_trainable", "hidden_matrices", "output_heads"]
 
 
 # ----------------------------------------------------------------------------------------------------- classify
@@ -150,27 +151,106 @@ def _compile_rules(rules: Optional[Sequence[tuple[str, str]]]) -> list[tuple[re.
 
 
 # ------------------------------------------------------------------------------------------------ hidden matrices
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
 def hidden_matrices(model: nn.Module, labels: Optional[dict[str, str]] = None) -> list[str]:
     """Names of the hidden matrices of ``model``: the 2-D backbone weights that are not embeddings, the output
     head, norms, biases or the router, i.e. what Muon-style orthogonal updates are for (`skewadam.steppers`).
 
-    Embeddings and heads are found by structure: ``nn.Embedding`` weights, any parameter tied to one (the same tensor
-    under another name), a matrix of a non-square embedding table's shape ``[V, D]``, ``V != D`` (an untied LM head,
-    nanoGPT's or torchtitan's ``output``; a square table's shape is a hidden matrix's too), and the weight of
-    ``model.get_output_embeddings()`` where the model has it (Transformers' LM head, tied or not). ``labels`` are
-    `classify`'s (computed if not given); only ``backbone`` tensors qualify.
+    Embeddings and heads are found by structure, never by a shape alone: embedding tables (``nn.Embedding``, or any
+    module with ``num_embeddings``, ``embedding_dim`` and a 2-D ``weight``: Megatron's ``VocabParallelEmbedding``), any
+    parameter tied to one, and the output heads (`output_heads`). ``labels`` are `classify`'s (computed if not
+    given); only ``backbone`` tensors qualify.
 
     Example:
         >>> hidden_matrices(MoETransformer(get_config("tiny")))[:2]
         ['blocks.0.attn.wq.weight', 'blocks.0.attn.wk.weight']
     """
     labels = classify(model) if labels is None else labels
-    embeddings = [m.weight for m in model.modules() if isinstance(m, nn.Embedding)]
-    tables = {id(w) for w in embeddings}
-    table_shapes = {tuple(w.shape) for w in embeddings if w.ndim == 2 and w.shape[0] != w.shape[1]}
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if isinstance(getattr(head, "weight", None), Tensor):
-        tables.add(id(head.weight))
     trainable, _ = split_trainable(model)
-    return [n for n, p in trainable.items() if labels.get(n) == Tier.BACKBONE.value and p.ndim == 2
-            and id(p) not in tables and tuple(p.shape) not in table_shapes]
+    left_out = {id(w) for w in _tables(model)} | {id(trainable[n]) for n in output_heads(model, labels)}
+    return [n for n, p in trainable.items()
+            if labels.get(n) == Tier.BACKBONE.value and p.ndim == 2 and id(p) not in left_out]
+
+
+def output_heads(model: nn.Module, labels: Optional[dict[str, str]] = None) -> list[str]:
+    """Names of the untied output heads of ``model``: the matrices that produce the logits over the vocabulary.
+
+    Where a module of the model answers ``get_output_embeddings()`` with a module (Transformers' LM heads), its
+    weights are the heads. Otherwise a head is a backbone projection to the vocabulary (a matrix with an embedding
+    table's row count V: the out_features of an ``nn.Linear``, either side of a bare parameter) outside the layers
+    of the model's stacks (`_layers`) that ends the network: no other matrix of its unit has a side V, the unit being
+    the largest module around it that holds no layers (the matrix alone when its own module holds some). So
+    torchtitan's ``output`` and OLMo-core's ``lm_head.w_out`` are heads; a block's FFN or fused qkv of the
+    table's shape is not, nor is anything when the head is tied to the table. A head whose unit also holds a matrix
+    with a side V by coincidence is not found (it is then a hidden matrix).
+
+    Example:
+        >>> output_heads(torchtitan_qwen3_moe)  # torchtitan's Decoder: tok_embeddings, layers, norm, lm_head
+        ['lm_head.weight']
+    """
+    labels = classify(model) if labels is None else labels
+    trainable, _ = split_trainable(model)
+    tables = {id(w) for w in _tables(model)}
+    declared = [m for m in model.modules() if callable(getattr(m, "get_output_embeddings", None))]
+    answered = [head for head in (m.get_output_embeddings() for m in declared) if isinstance(head, nn.Module)]
+    if answered:
+        found = {id(p) for head in answered for p in head.parameters() if p.ndim >= 2 and id(p) not in tables}
+        return [n for n, p in trainable.items() if id(p) in found]
+    expert_ids = {id(p) for n, p in trainable.items() if labels.get(n) == Tier.EXPERT.value}
+    sizes = {w.shape[0] for w in _tables(model) if id(w) not in expert_ids}  # product-key experts' tables aside
+    modules = dict(model.named_modules())
+    layers = _layers(modules)
+    stacked = {a for path in layers for a in _ancestors(path)[1:]}  # the modules that hold layers
+    heads = []
+    for name, p in trainable.items():
+        if labels.get(name) != Tier.BACKBONE.value or p.ndim != 2 or id(p) in tables:
+            continue
+        owner, _, local = name.rpartition(".")
+        vocab = {p.shape[0]} if isinstance(modules[owner], nn.Linear) and local == "weight" else set(p.shape)
+        if not vocab & sizes or any(a in layers for a in _ancestors(owner)):
+            continue  # inside a layer of a stack: a block's matrix (a fused qkv as wide as the vocabulary), not a head
+        if any(_ends_unit(modules, stacked, owner, p, v, tables) for v in vocab & sizes):
+            heads.append(name)
+    return heads
+
+
+def _ancestors(path: str) -> list[str]:
+    """``path`` and every module above it, the root ``""`` last."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _tables(model: nn.Module) -> list[Tensor]:
+    """The weight of every embedding table: a module that looks rows up in a 2-D ``weight``."""
+    return [m.weight for m in model.modules()
+            if isinstance(getattr(m, "weight", None), Tensor) and m.weight.ndim == 2
+            and all(isinstance(getattr(m, a, None), int) for a in ("num_embeddings", "embedding_dim"))]
+
+
+def _layers(modules: dict[str, nn.Module]) -> set[str]:
+    """Paths of the layers of stacks: composite modules (with a child holding parameters: a block, an MLP) that are
+    elements of a ``ModuleList``, or one of >= 2 children of a class in a ``ModuleDict``/``Sequential``."""
+    out = set()
+    for path, m in modules.items():
+        if isinstance(m, _CONTAINERS):
+            classes = collections.Counter(type(c) for c in m.children())
+            for key, c in m.named_children():
+                if any(next(g.parameters(), None) is not None for g in c.children()) and (
+                        isinstance(m, nn.ModuleList) or classes[type(c)] >= 2):
+                    out.add(f"{path}.{key}" if path else key)
+    return out
+
+
+def _ends_unit(modules: dict[str, nn.Module], stacked: set[str], owner: str, p: Tensor, vocab: int,
+               tables: set[int]) -> bool:
+    """Whether ``p``, held by the module at ``owner``, is the only matrix with a side ``vocab`` in its unit: the
+    largest module around it that holds no layers (``stacked``), or ``p`` alone if ``owner`` holds some."""
+    if owner in stacked:
+        return True
+    unit = owner
+    while unit and unit.rpartition(".")[0] not in stacked:
+        unit = unit.rpartition(".")[0]
+    return not any(q is not p and id(q) not in tables and q.ndim >= 2 and vocab in q.shape
+                   for q in modules[unit].parameters())

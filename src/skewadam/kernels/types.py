@@ -34,8 +34,8 @@ from torch import Tensor
 
 from ..state import num_blocks
 
-__all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "unit_dims", "unit_numel", "stat_dims",
-           "check", "check_lr", "all_finite"]
+__all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS", "unit_dims",
+           "unit_numel", "stat_dims", "check", "check_lr", "all_finite"]
 
 class MomFmt(enum.IntEnum):
     """How a parameter's first moment is stored: one numbering for every compiled kernel (the C++ kernel's
@@ -49,6 +49,8 @@ class MomFmt(enum.IntEnum):
 
 #: The paper's guard on ``mean_i(row_var)`` in ``eps_mode="floor"``.
 ROW_MEAN_FLOOR = 1e-15
+#: Adafactor's eps2: the floor of the parameter RMS that scales a relative step (``Group.relative_step``).
+RELATIVE_STEP_EPS = 1e-3
 
 
 class ParamTensors(NamedTuple):
@@ -73,7 +75,13 @@ class ParamTensors(NamedTuple):
 
 
 class Group(NamedTuple):
-    """One param group: its parameters and hyperparameters. ``lr`` may be a 0-d (or 1-element) tensor."""
+    """One param group: its parameters and hyperparameters. ``lr`` may be a 0-d (or 1-element) tensor.
+
+    Adafactor's options (arXiv 1804.04235, as `torch.optim.Adafactor` has them), per unit: ``relative_step`` scales
+    the update term (not the weight decay) by ``max(RELATIVE_STEP_EPS, rms(p))`` of the parameter before the step;
+    ``beta2_decay`` (``d <= 0``) replaces ``beta2`` by ``1 - t**d`` at the unit's new step count ``t`` and drops the
+    second moment's bias correction.
+    """
 
     params: Sequence[ParamTensors]
     lr: Union[float, Tensor]
@@ -83,6 +91,8 @@ class Group(NamedTuple):
     eps_mode: str  # "add" (eps added to g^2) or "floor" (the second moment floored at eps)
     weight_decay: float
     seed: int
+    relative_step: bool = False
+    beta2_decay: Optional[float] = None
 
 
 class GradStats(NamedTuple):
@@ -93,6 +103,7 @@ class GradStats(NamedTuple):
     row: Optional[Tensor]  # factored: sum_j g^2, [..., R, 1]
     col: Optional[Tensor]  # factored: sum_i g^2, [..., 1, C]
     row_var_sum: Optional[Tensor]  # factored: sum_i row_var before this step, [..., 1, 1]
+    p_sumsq: Optional[Tensor] = None  # relative step: per unit, keepdim, sum of p^2 before this step
 
 
 class Moments(NamedTuple):
@@ -117,7 +128,7 @@ def unit_numel(shape: Sequence[int], bank: bool) -> int:
 
 def stat_dims(stats: GradStats, ndim: int, bank: bool) -> list[tuple[Tensor, tuple[int, ...]]]:
     """Pair each present statistic with the parameter dims it sums over (what a shard must all-reduce)."""
-    dims = [unit_dims(ndim, bank), (ndim - 2, ndim - 1), (ndim - 1,), (ndim - 2,), (ndim - 2,)]
+    dims = [unit_dims(ndim, bank), (ndim - 2, ndim - 1), (ndim - 1,), (ndim - 2,), (ndim - 2,), unit_dims(ndim, bank)]
     return [(t, d) for t, d in zip(stats, dims) if t is not None]
 
 

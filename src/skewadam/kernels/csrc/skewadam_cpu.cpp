@@ -362,8 +362,9 @@ struct Contig {
 // types.py's records, field for field (cpu.py checks `fields()` against them when it loads the extension).
 using ParamRec = std::tuple<Tensor, Tensor, Tensor, OptTensor, OptTensor, OptTensor, OptTensor, OptTensor,
                             std::vector<int64_t>, bool, int64_t, py::object>;
-using GroupRec = std::tuple<std::vector<ParamRec>, py::object, double, double, double, std::string, double, int64_t>;
-using StatsRec = std::tuple<Tensor, OptTensor, OptTensor, OptTensor, OptTensor>;
+using GroupRec = std::tuple<std::vector<ParamRec>, py::object, double, double, double, std::string, double, int64_t,
+                            bool, std::optional<double>>;
+using StatsRec = std::tuple<Tensor, OptTensor, OptTensor, OptTensor, OptTensor, OptTensor>;
 using Corr = std::variant<Tensor, double>;
 using MomentsRec = std::tuple<Tensor, Corr, OptTensor, OptTensor, OptTensor>;
 
@@ -371,8 +372,9 @@ py::dict fields() {
   py::dict d;
   d["ParamTensors"] = std::vector<std::string>{"param", "grad", "step", "exp_avg", "exp_avg_scale", "exp_avg_sq",
                                                "row_var", "col_var", "shape", "bank", "stream", "name"};
-  d["Group"] = std::vector<std::string>{"params", "lr", "beta1", "beta2", "eps", "eps_mode", "weight_decay", "seed"};
-  d["GradStats"] = std::vector<std::string>{"sumsq", "rc_sumsq", "row", "col", "row_var_sum"};
+  d["Group"] = std::vector<std::string>{"params", "lr", "beta1", "beta2", "eps", "eps_mode", "weight_decay", "seed",
+                                        "relative_step", "beta2_decay"};
+  d["GradStats"] = std::vector<std::string>{"sumsq", "rc_sumsq", "row", "col", "row_var_sum", "p_sumsq"};
   d["Moments"] = std::vector<std::string>{"u_sumsq", "corr", "rinv", "cinv", "active"};
   return d;
 }
@@ -446,9 +448,12 @@ GroupRec group_rec_of(py::handle group) {
   std::vector<ParamRec> params;
   for_items(at(0), "params", [&](PyObject* r) { params.push_back(param_rec_of(r)); });
   if (!PyUnicode_Check(at(5))) wrong_type("eps_mode");
+  const int relative = PyObject_IsTrue(at(8));
+  if (relative < 0) throw py::error_already_set();
   return {std::move(params), py::reinterpret_borrow<py::object>(at(1)), double_of(at(2), "beta1"),
           double_of(at(3), "beta2"), double_of(at(4), "eps"), py::cast<std::string>(at(5)),
-          double_of(at(6), "weight_decay"), int_of(at(7), "seed")};
+          double_of(at(6), "weight_decay"), int_of(at(7), "seed"), relative == 1,
+          at(9) == Py_None ? std::nullopt : std::optional<double>(double_of(at(9), "beta2_decay"))};
 }
 
 std::vector<GroupRec> group_recs_of(py::handle groups) {
@@ -1467,7 +1472,8 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
   return at::scalar_tensor(false, at::TensorOptions().dtype(at::kBool));
 }
 
-// Pass 1 (eager.grad_stats): per parameter GradStats (sumsq, rc_sumsq, row, col, row_var_sum; None where not factored).
+// Pass 1 (eager.grad_stats): per parameter GradStats (sumsq, rc_sumsq, row, col, row_var_sum; None where not factored;
+// p_sumsq None).
 std::vector<StatsRec> grad_stats(const GroupRec& group) {
   const auto& recs = std::get<0>(group);
   const size_t n = recs.size();
@@ -1488,7 +1494,7 @@ std::vector<StatsRec> grad_stats(const GroupRec& group) {
     q.partial.assign(G.blocks(), 0.0);
     for (int64_t b = 0; b < G.blocks(); ++b) blocks.emplace_back(int32_t(i), b);
     elements += G.numel;
-    out[i] = {sumsq, std::nullopt, std::nullopt, std::nullopt, std::nullopt};
+    out[i] = {sumsq, std::nullopt, std::nullopt, std::nullopt, std::nullopt, std::nullopt};
     if (!G.factored) continue;
     Tensor rc = at::empty(stat_shape(p.sizes(), 1, 1), opts), row = at::empty(stat_shape(p.sizes(), -1, 1), opts),
            col = at::empty(stat_shape(p.sizes(), 1, G.C), opts), rvs = at::empty(stat_shape(p.sizes(), 1, 1), opts);
@@ -1500,7 +1506,7 @@ std::vector<StatsRec> grad_stats(const GroupRec& group) {
       colps.push_back(at::empty({G.M * G.blocks_per_mat * G.C}, opts));
       q.st.colp = colps.back().data_ptr();
     }
-    out[i] = {sumsq, rc, row, col, rvs};
+    out[i] = {sumsq, rc, row, col, rvs, std::nullopt};
   }
   run_items(int64_t(blocks.size()), elements, [&](int64_t k) {
     const auto [i, b] = blocks[k];
@@ -1546,13 +1552,14 @@ std::vector<MomentsRec> update_moments(const GroupRec& group, const std::vector<
     const Tensor& p = std::get<0>(recs[i]);
     const Geo& G = q.geo;
     const at::ScalarType T = math_dtype(q.dtype);
-    const auto& [sumsq, rc, row, col, rvs] = stats[i];
+    const auto& [sumsq, rc, row, col, rvs, p_sumsq] = stats[i];
     const auto units = unit_keepdim_shape(p.sizes(), G.bank);
     check_input(q, "GradStats.sumsq", sumsq, true, units, T);
     check_input(q, "GradStats.rc_sumsq", rc, G.factored, G.factored ? stat_shape(p.sizes(), 1, 1) : units, T);
     check_input(q, "GradStats.row", row, G.factored, G.factored ? stat_shape(p.sizes(), -1, 1) : units, T);
     check_input(q, "GradStats.col", col, G.factored, G.factored ? stat_shape(p.sizes(), 1, G.C) : units, T);
     check_input(q, "GradStats.row_var_sum", rvs, G.factored, G.factored ? stat_shape(p.sizes(), 1, 1) : units, T);
+    check_input(q, "GradStats.p_sumsq", p_sumsq, false, units, T);
     auto opts = p.options().dtype(T);
     OptTensor rinv, cinv, active_t;
     Corr corr = 0.0;
