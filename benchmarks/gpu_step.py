@@ -1,6 +1,6 @@
 """One optimizer step on a GPU: SkewAdam's Triton kernel against AdamW(fused=True), foreach AdamW and torch Adafactor.
 
-The parameters are the paper's 6.78B MoE model (`skewadam.models`, preset ``paper-6.78b``: 128-expert banks, a
+The parameters are the paper's 6.78B MoE model (`skewadam.bench.models`, preset ``paper-6.78b``: 128-expert banks, a
 50,257-token embedding, attention, a router) scaled to fit one GPU with every optimizer's state at once:
 ``d_expert=1024`` (banks [128, 1024, 4096] and [128, 4096, 1024]), 1.95B parameters. All optimizers step the same
 parameters with the same fixed gradients (values drift; only time and memory are measured), in rounds whose order
@@ -79,7 +79,7 @@ def transient_bytes_planned(opt) -> int:
 def build_model(model: dict, dtype, device):
     import torch
 
-    from skewadam.models import MoETransformer, get_config
+    from skewadam.bench.models import MoETransformer, get_config
 
     torch.manual_seed(0)
     with torch.device(device):

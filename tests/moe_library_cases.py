@@ -39,6 +39,7 @@ class Case:
     router: str
     requires: tuple[str, ...]  # modules that must import
     note: str = ""
+    flat: int = 0  # the number of experts its flattened expert tensors [E*F, D] stack (0: it has none)
 
     @property
     def library(self) -> str:
@@ -116,32 +117,78 @@ def _tt(family, flavor, requires=("torchtitan",), note="", expert=_TT_EXPERT, **
 
 
 # ------------------------------------------------------------------------------------------------- OLMo-core
-def _olmo(name: str, **kwargs) -> Callable[[], nn.Module]:
+def _olmo(name: str = "llama_like_moe", *, moe=None, router=None, latent=None, **kwargs) -> Callable[[], nn.Module]:
+    """An OLMo-core ``MoETransformer`` (2 layers, d_model 256): a `TransformerConfig` preset, or ``llama_like_moe``
+    (16 experts of width 64, top 2); ``moe`` / ``router`` set fields of its ``MoEConfig`` / ``MoERouterConfig``,
+    ``latent`` those of a ``LatentMoEConfig`` of width 128 (experts run in L < D between latent_down_proj and
+    latent_up_proj)."""
+
     def build():
+        from olmo_core.nn.moe.moe import LatentMoEConfig
         from olmo_core.nn.transformer import TransformerConfig
 
-        return getattr(TransformerConfig, name)(vocab_size=256, **kwargs).build(init_device="meta")
+        sizes = dict(n_heads=4, num_experts=16, top_k=2, expert_hidden_size=64) if name == "llama_like_moe" else {}
+        cfg = getattr(TransformerConfig, name)(vocab_size=256, n_layers=2, d_model=256, **{**sizes, **kwargs})
+        ffn = cfg.block.feed_forward_moe
+        for target, fields in ((ffn, moe), (ffn.router, router)):
+            for key, value in (fields or {}).items():
+                setattr(target, key, value)
+        if latent is not None:
+            ffn.latent_moe = LatentMoEConfig(latent_dim=128, **latent)
+        return cfg.build(init_device="meta")
 
     return build
 
 
-def _olmo_latent() -> nn.Module:
-    """OLMo-core's latent MoE: experts run in a latent width L < D between latent_down_proj and latent_up_proj."""
-    from olmo_core.nn.moe.moe import LatentMoEConfig
-    from olmo_core.nn.transformer import TransformerConfig
+def _olmo_v2(module: str = "qwen", fn: str = "build_debug_qwen3_moe_config", edit=None, **kwargs):
+    """An OLMo-core ``OLMoDDPModel`` (its fused MoE-v2 blocks) from one of its debug builders; ``edit(block config)``
+    changes every block's config before the build."""
 
-    cfg = TransformerConfig.llama_like_moe(d_model=256, vocab_size=256, n_layers=2, n_heads=4, num_experts=16, top_k=2,
-                                           expert_hidden_size=64, shared_expert_hidden_size=128)
-    cfg.block.feed_forward_moe.latent_moe = LatentMoEConfig(latent_dim=128)
-    return cfg.build(init_device="meta")
-
-
-def _olmo_v2(module: str, fn: str) -> Callable[[], nn.Module]:
     def build():
-        return getattr(importlib.import_module(f"olmo_core.nn.moe.v2.{module}"), fn)(vocab_size=256).build(
-            init_device="meta")
+        cfg = getattr(importlib.import_module(f"olmo_core.nn.moe.v2.{module}"), fn)(vocab_size=256, **kwargs)
+        for block in (cfg.block.values() if isinstance(cfg.block, dict) else [cfg.block]) if edit else ():
+            edit(block)
+        return cfg.build(init_device="meta")
 
     return build
+
+
+def _set(**fields):
+    """An ``edit`` of `_olmo_v2`: ``part=dict(field=value)`` sets fields of a block config's part."""
+    def edit(block):
+        for part, values in fields.items():
+            for key, value in values.items():
+                setattr(getattr(block, part), key, value)
+
+    return edit
+
+
+def _v2_latent(block):
+    """The routed experts in a latent width 128 (biased projections, a norm before the up projection)."""
+    from olmo_core.nn.moe.moe import LatentMoEConfig
+
+    block.latent_moe = LatentMoEConfig(latent_dim=128, bias=True, up_proj_input_norm_enabled=True)
+    block.routed_experts.d_model = 128
+
+
+def _v2_emo(block):
+    """EMO routing: a document-level pool of experts (`EmoRouterV2`)."""
+    from olmo_core.nn.moe.emo import EmoRouterConfig
+
+    block.routed_experts_router.emo = EmoRouterConfig(eos_token_id=0, min_document_expert_pool=2,
+                                                      max_document_expert_pool=4)
+
+
+_OLMO_EXPERT, _OLMO_ROUTER = r"\.feed_forward_moe\.experts\.mlp\.w[123]$", r"\.feed_forward_moe\.router\.weight$"
+_V2_EXPERT, _V2_ROUTER = r"\.routed_experts\.[wb]_", r"\.routed_experts_router\."
+
+
+def _oc(case_id, build, note, flat=0) -> Case:
+    return Case(f"olmo_core:{case_id}", build, _OLMO_EXPERT, _OLMO_ROUTER, ("olmo_core",), note, flat)
+
+
+def _v2(case_id, build, note, expert=_V2_EXPERT) -> Case:
+    return Case(f"olmo_core:v2/{case_id}", build, expert, _V2_ROUTER, ("olmo_core",), note)
 
 
 # ------------------------------------------------------------------------------------------------- megatron-core
@@ -304,33 +351,64 @@ CASES: list[Case] = [
         note="gated-delta-net linear attention (in_proj_a/b [H, D], conv_q/k/v) is backbone; shared_experts is a "
              "SigmoidGatedFeedForward whose gate Linear(D, 1) scales the always-on FFN: backbone"),
     _tt("qwen3_5", "35B-A3B", requires=("torchtitan", "fla")),
-    # OLMo-core 3.0.0
-    Case("olmo_core:smallmoe", _olmo("smallmoe", n_layers=2, d_model=256), r"\.feed_forward_moe\.experts\.mlp\.w[123]$",
-         r"\.feed_forward_moe\.router\.weight$", ("olmo_core",),
-         "MoELinearRouter.weight is flat [E*D] (viewed [E, D] in get_expert_logits); MoEMLP banks flattened "
-         "w1/w3 [E*D, F], w2 [E*F, D]; shared_mlp FeedForward [2D, D] (rows divide E*F) runs on every token"),
-    Case("olmo_core:small_hybrid_moe", _olmo("small_hybrid_moe", n_layers=2, d_model=256),
-         r"\.feed_forward_moe\.experts\.mlp\.w[123]$", r"\.feed_forward_moe\.router\.weight$", ("olmo_core",),
-         "hybrid block: a dense feed_forward beside the MoE, both on every token's path; only the MoE routes"),
-    Case("olmo_core:olmoe_1B_7B", _olmo("olmoe_1B_7B", n_layers=2, d_model=256),
-         r"\.feed_forward_moe\.experts\.mlp\.w[123]$", r"\.feed_forward_moe\.router\.weight$", ("olmo_core",),
-         "DroplessMoEMLP: w1/w2/w3 all [E*F, D]"),
-    Case("olmo_core:latent_moe", _olmo_latent, r"\.feed_forward_moe\.experts\.mlp\.w[123]$",
-         r"\.feed_forward_moe\.router\.weight$", ("olmo_core",),
-         "MoEBase with latent_moe: the router reads the model width D ([E*D]), the flattened experts the latent "
-         "width L; latent_down_proj [L, D] / latent_up_proj [D, L] run on every routed token's path: backbone"),
-    Case("olmo_core:v2/qwen3_moe", _olmo_v2("qwen", "build_debug_qwen3_moe_config"),
-         r"\.routed_experts\.w_", r"\.routed_experts_router\.", ("olmo_core",),
-         "OLMoDDP block: routed_experts banks [E, ...] and routed_experts_router (flat [E*D]) sit on the block next "
-         "to a gated-delta-net attention whose w_a/w_b are [E, D] by coincidence (heads == experts); "
-         "shared_experts_router [S*D] gates the always-on shared experts: backbone"),
-    Case("olmo_core:v2/gpt_oss", _olmo_v2("gpt_oss", "build_debug_gpt_oss_20b_config"),
-         r"\.routed_experts\.[wb]_", r"\.routed_experts_router\.", ("olmo_core",),
-         "RoutedExperts with per-expert biases b_up_gate [E, 2F], b_down [E, D]; router flat weight + bias [E]"),
-    Case("olmo_core:v2/nemotron3_nano", _olmo_v2("nemotron", "build_debug_nemotron3_nano_config"),
-         r"\.routed_experts\.w_", r"\.routed_experts_router\.", ("olmo_core",),
-         "NemotronMoE mixer (a block's `attention` slot) holding routed_experts + router + shared_experts "
-         "(column-packed [D, S*H] and [S, H, D]: always on, backbone); other blocks are Mamba or attention"),
+    # OLMo-core 3.0.0: every MoE variant of its TransformerConfig (MoEType default/dropless, the four MoE block
+    # types, shared MLP, latent MoE with its options, router gating and expert bias) and of its fused MoE-v2 blocks
+    # (router bias, score correction, grouped and EMO routing, expert biases and activations, shared experts, latent)
+    _oc("smallmoe", _olmo("smallmoe"),
+        "MoELinearRouter.weight is flat [E*D] (viewed [E, D] in get_expert_logits); MoEMLP banks flattened w1/w3 "
+        "[E*D, F], w2 [E*F, D]; shared_mlp FeedForward [2D, D] (rows divide E*F) runs on every token", 32),
+    _oc("small_hybrid_moe", _olmo("small_hybrid_moe"),
+        "hybrid block (moe_hybrid_reordered_norm): a dense feed_forward beside the MoE, both on every token's path; "
+        "only the MoE routes", 32),
+    _oc("small_hybrid_moe/moe_hybrid", _olmo("small_hybrid_moe", block_name="moe_hybrid"),
+        "the hybrid block without reordered norms", 32),
+    _oc("olmoe_1B_7B", _olmo("olmoe_1B_7B"), "DroplessMoEMLP: w1/w2/w3 all [E*F, D]", 64),
+    _oc("llama_like_moe/dropping+sigmoid+expert_bias", _olmo(capacity_factor=1.25,
+                                                             router=dict(gating_function="sigmoid", bias_gamma=1e-3)),
+        "MoE with a capacity factor (tokens over capacity dropped); sigmoid gating; bias_gamma's expert bias "
+        "(DeepSeek-V3's load balancing) is a buffer, not a parameter", 16),
+    _oc("llama_like_moe/dropless+shared+topk_softmax", _olmo(dropless=True, reordered_norm=True,
+                                                             shared_expert_hidden_size=128,
+                                                             router=dict(gating_function="topk_softmax",
+                                                                         jitter_eps=0.1, normalize_expert_weights=1.0)),
+        "DroplessMoE (moe_reordered_norm block) with a shared_mlp on every token; topk_softmax gating", 16),
+    _oc("llama_like_moe/2_experts_top1", _olmo(num_experts=2, top_k=1), "two experts, top 1: router [2*D]", 2),
+    _oc("latent_moe", _olmo(shared_expert_hidden_size=128, latent={}),
+        "MoEBase with latent_moe: the router reads the model width D ([E*D]), the flattened experts the latent "
+        "width L; latent_down_proj [L, D] / latent_up_proj [D, L] run on every routed token's path: backbone", 16),
+    _oc("latent_moe/bias+norm", _olmo(latent=dict(bias=True, up_proj_input_norm_enabled=True)),
+        "latent projections with biases and an RMSNorm before latent_up_proj: backbone", 16),
+    _oc("latent_moe/dropless+bias", _olmo(dropless=True, latent=dict(bias=True)),
+        "DroplessMoEMLP in the latent width: w1/w2/w3 all [E*F, L], so many E split them; latent_up_proj [D, L] "
+        "(rows 256 = 16*16) maps the experts' output back to D: backbone; the router reads D, E = 16", 16),
+    _oc("latent_moe/dropless+bias+norm+shared", _olmo(dropless=True, shared_expert_hidden_size=128,
+                                                      latent=dict(bias=True, up_proj_input_norm_enabled=True)),
+        "the dropless latent MoE with every option and a shared_mlp", 16),
+    _v2("qwen3_moe", _olmo_v2(),
+        "OLMoDDP block: routed_experts banks [E, ...] and routed_experts_router (flat [E*D]) sit on the block next "
+        "to a gated-delta-net attention whose w_a/w_b are [E, D] by coincidence (heads == experts); "
+        "shared_experts_router [S*D] gates the always-on shared experts: backbone"),
+    _v2("qwen3_moe/no_shared", _olmo_v2(shared_expert_intermediate_size=None), "routed experts only"),
+    _v2("qwen3_moe/biases", _olmo_v2(edit=_set(routed_experts_router=dict(bias=True),
+                                               routed_experts=dict(bias=True))),
+        "router bias [E]; expert biases b_up_gate [E, 2F], b_down [E, D]"),
+    _v2("qwen3_moe/relu2", _olmo_v2(edit=_set(routed_experts=dict(activation="relu2"))),
+        "ungated experts: w_up_gate [E, F, D] like w_down"),
+    _v2("qwen3_moe/2_shared", _olmo_v2(edit=_set(shared_experts=dict(num_experts=2),
+                                                 shared_experts_router=dict(num_experts=2, top_k=2))),
+        "two shared experts (w_down [2, H, D], every token) and their sigmoid router [2*D]: backbone"),
+    _v2("qwen3_moe/latent", _olmo_v2(edit=_v2_latent),
+        "routed experts in the latent width: banks [E, 2F, L], [E, F, L]; latent projections backbone"),
+    _v2("qwen3_moe/score_bias+groups", _olmo_v2(edit=_set(routed_experts_router=dict(
+        score_correction_bias=True, n_group=2, topk_group=1))),
+        "score_correction_bias is a buffer; grouped routing (n_group, topk_group) has no parameters"),
+    _v2("qwen3_moe/emo", _olmo_v2(edit=_v2_emo), "EmoRouterV2: the same flat weight, document-level pools"),
+    _v2("gpt_oss", _olmo_v2("gpt_oss", "build_debug_gpt_oss_20b_config"),
+        "RoutedExperts with per-expert biases b_up_gate [E, 2F], b_down [E, D]; router flat weight + bias [E]"),
+    _v2("nemotron3_nano", _olmo_v2("nemotron", "build_debug_nemotron3_nano_config"),
+        "NemotronMoE mixer (a block's `attention` slot) holding routed_experts + router + shared_experts "
+        "(column-packed [D, S*H] and [S, H, D]: always on, backbone); other blocks are Mamba or attention",
+        expert=r"\.routed_experts\.w_"),
     # megatron-core 0.19.2 (local spec)
     Case("megatron:moe", _megatron(), r"\.mlp\.experts\.local_experts\.\d+\.", r"\.mlp\.router\.(weight|bias)$",
          ("megatron.core",),

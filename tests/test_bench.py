@@ -1,9 +1,10 @@
-"""`skewadam bench` as a user meets it (`skewadam.harness.bench`, `config`, `report`): settings refused up front, a
+"""`skewadam bench` as a user meets it (`skewadam.bench.run`, `config`, `report`): settings refused up front, a
 run directory locked while in use, logs written atomically and damaged ones run again, runs that die with the bench,
 optional packages found once before any run, the C++ kernel built before the first run, diverged runs flagged."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -14,13 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from skewadam.bench import run as bench_mod
+from skewadam.bench import logs, report
+from skewadam.bench.config import BenchConfig, RunConfig, config_hash, get_preset, run_identity
+from skewadam.bench.run import BenchError, lock, preflight, run_bench
+from skewadam.bench.train import train, write_json
 from skewadam.cli import main
-from skewadam.harness import bench as bench_mod
-from skewadam.harness import report
-from skewadam.harness.bench import BenchError, lock, preflight, run_bench
-from skewadam.harness.config import BenchConfig, RunConfig, get_preset
-from skewadam.harness.train import train, write_json
 
 TINY = dict(model="tiny", steps=2, batch_size=2, eval_interval=1, eval_batches=1)
 
@@ -73,6 +75,18 @@ def test_a_text_shorter_than_the_block_size_is_refused_before_any_run(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_the_bench_prints_the_tier_census_of_the_model_it_trains_before_any_run(tmp_path, monkeypatch):
+    from skewadam.bench.models import MoETransformer, get_config
+    from skewadam.groups import describe
+
+    monkeypatch.setattr(bench_mod, "_run_all", lambda *args: [])
+    lines: list[str] = []
+    run_bench(_smoke(), tmp_path / "out", progress=False, plots=False, echo=lines.append)
+    with torch.device("meta"):
+        model = MoETransformer(get_config("tiny"))
+    assert lines == [describe(model).table()] and lines[0].startswith("SkewAdam tiers of MoETransformer")
+
+
 def test_a_users_folder_is_one_printed_line_counting_the_files_skipped_before_any_run(tmp_path, monkeypatch):
     for i in range(3):
         (tmp_path / f"m{i}.py").write_text("def f():\n    return 1\n" * 20)
@@ -81,12 +95,18 @@ def test_a_users_folder_is_one_printed_line_counting_the_files_skipped_before_an
     monkeypatch.setattr(bench_mod, "_run_all", lambda *args: [])  # the runs are not what this test is about
     lines = []
     run_bench(bench, tmp_path / "out", progress=False, plots=False, echo=lines.append)
-    assert lines == [f"--data {tmp_path}: 2 train docs (882 tokens), 1 val docs (440 tokens), byte vocabulary 256; "
-                     f"skipped 1 binary"]
+    assert lines[1:] == [f"--data {tmp_path}: 2 train docs (882 tokens), 1 val docs (440 tokens), byte vocabulary "
+                         f"256; skipped 1 binary"]
 
 
 # ------------------------------------------------------------------------------------------ optional packages
+def _terminal(monkeypatch) -> None:
+    """As if stderr were a terminal (progress bars are drawn only there)."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+
+
 def test_missing_optional_packages_are_found_once_before_any_run(monkeypatch, tmp_path):
+    _terminal(monkeypatch)
     for module in ("tqdm", "matplotlib", "torchao"):
         monkeypatch.setitem(sys.modules, module, None)  # as if not installed
     bench = BenchConfig(base=get_preset("smoke").base, optimizers=("adamw", "adamw8bit-torchao"))
@@ -101,11 +121,24 @@ def test_missing_optional_packages_are_found_once_before_any_run(monkeypatch, tm
 
 
 def test_missing_packages_are_one_line_from_the_command(monkeypatch, tmp_path, capsys):
+    _terminal(monkeypatch)
     monkeypatch.setitem(sys.modules, "tqdm", None)
     with pytest.raises(SystemExit) as e:
         main(["bench", "--preset", "smoke", "--out", str(tmp_path / "out")])
     assert str(e.value.code).startswith("skewadam bench: missing optional package(s): tqdm (progress bars")
     assert "\n" not in str(e.value.code)
+
+
+def test_no_progress_bars_when_output_is_not_a_terminal(monkeypatch):
+    """A bar only on a terminal and for one run at a time; a pipe or a file gets a line per evaluation (and needs
+    no tqdm)."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert [bench_mod._progress(True, jobs) for jobs in (1, 2)] == ["lines", "lines"]
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    preflight(_smoke(), progress=True, plots=False)  # tqdm not asked for
+    _terminal(monkeypatch)
+    assert [bench_mod._progress(True, jobs) for jobs in (1, 2)] == ["bar", "lines"]
+    assert bench_mod._progress(False, 1) is None
 
 
 # ---------------------------------------------------------------------------------------------------- locking
@@ -127,7 +160,7 @@ def test_the_lock_is_held_by_another_process_while_a_bench_runs(tmp_path):
     """flock belongs to the open file: a second process sees it, and the kernel releases it when the holder dies."""
     out = tmp_path / "out"
     out.mkdir()
-    code = ("import sys, time; from pathlib import Path; from skewadam.harness.bench import lock\n"
+    code = ("import sys, time; from pathlib import Path; from skewadam.bench.run import lock\n"
             "with lock(Path(sys.argv[1])):\n    print('locked', flush=True); time.sleep(600)\n")
     holder = subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True)
     try:
@@ -167,15 +200,137 @@ def test_a_damaged_log_is_run_again_and_reported_by_name(tmp_path, capsys):
     log = out / "runs" / "adamw_lr0.001_seed0.json"
     complete = log.read_text()
     log.write_text(complete[: len(complete) // 2])  # truncated, as by a crash of an older writer
-    with pytest.raises(ValueError, match=r"adamw_lr0.001_seed0.json: not valid JSON"):
-        report.load_runs(out)
+    runs, skipped = logs.load_runs(out)
+    assert runs == [] and len(skipped) == 1 and "adamw_lr0.001_seed0.json: not valid JSON" in skipped[0]
     lines.clear()
     assert run_bench(_smoke(), out, progress=False, plots=False, echo=lines.append) == []
     assert any("adamw_lr0.001_seed0: damaged log" in line and "running it again" in line for line in lines)
-    assert report.read_log(log)["summary"]["best_val_ppl"] > 0  # complete again
+    assert logs.read_log(log)["summary"]["best_val_ppl"] > 0  # complete again
     lines.clear()
     run_bench(_smoke(), out, progress=False, plots=False, echo=lines.append)
     assert any("done earlier, skipped" in line for line in lines)
+
+
+# ------------------------------------------------------------------------------- logs by schema and identity
+@pytest.fixture(scope="module")
+def two_seeds(tmp_path_factory) -> Path:
+    """A finished smoke bench of AdamW with seeds 0 and 1 (copied by each test that edits it)."""
+    out = tmp_path_factory.mktemp("bench") / "out"
+    assert run_bench(_smoke(seeds=2), out, progress=False, plots=False) == []
+    return out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit(path: Path, edit) -> None:
+    log = json.loads(path.read_text())
+    edit(log)
+    path.write_text(json.dumps(log))
+
+
+def _resume(out: Path) -> list[str]:
+    lines: list[str] = []
+    assert run_bench(_smoke(seeds=2), out, progress=False, plots=False, echo=lines.append) == []
+    return [line for line in lines if "running it again" in line or "done earlier" in line]
+
+
+def test_a_log_with_null_or_wrong_typed_values_is_run_again_saying_why(two_seeds, tmp_path):
+    out = _copy(two_seeds, tmp_path / "out")
+    seed1 = out / "runs" / "adamw_lr0.001_seed1.json"
+    _edit(seed1, lambda log: log["summary"].update(best_val_ppl=None))
+    runs, skipped = logs.load_runs(out)  # the report lists it and counts the rest
+    assert [r["name"] for r in runs] == ["adamw_lr0.001_seed0"]
+    assert skipped == [f"{seed1}: not a complete log (summary.best_val_ppl is null, not a number)"]
+    text = report.render(out, plots=False)
+    assert "**1 run log(s) skipped**" in text and "summary.best_val_ppl is null" in text
+    _edit(seed1, lambda log: log["summary"].update(best_val_ppl=1.5) or log["evals"][0].update(step="0"))
+    assert "evals[0].step is \"0\", not an integer" in logs.load_runs(out)[1][0]
+    assert _resume(out) == [
+        "[1/2] adamw_lr0.001_seed0: done earlier, skipped",
+        f"[2/2] adamw_lr0.001_seed1: damaged log ({seed1}: not a complete log (evals[0].step is \"0\", not an "
+        f"integer)); running it again"]
+    assert len(logs.load_runs(out)[0]) == 2
+
+
+def test_a_log_of_another_run_is_run_again_saying_whose_it_is(two_seeds, tmp_path):
+    out = _copy(two_seeds, tmp_path / "out")
+    runs_dir = out / "runs"
+    (runs_dir / "adamw_lr0.001_seed1.json").write_text((runs_dir / "adamw_lr0.001_seed0.json").read_text())
+    runs, skipped = logs.load_runs(out)  # not two copies of seed 0 in the table
+    assert [r["config"]["seed"] for r in runs] == [0]
+    assert skipped == [f"{runs_dir / 'adamw_lr0.001_seed1.json'}: it is the log of adamw_lr0.001_seed0, not of "
+                       f"adamw_lr0.001_seed1"]
+    assert "| adamw | 0.001 | 1 |" in report.render(out, plots=False)
+    assert _resume(out)[1] == ("[2/2] adamw_lr0.001_seed1: its log is not this run's: it is the log of "
+                               "adamw_lr0.001_seed0, not of adamw_lr0.001_seed1; running it again")
+
+
+def test_a_log_of_other_settings_is_run_again_naming_them(two_seeds, tmp_path):
+    out = _copy(two_seeds, tmp_path / "out")
+    seed1 = out / "runs" / "adamw_lr0.001_seed1.json"
+    _edit(seed1, lambda log: log["config"].update(steps=3))
+    assert _resume(_copy(out, tmp_path / "edited"))[1] == (
+        "[2/2] adamw_lr0.001_seed1: its log is not this run's: its config hash does not match its config (edited?); "
+        "running it again")
+    _edit(seed1, lambda log: log.pop("config_hash"))  # as a log written before the hash was
+    assert "it ran other settings (steps: 3 there, 2 now)" in logs.load_runs(out)[1][0]
+    assert _resume(out)[1] == ("[2/2] adamw_lr0.001_seed1: its log is not this run's: it ran other settings (steps: "
+                               "3 there, 2 now); running it again")
+
+
+def _paths(schema, prefix=()):
+    """Every key path of `LOG_SCHEMA`, lists by their first item."""
+    if isinstance(schema, dict):
+        for key, sub in schema.items():
+            yield (*prefix, key)
+            yield from _paths(sub, (*prefix, key))
+    elif isinstance(schema, list):
+        yield from _paths(schema[0], (*prefix, 0))
+
+
+@pytest.mark.parametrize("value", [None, "x", [], True, "delete"])
+def test_the_report_never_crashes_on_a_log(two_seeds, tmp_path, value):
+    """Any value of any key the report reads (null, a string, a list, a bool, or none at all): the log is listed and
+    skipped unless the value is valid there, the other is rendered, nothing raises (plots drawn for null)."""
+    out = _copy(two_seeds, tmp_path / "out")
+    seed1 = out / "runs" / "adamw_lr0.001_seed1.json"
+    good = json.loads(seed1.read_text())
+    for path in _paths(logs.LOG_SCHEMA):
+        log = json.loads(json.dumps(good))
+        parent = log
+        for key in path[:-1]:
+            parent = parent[key]
+        if value == "delete":
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = value
+        seed1.write_text(json.dumps(log))
+        runs, skipped = logs.load_runs(out)
+        assert runs[0]["name"] == "adamw_lr0.001_seed0" and len(runs) + len(skipped) == 2, path
+        if logs.schema_problem(log):
+            assert len(skipped) == 1 and str(seed1) in skipped[0], path
+        text = report.render(out, plots=value is None)
+        assert ("skipped" in text) == bool(skipped), path
+
+
+def test_the_config_hash_covers_every_setting_but_threads():
+    cfg = RunConfig(**TINY)
+    base = run_identity(cfg)
+    changed = {"optimizer": "adafactor", "lr": 0.5, "weight_decay": 0.5, "seed": 3, "model": "cpu", "data": "x",
+               "steps": 9, "batch_size": 9, "block_size": 9, "eval_interval": 9, "eval_batches": 9,
+               "warmup_frac": 0.5, "grad_clip": 0.5, "device": "cuda", "overrides": {"n_layer": 4}}
+    assert set(changed) | {"threads"} == set(base)  # every setting is tried
+    for key, value in changed.items():
+        assert config_hash({**base, key: value}) != config_hash(base), key
+    assert config_hash({**base, "threads": 7}) == config_hash(base)
+    for key in ("eval_batches", "overrides"):  # a log written before a setting existed: its default
+        older = {k: v for k, v in base.items() if k != key}
+        assert config_hash(older) == config_hash({**base, key: getattr(RunConfig(), key)}), key
 
 
 # ---------------------------------------------------------------------------------------- dies with the bench
@@ -190,7 +345,7 @@ def _children(marker: str) -> list[int]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if marker in cmdline and "skewadam.harness.train" in cmdline and state != "Z":
+        if marker in cmdline and "skewadam.bench.train" in cmdline and state != "Z":
             pids.append(int(entry.name))
     return pids
 
@@ -246,13 +401,13 @@ def test_a_diverged_run_is_flagged_in_the_table_the_report_and_the_summary_line(
         if name == "skewadam":  # as `--grad-clip -1` did: the model ends far worse than it started
             log["summary"]["final_val_ppl"] = 40_893.0
         write_json(runs / f"{log['name']}.json", log)
-    logs = report.load_runs(tmp_path)
-    assert report.divergence(logs[0]) is None
-    assert report.divergence(logs[1]).startswith("final val ppl 40,893.0 is ")
+    runs, _ = logs.load_runs(tmp_path)
+    assert report.divergence(runs[0]) is None
+    assert report.divergence(runs[1]).startswith("final val ppl 40,893.0 is ")
     text = report.render(tmp_path, plots=False)
     assert "| skewadam | 0.001 | 1 (1 diverged) |" in text
     assert "**1 run(s) diverged**" in text and "skewadam_lr0.001_seed0: final val ppl 40,893.0" in text
-    nan = dict(logs[0], summary={**logs[0]["summary"], "diverged": True})
+    nan = dict(runs[0], summary={**runs[0]["summary"], "diverged": True})
     assert report.divergence(nan).startswith("non-finite loss at step")
 
 
@@ -266,3 +421,64 @@ def test_a_run_diverging_past_floats_range_is_flagged_by_the_command_not_failed(
     assert re.search(r"\[1/1\] adamw_lr100_seed0: best val ppl [\d.]+, \d+ s; DIVERGED: ", stdout)
     assert "| adamw | 100 | 1 (1 diverged) |" in stdout and "**1 run(s) diverged**" in stdout
     assert "1 run(s) diverged: adamw_lr100_seed0 (" in stderr and "failed" not in stderr
+
+
+# ------------------------------------------------------------------------------------------------------- layout
+def _bench_modules() -> list[Path]:
+    import skewadam.bench
+
+    return sorted(Path(skewadam.bench.__file__).parent.glob("*.py"))
+
+
+def test_each_bench_module_imports_only_those_listed_above_it_in_the_package_docstring():
+    """The order `skewadam.bench`'s docstring lists (the planner above the arms, the arms above no optimizer at module
+    level): every module-level import of a bench module names one listed before it."""
+    import ast
+
+    import skewadam.bench
+
+    order = re.findall(r"^(\w+)\.py\s", skewadam.bench.__doc__, re.M)
+    assert sorted(order) == sorted(p.stem for p in _bench_modules() if p.stem != "__init__")
+    wrong = []
+    for path in _bench_modules():
+        for node in ast.parse(path.read_text()).body:  # module level only: builders import lazily
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [a.name for a in node.names]
+                wrong += [f"{path.stem} imports {n}" for n in names if path.stem != "__init__"
+                          and order.index(n.split(".")[0]) >= order.index(path.stem)]
+            if isinstance(node, ast.ImportFrom) and node.level == 2 and path.stem in ("arms", "planner"):
+                if (node.module or "").split(".")[0] in ("optimizer", "steppers", "functional") or \
+                        (node.module or "").startswith("kernels."):
+                    wrong.append(f"{path.stem} imports ..{node.module} at module level")
+    assert not wrong, wrong
+
+
+def test_no_kernel_name_is_spelled_outside_the_kernels_package():
+    """The bench and the command line ask `skewadam.kernels.BACKENDS` / `resolve`; no backend's name is a literal."""
+    import ast
+
+    from skewadam.kernels import BACKENDS
+
+    sources = [*_bench_modules(), Path(main.__code__.co_filename)]
+    found = [f"{p.name}:{n.lineno} {n.value!r}" for p in sources for n in ast.walk(ast.parse(p.read_text()))
+             if isinstance(n, ast.Constant) and n.value in BACKENDS]
+    assert not found, found
+
+
+def test_the_memory_plot_sets_the_full_size_plan_beside_the_measured_peaks(two_seeds, tmp_path):
+    """At the bench's size activations dominate the measured peak; the plot adds the planner's peaks of the full-size
+    model (the paper's 6.78B for the reference presets, a Transformers config unscaled), where the state matters."""
+    from skewadam.bench.planner import plan
+    from skewadam.bench.report import FULL_SIZE_PLAN, full_size_peaks
+
+    (what, peaks), why = full_size_peaks("tiny", ["adamw", "skewadam", "adamw8bit-bnb"])
+    expected = plan("paper-6.78b", optimizers=["adamw", "skewadam", "adamw8bit-bnb"], **FULL_SIZE_PLAN)
+    assert why == "" and what.startswith("paper-6.78b (6.78B), bf16") and peaks == {
+        o: row.peak for o, row in expected.optimizers.items()}
+    assert peaks["skewadam"] < peaks["adamw"] / 3
+    assert full_size_peaks("tiny", ["lion"]) == (None, "no optimizer of this bench has a memory model")
+    if importlib.util.find_spec("transformers"):  # a Transformers bench plans its config without the bench's --set
+        assert full_size_peaks("mixtral-8x7b", ["adamw"])[0][0].startswith("mixtral-8x7b (46.70B), bf16")
+    out = _copy(two_seeds, tmp_path / "out")
+    report.render(out, plots=True)
+    assert (out / "memory.png").stat().st_size > 10_000

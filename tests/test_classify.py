@@ -6,6 +6,7 @@ Transformers families are tested in test_hf_families.py; here: the reference mod
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import subprocess
@@ -17,9 +18,9 @@ import torch
 from torch import nn
 
 from skewadam import SkewAdam
-from skewadam.classify import classify, hidden_matrices, output_heads
+from skewadam.bench.models import MoETransformer, get_config
+from skewadam.classify import Labels, classify, flattened_experts, hidden_matrices, label, output_heads
 from skewadam.groups import describe, param_groups, split_kwargs
-from skewadam.models import MoETransformer, get_config
 
 D, F, E = 16, 24, 4
 
@@ -267,6 +268,33 @@ def test_tied_parameters_appear_once_under_their_first_name():
     model = Net(ListMoE())
     labels = classify(model)
     assert "emb.weight" in labels and "head.weight" not in labels
+
+
+# ------------------------------------------------------------------------------------------------ one labels object
+@pytest.mark.parametrize("layout", ["tiny", "olmo_core"])
+def test_label_holds_what_classify_flattened_experts_hidden_matrices_and_output_heads_return(layout):
+    model = MoETransformer(get_config("tiny")) if layout == "tiny" else HeadLM("olmo_core")
+    found = label(model)
+    assert isinstance(found, Labels)
+    assert found.tiers == classify(model) and found.experts == flattened_experts(model)
+    assert list(found.hidden) == hidden_matrices(model) and list(found.heads) == output_heads(model)
+    assert list(found.trainable) == list(found.tiers) and found.frozen == {}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        found.tiers = {}  # type: ignore[misc]
+
+
+def test_labels_from_given_tiers_follow_them_and_must_cover_every_parameter():
+    model = Net(BankMoE())
+    tiers = dict(classify(model), **{"blocks.0.moe.w_in": "backbone"})
+    found = label(model, tiers=tiers)
+    assert found.tiers == tiers and "blocks.0.moe.w_in" not in found.hidden  # a 3-D tensor is no matrix
+    assert hidden_matrices(model, tiers) == list(found.hidden)
+    with pytest.raises(ValueError, match=r"labels miss trainable parameter\(s\) \['emb.weight'\]"):
+        label(model, tiers={n: t for n, t in tiers.items() if n != "emb.weight"})
+    with pytest.raises(ValueError, match=r"labels\['emb.weight'\]: unknown tier 'dense'"):
+        label(model, tiers=dict(tiers, **{"emb.weight": "dense"}))
+    with pytest.raises(ValueError, match="pass rules or tiers, not both"):
+        label(model, [(r"\.gate\.", "backbone")], tiers=tiers)
 
 
 # ------------------------------------------------------------------------------------------------ rules

@@ -91,6 +91,25 @@ def test_the_output_head_is_the_projection_that_produces_the_logits_and_every_ot
     assert hidden_matrices(model, labels) == expect
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_flattened_expert_tensors_stack_the_experts_their_router_scores(case):
+    model, labels = _built(case)
+    counts = flattened_experts(model)
+    assert set(counts.values()) == ({case.flat} if case.flat else set())
+    assert not counts or set(counts) == {n for n, t in labels.items() if t == "expert"}
+
+
+def test_cases_cover_every_moe_variant_of_olmo_core():
+    """Each option of OLMo-core 3.0.0's MoE configs has a case: the v1 MoE (both MoE types, the four MoE block
+    types, shared MLP, latent MoE and its options, router gating and expert bias) and the fused MoE-v2 blocks."""
+    ids = {c.id.removeprefix("olmo_core:") for c in CASES if c.library == "olmo_core"}
+    words = {w for i in ids for w in re.split(r"[/+]", i)}
+    assert {"dropping", "dropless", "sigmoid", "topk_softmax", "expert_bias", "shared", "moe_hybrid", "bias",
+            "norm"} <= words
+    assert {"smallmoe", "small_hybrid_moe", "olmoe_1B_7B", "latent_moe", "latent_moe/dropless+bias", "v2/gpt_oss",
+            "v2/nemotron3_nano", "v2/qwen3_moe/latent", "v2/qwen3_moe/2_shared", "v2/qwen3_moe/emo"} <= ids
+
+
 # ------------------------------------------------------------------------------------------------ signals
 def _tiers(labels, pattern):
     return {labels[n] for n in labels if re.search(pattern, n)}
@@ -128,6 +147,17 @@ def test_flat_router_reading_the_model_width_of_a_latent_moe():
     model, labels = _case("olmo_core:latent_moe")
     assert _tiers(labels, r"\.router\.weight$") == {"router"}
     assert _tiers(labels, r"\.latent_(down|up)_proj\.") == {"backbone"}
+    assert set(flattened_experts(model).values()) == {16}
+
+
+def test_a_projection_mapped_back_to_the_width_it_reads_is_no_router_and_a_latent_router_reads_the_model_width():
+    """A dropless latent MoE: its flattened experts [E*F, L] split for many E, so the up projection [D, L] (its rows
+    a multiple of F) fits a router of D/F experts of width L; but the down projection beside it maps D back to L, so
+    it is a step on the way back to the residual stream. The flat router [E*D] reads D, the width the loose
+    projections go out from, so E = 16 (not 32 experts of width L)."""
+    model, labels = _case("olmo_core:latent_moe/dropless+bias")
+    assert _tiers(labels, r"\.latent_(down|up)_proj\.") == {"backbone"}
+    assert _tiers(labels, r"\.feed_forward_moe\.router\.weight$") == {"router"}
     assert set(flattened_experts(model).values()) == {16}
 
 

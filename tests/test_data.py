@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from skewadam.data import decode, encode, eval_batches, get_batch, load_corpus, read_documents, split_documents
+from skewadam.bench.data import decode, encode, eval_batches, get_batch, load_corpus, read_documents, split_documents
 
 
 def test_shakespeare_validation_plays_are_pinned():

@@ -57,7 +57,7 @@ def test_chunked_processing_is_bitwise_the_whole_tensor(monkeypatch, dtype):
 
 
 def _transient(opt) -> int:
-    from skewadam.harness.bench_step import step_transient_bytes
+    from skewadam.bench.bench_step import step_transient_bytes
 
     transient = step_transient_bytes(opt)
     if transient is None:

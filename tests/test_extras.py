@@ -1,4 +1,4 @@
-"""Optional dependencies (`skewadam.extras`): found without importing them, and imported quietly (the lines
+"""Optional dependencies (`skewadam.bench.extras`): found without importing them, and imported quietly (the lines
 third-party packages log while loading are ours to silence; the user's warnings, and later ones, are not)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from skewadam.extras import NOISY_LOGGERS, missing, quiet_imports
+from skewadam.bench.extras import NOISY_LOGGERS, missing, quiet_imports
 
 
 def test_missing_names_what_is_absent_and_what_for_without_importing(monkeypatch):
@@ -35,7 +35,7 @@ def test_quiet_imports_silences_the_noisy_loggers_only_inside_and_restores_them(
 def test_building_a_transformers_preset_prints_nothing_but_the_result():
     pytest.importorskip("transformers")
     code = textwrap.dedent("""
-        from skewadam.presets import load_model
+        from skewadam.bench.presets import load_model
         model = load_model("mixtral-8x7b")
         print(type(model).__name__)
     """)

@@ -1,16 +1,62 @@
-"""A SkewAdam built without tiers (`skewadam.groups.warn_untiered_experts`): when its untiered groups hold tensors
-shaped like expert banks, or a bank beside its gate, it warns once and points to `SkewAdam.from_model` / ``tier=``;
-tiered groups, plain dense models and conv kernels stay silent."""
+"""Param groups and their census (`skewadam.groups`): one labelling per call, the caller's rules honoured; and a
+SkewAdam built without tiers (`skewadam.groups.warn_untiered_experts`): when its untiered groups hold tensors shaped
+like expert banks, or a bank beside its gate, it warns once and points to `SkewAdam.from_model` / ``tier=``; tiered
+groups, plain dense models and conv kernels stay silent."""
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
 from skewadam import SkewAdam
-from skewadam.models import MoETransformer, get_config
+from skewadam.classify import label
+from skewadam.groups import describe, param_groups
+from skewadam.bench.models import MoETransformer, get_config
+from test_flat_banks import FlatMoE  # a router beside flattened expert tensors [E*F, D] (DBRX's layout)
+
+
+# ------------------------------------------------------------------------------------------------ one labelling
+def test_param_groups_describe_and_from_model_walk_the_structure_once(monkeypatch):
+    calls = []
+    classify = importlib.import_module("skewadam.classify")  # the module (the package re-exports the function)
+    structure = classify.structure
+    monkeypatch.setattr(classify, "structure", lambda model: calls.append(1) or structure(model))
+    model = MoETransformer(get_config("tiny"))
+    for build in (lambda: param_groups(model, orthogonal="experts", exempt_1d=True, log=False),
+                  lambda: describe(model, orthogonal="experts"),
+                  lambda: SkewAdam.from_model(model, orthogonal=True, log=False)):
+        calls.clear()
+        build()
+        assert len(calls) == 1
+
+
+def test_describe_honours_the_callers_rules():
+    """A rule moving one flattened tensor out of the expert tier: the census counts it as the optimizer holds it
+    (backbone state of a plain matrix), and the bank left in the tier as a stacked bank."""
+    model = FlatMoE()
+    rules = [(r"^experts\.w2$", "backbone")]
+    census = describe(model, rules=rules)
+    assert census.tiers["expert"].tensors == 2 and census.tiers["backbone"].tensors == 3  # w2 and the norm
+    assert describe(model, labels=label(model, rules)).to_dict() == census.to_dict()
+    opt = SkewAdam.from_model(model, rules=rules, log=False)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    held = opt.state_bytes().by_tier
+    assert {t: c.state_bytes for t, c in census.tiers.items()} == {t: held.get(t, 0) for t in census.tiers}
+
+
+def test_rules_beside_labels_are_refused():
+    model = FlatMoE()
+    with pytest.raises(ValueError, match=r"rules and labels given.*not both"):
+        describe(model, rules=[(r"^norm\.", "backbone")], labels=label(model))
+
+
+# ------------------------------------------------------------------------------------------------ untiered groups
 
 
 def _warnings(build) -> list[str]:

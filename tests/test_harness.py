@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from skewadam import arms
-from skewadam.harness.config import ALL, BenchConfig, RunConfig, run_name
-from skewadam.harness.report import sweep_table
-from skewadam.harness.train import lr_factor, train
-from skewadam.models import MoETransformer, get_config
+from skewadam.bench import arms
+from skewadam.bench.config import ALL, BenchConfig, RunConfig, run_name
+from skewadam.bench.models import MoETransformer, get_config
+from skewadam.bench.report import sweep_table
+from skewadam.bench.train import lr_factor, train
 
 TINY = dict(model="tiny", steps=2, batch_size=2, eval_interval=1, eval_batches=1)
 
@@ -75,7 +75,7 @@ def test_muon_takes_hidden_matrices_and_adamw_the_rest():
 
 
 def test_bench_plans_every_optimizer_lr_and_seed_seed_major():
-    bench = BenchConfig(optimizers=("adamw", "skewadam-add"), lrs={"adamw": (1e-4, 3e-4)}, seeds=2)  # an alias
+    bench = BenchConfig(optimizers=("adamw", "skewadam"), lrs={"adamw": (1e-4, 3e-4)}, seeds=2)
     names = [run_name(r) for r in bench.runs()]
     assert names == ["adamw_lr0.0001_seed0", "adamw_lr0.0003_seed0", "skewadam_lr0.001_seed0",
                      "adamw_lr0.0001_seed1", "adamw_lr0.0003_seed1", "skewadam_lr0.001_seed1"]
@@ -83,9 +83,9 @@ def test_bench_plans_every_optimizer_lr_and_seed_seed_major():
 
 def test_the_study_trains_every_arm_once_and_no_implementation_variant():
     assert set(ALL) == {n for n, a in arms.ARMS.items() if a.make and not a.variant_of}
-    assert "skewadam-eager" not in ALL and "adamw-foreach" not in ALL and "adamw8bit-bnb" not in ALL
+    assert "adamw-foreach" not in ALL and "adamw8bit-bnb" not in ALL
     with pytest.raises(ValueError, match="adamw8bit-bnb is a memory model only"):
-        RunConfig(optimizer="adamw8bit")
+        RunConfig(optimizer="adamw8bit-bnb")
 
 
 def test_sweep_table_marks_the_best_lr_and_names_sweeps_whose_best_is_at_an_edge():
@@ -106,3 +106,26 @@ def test_tensorboard_event_files_are_written_per_run(tmp_path):
     pytest.importorskip("tensorboard")
     train(RunConfig(optimizer="skewadam", **TINY), tensorboard=str(tmp_path), progress=False)
     assert list((tmp_path / "skewadam_lr0.001_seed0").glob("events.out.tfevents.*"))
+
+
+def test_a_transformers_moe_trains_in_the_harness_with_tiers_logs_and_plots(tmp_path):
+    """`--model` a Transformers preset scaled by `--set`: the same loop, its own losses, state by tier, the report."""
+    pytest.importorskip("transformers")
+    from test_models import HF_TINY
+
+    from skewadam.bench import report
+    from skewadam.bench.train import write_json
+
+    (tmp_path / "runs").mkdir()
+    for optimizer in ("adamw", "skewadam"):
+        cfg = RunConfig(optimizer=optimizer, **{**TINY, "model": "qwen3-30b-a3b", "block_size": 16},
+                        overrides=HF_TINY["qwen3-30b-a3b"])
+        log = train(cfg, tmp_path / "runs" / f"{run_name(cfg)}.json", progress=None)
+        by_tier = log["model"]["params_by_tier"]
+        assert by_tier["expert"] > 0 and by_tier["router"] > 0 and log["model"]["block_size"] == 16
+        assert log["model"]["config"]["model_type"] == "qwen3_moe" and log["model"]["balance_floor"] == 0.002
+        assert all(s["balance_loss"] > 0 and math.isfinite(s["loss"]) for s in log["steps"])
+    write_json(tmp_path / "bench.json", {"base": {"steps": 2}, "optimizers": ["adamw", "skewadam"]})
+    text = report.render(tmp_path, plots=True)
+    assert "Model `qwen3-30b-a3b` with `--set hidden_size=32" in text and "| skewadam | 0.001 | 1 |" in text
+    assert (tmp_path / "balance.png").exists()

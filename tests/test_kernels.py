@@ -266,7 +266,7 @@ def test_a_step_bumps_the_version_counters_of_what_it_writes(impl):
 def test_cpp_step_allocates_at_most_what_step_transient_bytes_says():
     """The C++ step's allocations (torch's profiler) stay within `cpu.step_transient_bytes` (what the planner counts),
     itself below a quarter of one fp32 copy of the largest parameter here."""
-    from skewadam.harness.bench_step import step_transient_bytes
+    from skewadam.bench.bench_step import step_transient_bytes
 
     specs = [((8, 384, 128), "expert", {}), ((512, 128), "backbone", {}), ((128,), "backbone", {}),
              ((8, 128), "router", {}), ((700, 600), "expert", {"bank": False}),  # split across threads

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 L = pytest.importorskip("lightning")
 
 from skewadam import SkewAdam  # noqa: E402
-from skewadam.models import MoETransformer, get_config  # noqa: E402
+from skewadam.bench.models import MoETransformer, get_config  # noqa: E402
 
 VOCAB, SEQ, BATCH, SAMPLES = 64, 16, 4, 12  # 3 steps per epoch
 

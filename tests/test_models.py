@@ -1,12 +1,13 @@
 """The reference MoE transformer: exact paper size, fixed parameter names, dispatch and MoE losses."""
 
 import math
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from skewadam.models import MoETransformer, expert_dispatch, get_config
+from skewadam.bench.models import MoETransformer, expert_dispatch, get_config
 
 
 def _tiny(**overrides):
@@ -140,3 +141,70 @@ def test_bad_config_is_refused_with_the_fix():
         get_config("tiny", n_kv_head=3)
     with pytest.raises(ValueError, match="unknown model config"):
         get_config("huge")
+
+
+# ------------------------------------------------------------------------------- a Transformers MoE in the bench
+#: Tiny configs of each Transformers MoE preset (their own keys), built on CPU in milliseconds.
+HF_TINY = {
+    "mixtral-8x7b": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_local_experts=4),
+    "qwen3-30b-a3b": dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                          num_experts_per_tok=2),
+    "olmoe-1b-7b": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=4, num_experts=4, num_experts_per_tok=2),
+    "gpt-oss-120b": dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                         experts_per_token=2, layer_types=["sliding_attention", "full_attention"]),
+    "deepseek-v3": dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+                        num_experts_per_tok=2, n_group=1, topk_group=1),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_TINY))
+def test_a_transformers_moe_gives_its_own_lm_loss_and_router_aux_loss(name):
+    """`lm_losses`: the model's causal-LM loss on the already shifted batch and its router's auxiliary loss times its
+    coefficient, summed as its forward sums them; the vocabulary is the corpus's; uniform routing's balance loss is
+    the floor the log records (DeepSeek-V3 balances by a bias: no auxiliary loss, no floor)."""
+    pytest.importorskip("transformers")
+    from skewadam.bench.presets import bench_model, lm_losses
+
+    torch.manual_seed(0)
+    built = bench_model(name, HF_TINY[name], vocab_size=256, block_size=16)
+    model, config = built.model, built.model.config
+    assert config.vocab_size == 256 and built.block_size == 16
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    out = lm_losses(model, x, y)
+    plain = model(input_ids=x)
+    own = F.cross_entropy(plain.logits.flatten(0, 1), y.flatten())
+    assert out.lm_loss.item() == pytest.approx(own.item(), rel=1e-5)
+    assert out.loss.item() == pytest.approx((out.lm_loss + out.balance_loss).item(), rel=1e-6)
+    if name == "deepseek-v3":
+        assert out.balance_loss.item() == 0 and built.balance_floor is None
+        return
+    coef, k = config.router_aux_loss_coef, config.num_experts_per_tok
+    assert out.balance_loss.item() > 0 and built.balance_floor == pytest.approx(coef * k)
+    module = sys.modules[type(model).__module__]
+    n_experts = next(getattr(config, a) for a in ("num_local_experts", "num_experts") if hasattr(config, a))
+    uniform = module.load_balancing_loss_func((torch.zeros(64, n_experts),), n_experts, k)
+    assert coef * uniform.item() == pytest.approx(built.balance_floor)
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad and p.ndim >= 2)
+
+
+def test_a_transformers_moe_takes_the_corpus_vocabulary_and_only_its_config_keys():
+    pytest.importorskip("transformers")
+    from skewadam.bench.presets import bench_model
+
+    built = bench_model("olmoe-1b-7b", HF_TINY["olmoe-1b-7b"], vocab_size=256)
+    assert built.model.config.eos_token_id is None  # its tokenizer's id 50279 is not a byte
+    assert built.block_size == 128 and built.config["vocab_size"] == 256
+    with pytest.raises(ValueError, match="'hiden_size' not a key of its config .mixtral.; --set takes the config's"):
+        bench_model("mixtral-8x7b", {"hiden_size": 32}, vocab_size=256)
+    with pytest.raises(ValueError, match="the vocabulary is the corpus's"):
+        bench_model("mixtral-8x7b", {"vocab_size": 32}, vocab_size=256)
+    with pytest.raises(ValueError, match="max_position_embeddings=64 is shorter than the window of 128 tokens"):
+        bench_model("mixtral-8x7b", {**HF_TINY["mixtral-8x7b"], "max_position_embeddings": 64}, vocab_size=256)
+    assert bench_model("cpu", {"n_experts": 4}, vocab_size=256).model.config.n_experts == 4

@@ -14,11 +14,12 @@ import torch
 import torch.optim._muon as torch_muon
 
 from reference import RefOrthogonal, RefParam, newton_schulz as ref_newton_schulz
-from skewadam import SkewAdam, arms, kernels, plan
+from skewadam import SkewAdam, kernels, plan
+from skewadam.bench import arms
+from skewadam.bench.models import MoETransformer, get_config
 from skewadam.classify import hidden_matrices
 from skewadam.groups import param_groups
 from skewadam.kernels import orthogonal
-from skewadam.models import MoETransformer, get_config
 
 _LR, _WD, _MU = 2e-2, 0.1, 0.95
 

@@ -1,5 +1,5 @@
-"""The planner (`skewadam.planner.plan`) against the real optimizers' state, the peak estimate against tracked tensor
-bytes and real runs (`skewadam.harness.measure`), and the presets.
+"""The planner (`skewadam.bench.planner.plan`) against the real optimizers' state, the peak estimate against tracked
+tensor bytes and real runs (`skewadam.bench.measure`), the kernel backends it plans, and the presets.
 
 Shape legend: V vocab, D model width, F FFN hidden, E experts, N tokens.
 """
@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
+import textwrap
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,14 +21,18 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from skewadam import SkewAdam, arms
+import skewadam
+from skewadam import SkewAdam
+from skewadam.bench import arms
+from skewadam.bench.measure import measure_peak, train_steps
+from skewadam.bench.planner import format_bytes, kernel_for, plan
+from skewadam.bench.presets import HF_PRESETS, load_model, preset_names
 from skewadam.classify import classify
-from skewadam.harness.measure import measure_peak, train_steps
-from skewadam.planner import format_bytes, plan
-from skewadam.presets import HF_PRESETS, load_model, preset_names
+from skewadam.kernels import BACKENDS, Backend, resolve
 from skewadam.state import measure_state
 
 GiB = 2**30
+SRC = Path(skewadam.__file__).parent
 
 
 # ----------------------------------------------------------------------------------------------------- models
@@ -182,7 +190,7 @@ def test_plan_equals_measured_state_after_one_step(model_name):
 def test_ablations_differ_from_default_only_where_they_should():
     p = plan("paper-6.78b", optimizers=[n for n in arms.names(planned=True) if n.startswith("skewadam")])
     base = p["skewadam"].state.by_tier
-    assert p["skewadam-floor"].state == p["skewadam-eager"].state == p["skewadam"].state
+    assert p["skewadam-floor"].state == p["skewadam"].state
     expert_m = p["skewadam-expert-momentum"].state.by_tier
     router_f = p["skewadam-factored-router"].state.by_tier
     assert expert_m["expert"] - base["expert"] == 4 * p.params_by_tier["expert"]  # fp32 momentum
@@ -221,19 +229,77 @@ def test_bf16_baselines_keep_an_fp32_master_copy_and_skewadam_none():
     assert p["adamw"].state == plan("tiny", optimizers=["adamw"])["adamw"].state  # fp32 moments either way
 
 
-def test_skewadam_step_temporaries_are_what_its_kernel_reports(monkeypatch):
-    """The planner asks the kernel the optimizer would run (`step_transient_bytes`), with each tensor's bank flag."""
-    from skewadam.kernels import cpu, eager
-
+@pytest.mark.parametrize("impl", list(BACKENDS))
+def test_skewadam_step_temporaries_are_what_each_backend_reports(impl, monkeypatch):
+    """The planner asks the backend it plans (`Backend.step_transient_bytes`), with each tensor's bank flag, on any
+    machine: Triton's temporaries are planned here too."""
     asked = []
-    monkeypatch.setattr(eager, "step_transient_bytes", lambda tensors, dtype: asked.append((tensors, dtype)) or 12345)
+    original = Backend.step_transient_bytes
+    monkeypatch.setattr(Backend, "step_transient_bytes",
+                        lambda self, tensors, dtype: asked.append((self.name, tensors, dtype)) or original(
+                            self, tensors, dtype))
     model = load_model("tiny")
-    p = plan(model, param_dtype="bf16", optimizers=["skewadam", "skewadam-eager"], impl="cpp")
-    assert p["skewadam-eager"].step_temporaries == 12345
-    [(tensors, dtype)] = asked
-    assert p["skewadam"].step_temporaries == cpu.step_transient_bytes(tensors, torch.bfloat16) > 0
-    assert dtype == torch.bfloat16 and len(tensors) == len(list(model.parameters()))
+    p = plan(model, param_dtype="bf16", optimizers=["skewadam"], impl=impl)
+    [(name, tensors, dtype)] = asked
+    assert name == impl == p.kernel and dtype == torch.bfloat16 and len(tensors) == len(list(model.parameters()))
+    assert p["skewadam"].step_temporaries == original(BACKENDS[impl], tensors, torch.bfloat16) > 0
     assert {s for s, bank in tensors if bank} == {tuple(p.shape) for p in model.parameters() if p.ndim >= 3}
+    assert f"SkewAdam's kernel: {impl}" in str(p)
+
+
+def test_plan_names_the_kernel_skewadam_runs_on_the_device(monkeypatch):
+    """``auto`` plans what `skewadam.kernels.resolve` picks here; a device this machine lacks gets the backend auto
+    prefers there (Triton on CUDA), and so does a faked GPU where Triton runs."""
+    monkeypatch.delenv("SKEWADAM_IMPL", raising=False)
+    assert plan("tiny", optimizers=["skewadam"]).kernel == kernel_for("auto", "cpu")[0] == resolve("auto", "cpu").name
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert plan("tiny", optimizers=["skewadam"], device="cuda").kernel == "triton"
+    assert "no cuda device here" in kernel_for("auto", "cuda")[1]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(BACKENDS["triton"].load(), "available", lambda device="cuda": True)
+    assert resolve("auto", "cuda").name == "triton" == kernel_for("auto", "cuda")[0]
+    monkeypatch.setenv("SKEWADAM_IMPL", "eager")
+    assert plan("tiny", optimizers=["skewadam"], device="cuda").kernel == "eager"
+    with pytest.raises(ValueError, match="impl='cpp' .* does not run on cuda"):
+        plan("tiny", impl="cpp", device="cuda")
+    with pytest.raises(ValueError, match="impl='cuda': use one of auto, triton, cpp, eager"):
+        plan("tiny", impl="cuda")
+
+
+def test_plan_measure_on_a_gpu_steps_with_the_kernel_it_plans(monkeypatch):
+    """On CUDA (faked) `measure_peak` resolves Triton, plans its temporaries and steps with it."""
+    from skewadam.bench import measure
+
+    monkeypatch.delenv("SKEWADAM_IMPL", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(BACKENDS["triton"].load(), "available", lambda device="cuda": True)
+    ran = []
+    monkeypatch.setattr(measure, "_measure_here", lambda **kw: ran.append(kw) or {"measured": 1, "method": "fake"})
+    r = measure_peak("tiny", optimizer="skewadam", batch=1, seq=8, device="cuda")
+    assert r["impl"] == ran[0]["impl"] == "triton"
+    assert r["estimate"] == plan("tiny", batch=1, seq=8, optimizers=["skewadam"], impl="triton")["skewadam"].peak
+
+
+def test_the_planner_imports_no_optimizer_and_no_kernel_module():
+    """With the package's re-exports bypassed, importing the planner loads neither SkewAdam nor any kernel module,
+    and a plan loads only the temporaries module of the backend it plans (the optimizer still not)."""
+    code = textwrap.dedent(f"""
+        import sys, types
+        pkg = types.ModuleType("skewadam"); pkg.__path__ = [{str(SRC)!r}]; sys.modules["skewadam"] = pkg
+        import skewadam.bench.planner as planner
+        ours = lambda: sorted(m for m in sys.modules if m.startswith("skewadam."))
+        heavy = ("skewadam.optimizer", "skewadam.steppers", "skewadam.functional")
+        loaded = ours()
+        assert not [m for m in loaded if m in heavy or m.startswith("skewadam.kernels.")], loaded
+        p = planner.plan("paper-6.78b", impl="eager")
+        assert p["skewadam"].step_temporaries > 0
+        loaded = ours()
+        others = ("skewadam.kernels.cpu", "skewadam.kernels.tri")
+        assert not [m for m in loaded if m in heavy or m.startswith(others)], loaded
+        assert "skewadam.kernels.eager" in loaded and "torch.utils.cpp_extension" not in sys.modules
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_plan_rejects_bad_arguments_with_the_fix(monkeypatch):

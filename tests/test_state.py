@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from skewadam import SkewAdam
+from skewadam.bench.presets import load_model
 from skewadam.groups import describe
-from skewadam.presets import load_model
 from skewadam.state import MOMENTUM_DTYPES, StateFlags, check_state, measure_state, state_flags, state_spec
 
 

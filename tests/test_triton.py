@@ -486,7 +486,7 @@ def test_step_allocates_what_step_transient_bytes_says():
 def test_transient_memory_of_a_paper_model_step_is_below_one_percent_of_the_parameters(d_expert):
     """The paper's 6.78B model (128-expert banks [128, 4096, 4096]) and the GPU benchmark's scaled one."""
     from skewadam.groups import param_groups
-    from skewadam.models import MoETransformer, get_config
+    from skewadam.bench.models import MoETransformer, get_config
 
     with torch.device("meta"):
         model = MoETransformer(get_config("paper-6.78b", d_expert=d_expert))

@@ -5,21 +5,22 @@ Example:
     >>> optimizer = SkewAdam.from_model(model, lr=3e-4, weight_decay=0.05)
 
 Layers, lowest first. A module imports only from layers below its own (lazy imports too); a package (``kernels``,
-``harness``, ``integrations``) is one unit whose modules import each other freely. ``tests/test_layout.py`` checks
+``bench``, ``integrations``) is one unit whose modules import each other freely. ``tests/test_layout.py`` checks
 every import against this list.
 
-    1. tiers, models, data, extras  tier labels; the reference MoE and its corpora; optional dependencies (they
-                                    import nothing of ours)
+    1. tiers                        tier labels (they import nothing of ours)
     2. state, structure             state_spec, state_flags, check_state, measure_state; the MoE structure of a model
-    3. kernels, classify, validation  the update kernels; automatic tiers; param group checks
+    3. kernels, classify, validation, recipes  the update kernels; automatic tiers; param group checks; named
+                                    configurations of from_model
     4. distributed, groups, steppers  DTensor placements and the cross-shard reducer; param groups and their census;
                                     the groups stepped outside the fused kernels (orthogonal tier, Adafactor's options)
     5. optimizer                    SkewAdam
-    6. arms, presets                the optimizer arms (one registry); models by name
-    7. planner                      plan(): memory per arm
-    8. integrations, harness        Transformers, torchtitan; the benchmark (train, bench, report, measure)
-    9. cli, skewadam                the command line; this package's re-exports (skewadam/__init__.py)
-   10. __main__                     ``python -m skewadam``
+    6. integrations                 Transformers, torchtitan
+    7. bench                        the benchmark application beside the library: the arms (one registry), the
+                                    planner, models, data, the harness (train, bench, report, measure); nothing
+                                    below imports it, and its planner imports no optimizer and no kernel module
+    8. cli, skewadam                the command line; this package's re-exports (skewadam/__init__.py)
+    9. __main__                     ``python -m skewadam``
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):
     if name == "plan":  # the planner loads on first use, so `import skewadam` stays cheap
-        from .planner import plan
+        from .bench.planner import plan
 
         return plan
     raise AttributeError(f"module 'skewadam' has no attribute {name!r}")

@@ -1,8 +1,9 @@
 """The ``skewadam`` command (also ``python -m skewadam``): every argument parser and every printed line lives here.
 
-Subcommands: ``tiers`` (`skewadam.classify`), ``plan`` (`skewadam.planner`, ``--measure``: `skewadam.harness.measure`),
-``bench`` and ``report`` (`skewadam.harness`), ``bench-step`` (`skewadam.harness.bench_step`). Optimizer names are
-the arms of `skewadam.arms`, the same for every subcommand.
+Subcommands: ``tiers`` (`skewadam.classify`), ``plan`` (`skewadam.bench.planner`, ``--measure``:
+`skewadam.bench.measure`), ``bench`` and ``report`` (`skewadam.bench`), ``bench-step`` (`skewadam.bench.bench_step`);
+the kernel choices of ``--impl`` are `skewadam.kernels.BACKENDS`'. Optimizer names are
+the arms of `skewadam.bench.arms`, the same for every subcommand.
 
 A user's mistake (a bad value, a missing file, malformed JSON, a missing optional package) is one line on stderr and
 exit status 1; ``--debug`` or ``SKEWADAM_DEBUG=1`` shows its traceback. Anything else (a bug) keeps its traceback.
@@ -22,15 +23,15 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-from . import arms
+from .bench import arms
 
 __all__ = ["main", "build_parser", "parse_optimizers", "parse_lrs", "parse_sets"]
 
 
 def _arm(text: str) -> str:
-    """argparse type of an optimizer name: its arm's name (aliases accepted)."""
+    """argparse type of an optimizer name: its arm's name, or a one-line error listing the arms."""
     try:
-        return arms.canonical(text)
+        return arms.get(text).name
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -54,8 +55,8 @@ def parse_sets(items: Sequence[str], *, json_values: bool = True) -> dict[str, A
 
 
 def _load_model(command: str, spec: str, overrides: dict[str, Any] | None = None):
-    """The model of a preset name or a Hugging Face ``config.json``, on the meta device (`skewadam.presets`)."""
-    from .presets import load_model
+    """The model of a preset name or a Hugging Face ``config.json``, on the meta device (`skewadam.bench.presets`)."""
+    from .bench.presets import load_model
 
     try:
         return load_model(spec, device="meta", overrides=overrides)
@@ -112,7 +113,8 @@ def _tiers(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------------------ plan
 def _add_plan(sub) -> None:
-    from .planner import DTYPES
+    from .bench.planner import DTYPES
+    from .kernels import BACKENDS, IMPLS
 
     p = sub.add_parser(
         "plan",
@@ -126,52 +128,49 @@ def _add_plan(sub) -> None:
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: context length, <= 4096)")
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32", help="parameter/activation dtype")
     p.add_argument("--top-k", type=int, default=None, help="experts per token (default: from the config)")
-    p.add_argument("--impl", choices=["eager", "cpp"], default=None,
-                   help="SkewAdam kernel for its step temporaries: eager (GPUs) or cpp (the C++ CPU kernel); default "
-                   "eager, or with --measure the kernel the measurement steps with (cpp on CPU when it builds)")
+    p.add_argument("--impl", choices=IMPLS, default="auto",
+                   help="SkewAdam's kernel backend, for its step temporaries: " + "; ".join(
+                       f"{b.name}: {b.summary}" for b in BACKENDS.values()) + " (default auto: the one SkewAdam "
+                   "runs on --device, also what --measure steps with)")
     p.add_argument("--shards", type=int, default=1,
                    help="FSDP2 ranks (Shard(0)): also print the bytes an orthogonal tier gathers per rank and step")
     p.add_argument("--optimizer", action="append", type=_arm, default=None, metavar="NAME",
                    help="plan only these (repeatable; default: " + ", ".join(arms.PLAN_DEFAULT) + "; any of "
                    + ", ".join(arms.names(planned=True)) + ")")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                    help="override a config value (VALUE parsed as JSON), e.g. --set num_hidden_layers=4; repeatable")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
     p.add_argument("--measure", metavar="OPTIMIZER", type=_arm, default=None,
                    help="also train real steps with OPTIMIZER (adamw, adafactor, skewadam...) and print the measured "
                    "peak beside the estimate (allocates the model!)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="device for --measure")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model would train: the kernel --impl auto plans, and the device of --measure")
     p.set_defaults(func=_plan)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .planner import plan
+    from .bench.planner import plan
+    from .kernels import BACKENDS
     from .state import format_bytes
 
     overrides = parse_sets(args.set)
     model = _load_model("plan", args.model, overrides)
-    impl = args.impl
-    if impl is None and args.measure:  # the table's estimate is then the one the measurement is set beside
-        import torch
-
-        from . import kernels
-
-        impl = "eager" if kernels.select("auto", torch.device(args.device)) is kernels.eager else "cpp"
     optimizers = args.optimizer
     if args.measure and args.measure not in (optimizers or arms.PLAN_DEFAULT):  # its row in the table
         optimizers = [*(optimizers or arms.PLAN_DEFAULT), args.measure]
     try:
         result = plan(model, batch=args.batch, seq=args.seq, param_dtype=args.param_dtype, top_k=args.top_k,
-                      optimizers=optimizers, impl=impl or "eager", shards=args.shards)
+                      optimizers=optimizers, impl=args.impl, device=args.device, shards=args.shards)
         result = dataclasses.replace(result, model=args.model)
         measured = None
         if args.measure:
-            from .harness.measure import measure_peak
+            from .bench.measure import measure_peak
 
             print(f"skewadam plan: measuring {args.measure} on {args.device}: {args.model} built for real, 2 "
                   f"training steps in a fresh process", file=sys.stderr, flush=True)
             measured = measure_peak(args.model, optimizer=args.measure, batch=args.batch, seq=result.seq,
-                                    param_dtype=args.param_dtype, device=args.device, overrides=overrides, impl=impl,
+                                    param_dtype=args.param_dtype, device=args.device, overrides=overrides,
+                                    impl=result.kernel,
                                     progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     except ValueError as e:
         raise SystemExit(f"skewadam plan: {e}") from None
@@ -183,10 +182,11 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         print(result)
         if measured:
-            kernel = {"cpp": "the C++ kernel", "eager": "the eager kernels"}[measured["impl"]]
+            kernel = BACKENDS[measured["impl"]].summary
             print(f"\nmeasured: {args.measure} on {args.device} with {kernel}, {measured['method']}: "
                   f"{format_bytes(measured['measured'])} ({measured['measured']:,} B), vs the estimate in the table "
-                  f"(row {args.measure}, column peak, --impl {measured['impl']}): {format_bytes(measured['estimate'])}; "
+                  f"(row {args.measure}, column peak, --impl {measured['impl']}): "
+                  f"{format_bytes(measured['estimate'])}; "
                   f"measured / estimate = {measured['ratio']:.3f}")
     return 0
 
@@ -199,17 +199,17 @@ _RUN_FLAGS = ("model", "data", "steps", "batch_size", "block_size", "eval_interv
 
 def parse_optimizers(text: str) -> tuple[str, ...]:
     """``"adamw,skewadam"`` -> arm names; ``all`` = every arm the bench trains, ``default`` = the default five."""
-    from .harness.config import ALL
+    from .bench.config import ALL, DEFAULT_OPTIMIZERS
 
     names: list[str] = []
     for token in text.replace(" ", ",").split(","):
         if token == "all":
             names += ALL
         elif token == "default":
-            names += arms.BENCH_DEFAULT
+            names += DEFAULT_OPTIMIZERS
         elif token:
             try:
-                names.append(arms.canonical(token))
+                names.append(arms.get(token).name)
             except ValueError:
                 raise ValueError(f"unknown optimizer {token!r} in --optimizers: use any of {', '.join(ALL)}, "
                                  f"'default' or 'all'") from None
@@ -223,7 +223,7 @@ def parse_lrs(specs: list[str], optimizers: tuple[str, ...]) -> dict[str, tuple[
     for spec in specs:
         name, _, values = spec.rpartition("=")
         try:
-            targets = [arms.canonical(name)] if name else optimizers
+            targets = [arms.get(name).name] if name else optimizers
         except ValueError as e:
             raise ValueError(f"--lrs {spec!r}: {e}") from None
         for opt in targets:
@@ -238,35 +238,63 @@ def parse_lrs(specs: list[str], optimizers: tuple[str, ...]) -> dict[str, tuple[
     return out
 
 
+def _first_sentence(doc: str) -> str:
+    """A docstring's first sentence, whole, on one line."""
+    text = " ".join(doc.split("\n\n")[0].split())
+    return text.split(". ")[0].rstrip(".") + "."
+
+
+def _preset_runs(bench) -> str:
+    """What a preset runs, from its settings: ``(adamw, muon; 2 runs of 60 steps)``."""
+    return f"({', '.join(bench.optimizers)}; {len(bench.runs())} runs of {bench.base.steps} steps)"
+
+
+def _preset_defaults(presets: dict[str, Any], field: str) -> str:
+    """What each preset sets ``field`` to, for a flag's help: ``default: the preset's: 60 (default), 2 (smoke)``."""
+    by_value: dict[str, list[str]] = {}
+    for name, bench in presets.items():
+        value = getattr(bench.base, field)
+        by_value.setdefault("the model's" if value is None else str(value), []).append(name)
+    if len(by_value) == 1:
+        return f"default: {next(iter(by_value))}, every preset's"
+    return "default: the preset's: " + ", ".join(f"{v} ({', '.join(names)})" for v, names in by_value.items())
+
+
 def _add_bench(sub) -> None:
-    from .harness import bench
-    from .harness.config import ALL, PRESETS, RunConfig
+    from .bench import run
+    from .bench.config import ALL, DEFAULT_OPTIMIZERS, PRESETS
 
     p = sub.add_parser(
         "bench", help="compare optimizers training the reference MoE (memory, speed, quality), with plots",
-        description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="optimizers: " + ", ".join(ALL) + "\npresets: " + ", ".join(
-            f"{k} ({v.__doc__.splitlines()[0].rstrip('.')})" for k, v in PRESETS.items()))
+        description=run.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="optimizers: " + ", ".join(ALL) + "\npresets:\n" + "\n".join(
+            f"  {k}: {_first_sentence(v.__doc__)} {_preset_runs(v())}" for k, v in PRESETS.items()))
     p.add_argument("--preset", default="default", choices=sorted(PRESETS), help="starting settings (default: default)")
     p.add_argument("--optimizers", metavar="LIST",
-                   help="comma-separated names, 'default' or 'all' (default: " + ",".join(arms.BENCH_DEFAULT) + ")")
+                   help="comma-separated names, 'default' or 'all' (default: the preset's; default preset: "
+                        + ",".join(DEFAULT_OPTIMIZERS) + ")")
     p.add_argument("--lrs", nargs="+", metavar="SPEC", default=[],
                    help="learning rates: '1e-4,3e-4' (all), 'adamw=1e-4,3e-4' (one) or 'x0.3,x1,x3' (multiples "
                         "of each default)")
     p.add_argument("--seeds", type=int, help="repeat each run with seeds 0..N-1 (default 1)")
-    p.add_argument("--model", help="model preset of skewadam.models: tiny, cpu, paper-6.78b (default: cpu)")
+    p.add_argument("--model", help="what `skewadam plan` takes: a reference preset (tiny, cpu, paper-6.78b), a "
+                                   "Transformers MoE preset (mixtral-8x7b, qwen3-30b-a3b, olmoe-1b-7b, ...) or a "
+                                   "config.json path; built from the config with the corpus's vocabulary, nothing "
+                                   "downloaded (default: cpu)")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="the model config's own keys, to scale it (VALUE parsed as JSON), e.g. --set hidden_size=128 "
+                        "num_hidden_layers=2 num_local_experts=8; repeatable")
     p.add_argument("--data", help="a UTF-8 text file, or a folder: every UTF-8 text file under it, judged by content "
                                   "(a source tree works; binary files are skipped and counted) (default: the "
                                   "embedded Shakespeare)")
-    base = RunConfig()
+    presets = {name: make() for name, make in PRESETS.items()}
     for flag, kind, what in (("steps", int, "training steps"), ("batch-size", int, "sequences per step"),
-                             ("block-size", int, "tokens per sequence (default: the model's)"),
+                             ("block-size", int, "tokens per sequence"),
                              ("eval-interval", int, "steps between evaluations"),
                              ("eval-batches", int, "fixed validation batches"),
                              ("warmup-frac", float, "linear warm-up fraction of the steps, then cosine to 0"),
                              ("grad-clip", float, "max global grad norm, 0 = off")):
-        default = getattr(base, flag.replace("-", "_"))
-        p.add_argument(f"--{flag}", type=kind, help=what + ("" if default is None else f" (default: {default})"))
+        p.add_argument(f"--{flag}", type=kind, help=f"{what} ({_preset_defaults(presets, flag.replace('-', '_'))})")
     p.add_argument("--device", choices=("cpu", "cuda"), help="cuda: bf16 weights (default cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads per run (default: the preset's; default 1, "
                                                  "study and smoke: torch's)")
@@ -283,13 +311,15 @@ def _add_bench(sub) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .harness.bench import BenchError, run_bench
-    from .harness.config import BenchConfig, get_preset
+    from .bench.run import BenchError, run_bench
+    from .bench.config import BenchConfig, get_preset
 
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     try:
         bench = get_preset(args.preset)
         overrides = {f: getattr(args, f) for f in _RUN_FLAGS if getattr(args, f) is not None}
+        if args.set:
+            overrides["overrides"] = parse_sets(args.set)
         base = dataclasses.replace(bench.base, **overrides)
         optimizers = parse_optimizers(args.optimizers) if args.optimizers else bench.optimizers
         lrs = {**{k: v for k, v in bench.lrs.items() if k in optimizers}, **parse_lrs(args.lrs, optimizers)}
@@ -309,11 +339,12 @@ def _bench(args: argparse.Namespace) -> int:
         return 130
     diverged = []
     if any((out / "runs").glob("*.json")):
-        from .harness.report import divergence, load_runs, render
+        from .bench.logs import load_runs
+        from .bench.report import divergence, render
 
         print()
         print(render(out, plots=not args.no_plots))
-        diverged = [f"{r['name']} ({why})" for r in load_runs(out) if (why := divergence(r))]
+        diverged = [f"{r['name']} ({why})" for r in load_runs(out)[0] if (why := divergence(r))]
     if diverged:
         print(f"{len(diverged)} run(s) diverged: {'; '.join(diverged)}", file=sys.stderr)
     if failed:
@@ -326,7 +357,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------------- report
 def _add_report(sub) -> None:
-    from .harness import report
+    from .bench import report
 
     p = sub.add_parser("report", help="re-render the table and plots of a `skewadam bench` run directory",
                        description=report.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -337,32 +368,36 @@ def _add_report(sub) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from .harness.report import render
+    from .bench.report import render
 
     if not Path(args.run_dir).is_dir():
         raise SystemExit(f"skewadam report: {args.run_dir}: no such directory (a `skewadam bench --out` directory)")
-    print(render(args.run_dir, arms.canonical(args.baseline), plots=not args.no_plots))
+    print(render(args.run_dir, arms.get(args.baseline).name, plots=not args.no_plots))
     return 0
 
 
 # ------------------------------------------------------------------------------------------------ bench-step
 def _add_bench_step(sub) -> None:
-    from .harness import bench_step
-    from .planner import DTYPES
+    from .bench import bench_step
+    from .bench.planner import DTYPES
+    from .kernels import BACKENDS, IMPLS
 
     first, *others = arms.BENCH_STEP_DEFAULT
     p = sub.add_parser(
         "bench-step", help="time one optimizer step: SkewAdam vs fused/foreach AdamW and Adafactor, with memory",
         description=bench_step.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--preset", default="cpu", help="model preset of skewadam.models: tiny, cpu, ... (default: cpu)")
-    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="override model config fields, e.g. --set n_layer=18 d_ff=512 d_expert=384")
+    p.add_argument("--preset", default="cpu",
+                   help="model preset of skewadam.bench.models: tiny, cpu, ... (default: cpu)")
+    p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                   help="override model config fields, e.g. --set n_layer=18 d_ff=512 d_expert=384; repeatable")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="parameter dtype (default: fp32)")
     p.add_argument("--optimizers", nargs="+", type=_arm, metavar="NAME",
                    help=f"compared with {first} (default: {', '.join(others)}; any of "
                         f"{', '.join(arms.names(buildable=True))})")
-    p.add_argument("--impl", choices=("auto", "cpp", "eager"), default="auto", help="SkewAdam's kernel (default: auto)")
+    p.add_argument("--impl", choices=IMPLS, default="auto",
+                   help="SkewAdam's kernel backend: " + "; ".join(f"{b.name}: {b.summary}" for b in BACKENDS.values())
+                   + " (default auto: the one SkewAdam picks on CPU)")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default: 15)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per optimizer per round (default: 5)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
@@ -380,7 +415,7 @@ def _add_bench_step(sub) -> None:
 def _bench_step(args: argparse.Namespace) -> int:
     import torch
 
-    from .harness.bench_step import bench_step, format_report
+    from .bench.bench_step import bench_step, format_report
 
     for flag in ("rounds", "steps", "threads"):
         if getattr(args, flag) < 1:

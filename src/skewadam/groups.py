@@ -12,21 +12,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 import warnings
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from torch import nn
 
-from .classify import classify, flattened_experts, hidden_matrices, split_trainable
+from . import recipes
+from .classify import Labels, hidden_matrices, label, split_trainable
 from .state import format_bytes, spec_nbytes, state_flags
 from .tiers import Tier
 
-__all__ = ["describe", "param_groups", "split_kwargs", "orthogonal_names", "group_settings", "Census",
-           "TierCensus", "ORTHOGONAL_MOMENTUM", "warn_untiered_experts"]
+__all__ = ["describe", "param_groups", "split_kwargs", "orthogonal_names", "orthogonal_flops", "group_settings",
+           "Census", "TierCensus", "ORTHOGONAL_MOMENTUM", "warn_untiered_experts"]
 
 logger = logging.getLogger("skewadam")
 Orthogonal = Union[bool, str, Sequence[str]]
+#: What `describe` and `orthogonal_names` take as labels: `skewadam.classify.label`'s, or ``{name: tier}``.
+GivenLabels = Union[Labels, Mapping[str, str]]
 
 _TIERS = tuple(t.value for t in Tier)
 
@@ -101,34 +105,36 @@ def describe(
     rules: Optional[Sequence[tuple[str, str]]] = None,
     tier_options: Optional[dict[str, dict[str, Any]]] = None,
     *,
-    labels: Optional[dict[str, str]] = None,
+    labels: Optional[GivenLabels] = None,
     defaults: Optional[Mapping[str, Any]] = None,
     orthogonal: Orthogonal = False,
     orthogonal_options: Optional[dict[str, Any]] = None,
 ) -> Census:
     """Census of ``model`` under SkewAdam: per tier the tensors, parameters, share and optimizer-state bytes.
 
-    State bytes are those `skewadam.state.state_spec` allocates for each parameter under its tier's flags as
-    `skewadam.state.state_flags` resolves them from ``defaults`` (SkewAdam's constructor settings: ``momentum_dtype``,
-    ``use_momentum``, ...) overridden by ``tier_options[tier]`` (and, for the tensors ``orthogonal`` selects, the
-    orthogonal groups' settings), exactly as the optimizer resolves its groups. Warns when a tier is empty.
+    Labels are ``labels`` (`skewadam.classify.label`'s, or ``{name: tier}``) or else the automatic ones under
+    ``rules``; not both. State bytes are those `skewadam.state.state_spec` allocates for each parameter under its
+    tier's flags as `skewadam.state.state_flags` resolves them from ``defaults`` (SkewAdam's constructor settings:
+    ``momentum_dtype``, ``use_momentum``, ...) overridden by ``tier_options[tier]`` (and, for the tensors
+    ``orthogonal`` selects, the orthogonal groups' settings), exactly as the optimizer resolves its groups. Warns
+    when a tier is empty.
 
     Example:
         >>> print(describe(model, defaults={"momentum_dtype": "int8"}).table())
     """
     options = _check_tier_options(tier_options)
-    trainable, frozen = split_trainable(model)
-    labels = classify(model, rules) if labels is None else labels
-    orth = set(orthogonal_names(model, labels, orthogonal))
-    flat = flattened_experts(model, rules)  # sized as the stacked banks they flatten, as the optimizer steps them
+    found = _labels(model, rules, labels)
+    orth = set(orthogonal_names(model, found, orthogonal))
     flags: dict[tuple[str, bool], Any] = {}
     rows = {t: [0, 0, 0, 0] for t in _TIERS}
-    for name, p in trainable.items():
-        tier = labels[name]
+    for name, p in found.trainable.items():
+        tier = found.tiers[name]
         key = (tier, name in orth)
         if key not in flags:
             flags[key] = state_flags(group_settings(tier, key[1], defaults, options, orthogonal_options))
-        tier_flags = flags[key]._replace(experts=flat[name]) if tier == "expert" and name in flat else flags[key]
+        # flattened banks are sized as the stacked banks they flatten, as the optimizer steps them
+        experts = found.experts.get(name) if tier == Tier.EXPERT.value else None
+        tier_flags = flags[key] if experts is None else flags[key]._replace(experts=experts)
         stats, counters = spec_nbytes(tier_flags.spec(p.shape, p.dtype))
         row = rows[tier]
         row[0] += 1
@@ -138,13 +144,23 @@ def describe(
     total = sum(r[1] for r in rows.values())
     census = Census(
         tiers={t: TierCensus(r[0], r[1], r[1] / total if total else 0.0, r[2], r[3]) for t, r in rows.items()},
-        frozen_tensors=len(frozen),
-        frozen_params=sum(p.numel() for p in frozen.values()),
-        frozen_names=list(frozen),
+        frozen_tensors=len(found.frozen),
+        frozen_params=sum(p.numel() for p in found.frozen.values()),
+        frozen_names=list(found.frozen),
         model=type(model).__name__,
     )
     _warn_empty(census)
     return census
+
+
+def _labels(model: nn.Module, rules: Optional[Sequence[tuple[str, str]]], labels: Optional[GivenLabels]) -> Labels:
+    """The `Labels` of one call: those given, or `label`'s under ``rules`` (or from given ``{name: tier}``)."""
+    if not isinstance(labels, Labels):
+        return label(model, rules, tiers=labels)
+    if rules:
+        raise ValueError("rules and labels given: labels already apply their rules; pass rules to "
+                         "skewadam.classify.label(model, rules) or here, not both")
+    return labels
 
 
 def _warn_empty(census: Census) -> None:
@@ -166,24 +182,29 @@ def _warn_empty(census: Census) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ param groups
-_GROUP_OPTIONS = ("rules", "tier_options", "exempt_1d", "log", "weight_decay", "orthogonal", "orthogonal_options")
+_GROUP_OPTIONS = ("rules", "tier_options", "exempt_1d", "log", "verbose", "weight_decay", "orthogonal",
+                  "orthogonal_options")
 #: Muon's momentum (torch.optim.Muon's default), the orthogonal groups' ``betas[0]`` unless set otherwise.
 ORTHOGONAL_MOMENTUM = 0.95
 
 
-def orthogonal_names(model: nn.Module, labels: Mapping[str, str], orthogonal: Orthogonal) -> list[str]:
+def orthogonal_names(model: nn.Module, labels: GivenLabels, orthogonal: Orthogonal) -> list[str]:
     """The tensors ``orthogonal`` puts into update="orthogonal" groups: none (False), the hidden matrices (True or
     ``"hidden"``: `skewadam.classify.hidden_matrices`), those and every expert tensor made of matrices
-    (``"experts"``: banks ``[E, A, B]``, per-expert ``[A, B]``), or the names given (a list)."""
-    trainable, _ = split_trainable(model)
+    (``"experts"``: banks ``[E, A, B]``, per-expert ``[A, B]``), or the names given (a list). ``labels`` are
+    `skewadam.classify.label`'s, or ``{name: tier}``."""
     if orthogonal is False or orthogonal is None:
         return []
+    if isinstance(labels, Labels):
+        trainable, tiers, hidden = labels.trainable, labels.tiers, list(labels.hidden)
+    else:
+        trainable, tiers, hidden = split_trainable(model)[0], labels, None
     if orthogonal is True or orthogonal in ("hidden", "experts"):
-        names = hidden_matrices(model, dict(labels))
+        names = hidden if hidden is not None else hidden_matrices(model, tiers)
         if orthogonal == "experts":  # banks of matrices, and the weights of per-expert Linear modules (not the
             linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}  # [E, F] bias banks)
             names += [n for n, p in trainable.items()
-                      if labels[n] == Tier.EXPERT.value and (p.ndim == 3 or (p.ndim == 2 and id(p) in linear))]
+                      if tiers[n] == Tier.EXPERT.value and (p.ndim == 3 or (p.ndim == 2 and id(p) in linear))]
         return names
     if isinstance(orthogonal, str) or not all(isinstance(n, str) for n in orthogonal):
         raise ValueError(f"orthogonal={orthogonal!r}: use True (the hidden matrices), 'experts' (and the expert "
@@ -194,6 +215,25 @@ def orthogonal_names(model: nn.Module, labels: Mapping[str, str], orthogonal: Or
         raise ValueError(f"orthogonal names {unknown[:3]} are not trainable parameters of {type(model).__name__} "
                          f"(names such as {next(iter(trainable), '<none>')!r})")
     return names
+
+
+def orthogonal_flops(model: nn.Module, orthogonal: Orthogonal, labels: Optional[GivenLabels] = None) -> int:
+    """Matmul FLOPs of one step's Newton-Schulz over the tensors ``orthogonal`` selects (`orthogonal_names`): per
+    matrix ``[A, B]`` (each slice of a bank ``[E, A, B]``), with ``m, n = min(A, B), max(A, B)``, ``NS_STEPS`` x
+    ``(4 m^2 n + 2 m^3)`` (the Gram matrix, its square, the product with the iterate).
+
+    Example:
+        >>> orthogonal_flops(model, "experts")  # paper-6.78b: 8.07e14
+    """
+    from .kernels.orthogonal import NS_STEPS  # here: the planner counts FLOPs without loading a kernel module
+
+    found = _labels(model, None, labels)
+    total = 0
+    for name in orthogonal_names(model, found, orthogonal):
+        *batch, a, b = found.trainable[name].shape
+        m, n = min(a, b), max(a, b)
+        total += math.prod(batch) * NS_STEPS * (4 * m * m * n + 2 * m ** 3)
+    return total
 
 
 def group_settings(tier: str, orthogonal: bool, defaults: Optional[Mapping[str, Any]], options: dict,
@@ -211,7 +251,10 @@ def group_settings(tier: str, orthogonal: bool, defaults: Optional[Mapping[str, 
 
 
 def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split `SkewAdam.from_model` keyword arguments into ``(param_groups kwargs, SkewAdam kwargs)``."""
+    """`SkewAdam.from_model` keyword arguments as ``(param_groups kwargs, SkewAdam kwargs)``, after applying their
+    ``recipe`` (default ``"paper"``; `skewadam.recipes.apply`: explicit arguments override it)."""
+    kwargs = dict(kwargs)
+    kwargs = recipes.apply(kwargs.pop("recipe", recipes.DEFAULT_RECIPE), kwargs)
     group = {k: v for k, v in kwargs.items() if k in _GROUP_OPTIONS}
     return group, {k: v for k, v in kwargs.items() if k not in _GROUP_OPTIONS}
 
@@ -242,6 +285,7 @@ def param_groups(
     tier_options: Optional[dict[str, dict[str, Any]]] = None,
     exempt_1d: bool = False,
     log: bool = True,
+    verbose: bool = False,
     defaults: Optional[Mapping[str, Any]] = None,
     orthogonal: Orthogonal = False,
     orthogonal_options: Optional[dict[str, Any]] = None,
@@ -253,8 +297,8 @@ def param_groups(
     does. ``tier_options={"router": {"lr": 1e-4}}`` overrides any group setting per tier (applied last; an exempted
     group keeps ``weight_decay=0``). Groups carry ``param_names``. Flattened expert banks (`flattened_experts`) go
     to an expert group of their own per count E with the key ``experts=E``: each tensor stacks E experts along dim 0.
-    With ``log`` the census goes to the ``skewadam`` logger (INFO), its state counted under ``defaults``: the SkewAdam settings the groups will inherit
-    (`SkewAdam.from_model` passes its own).
+    The census (`describe`) counts the state under ``defaults``, the SkewAdam settings the groups will inherit
+    (`SkewAdam.from_model` passes its own); ``verbose`` prints it, ``log`` sends it to the ``skewadam`` logger (INFO).
 
     ``orthogonal`` (beyond the paper; `orthogonal_names`): True puts the hidden matrices into a backbone group with
     ``update="orthogonal"`` (Muon's update, momentum ``ORTHOGONAL_MOMENTUM``), ``"experts"`` also the expert
@@ -267,16 +311,18 @@ def param_groups(
         >>> opt = SkewAdam(param_groups(model, weight_decay=0.1, exempt_1d=True), lr=3e-4)
     """
     options = _check_tier_options(tier_options)
-    labels = classify(model, rules)
-    flat = flattened_experts(model, rules)
-    census = describe(model, tier_options=tier_options, labels=labels, defaults=defaults, orthogonal=orthogonal,
+    found = label(model, rules)
+    census = describe(model, tier_options=tier_options, labels=found, defaults=defaults, orthogonal=orthogonal,
                       orthogonal_options=orthogonal_options)
-    orth = set(orthogonal_names(model, labels, orthogonal))
+    orth = set(orthogonal_names(model, found, orthogonal))
+    report = [census.table()]
+    if census.frozen_names:
+        report.append(f"frozen parameters left out of the optimizer: {census.frozen_names}")
+    if verbose:
+        print("\n".join(report))
     if log:
-        logger.info("%s", census.table())
-        if census.frozen_names:
-            logger.info("frozen parameters left out of the optimizer: %s", census.frozen_names)
-    trainable, _ = split_trainable(model)
+        logger.info("%s", "\n".join(report))
+    trainable, labels, flat = found.trainable, found.tiers, found.experts
     groups = []
     for tier in _TIERS:
         default_wd = 0.0 if tier == Tier.ROUTER.value else weight_decay

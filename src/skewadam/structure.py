@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import math
 import re
 from typing import Iterable, Optional, Sequence
@@ -75,6 +76,8 @@ class _Model:
 
     def __init__(self, model: nn.Module) -> None:
         self.modules = dict(model.named_modules())
+        self.order = list(self.modules)  # depth first: a module's subtree follows it
+        self.index = {path: i for i, path in enumerate(self.order)}
         names = {id(p): n for n, p in model.named_parameters()}
         self.direct: dict[str, list[tuple[str, Tensor]]] = {path: [] for path in self.modules}
         for path, m in self.modules.items():
@@ -85,7 +88,7 @@ class _Model:
         self.shape = {n: tuple(int(s) for s in p.shape) for v in self.direct.values() for n, p in v}
 
     def subtree(self, root: str) -> Iterable[str]:
-        return (path for path in self.modules if _within(path, root))
+        return itertools.takewhile(lambda p: _within(p, root), itertools.islice(self.order, self.index[root], None))
 
     def params(self, root: str) -> list[str]:
         return [n for path in self.subtree(root) for n, _ in self.direct[path]]
@@ -292,7 +295,9 @@ def _find_router(tree: _Model, c: _Container, experts: set[str]) -> Optional[tup
 
     In the nearest scope that has one, the best-ranked tensors that fit a router of ``c`` (`_router_fits`): first
     those whose module does not feed its output back to the width it reads (`_block_like`: attention and MLPs do,
-    a router ends in scores), then by form, then (flattened experts) by how cleanly E splits them."""
+    a router ends in scores), then those whose output no loose matrix maps back either (`_maps_back`: a latent
+    MoE's up projection), then (in a latent MoE, `_loose`) those that read its ``D``, then by form, then (flattened
+    experts) by how cleanly E splits them."""
     excluded = set(c.experts) | experts
     for i, scope in enumerate(c.scopes):
         if scope not in tree.modules or (scope == c.path and c.opaque):
@@ -311,9 +316,12 @@ def _find_router(tree: _Model, c: _Container, experts: set[str]) -> Optional[tup
                     block_like = child != scope and _block_like(tree, child, width, form, excluded)
                     if block_like and (c.marked or not c.declared or i > c.near):
                         continue  # a coincidental shape in attention or an MLP beside the experts
-                    rank = (block_like, *_split_misfit(c.splits[k], width), form) if c.flat else (block_like, form)
-                    cands.append((rank, name, k, unit))
+                    rank = (*_split_misfit(c.splits[k], width), form) if c.flat else (form,)
+                    cands.append(((block_like, (name, width, k), *rank), name, k, unit))
         if cands:
+            loose, sources = _loose(tree, scope, c, excluded)
+            cands = [((r[0], _maps_back(loose, *r[1]), bool(sources) and r[1][1] not in sources, *r[2:]), *rest)
+                     for r, *rest in cands]
             best = min(r for r, _, _, _ in cands)
             params: list[str] = []
             counts: set[int] = set()
@@ -331,6 +339,31 @@ def _find_router(tree: _Model, c: _Container, experts: set[str]) -> Optional[tup
                 if params:
                     return params, set(c.counts)
     return None
+
+
+def _loose(tree: _Model, scope: str, c: _Container, excluded: set[str]) -> tuple[dict[str, tuple[int, int]], set]:
+    """``({name: (in, out)}, sources)``: the matrices in ``scope`` outside the experts and block-like units (loose
+    beside a router), and the widths ``D`` they map into one the experts read and back (a latent ``D -> L -> D``)."""
+    out = {}
+    for owner in tree.subtree(scope):
+        if (c.opaque and _within(owner, c.path)) or (owner != scope and _within(c.path, owner)):
+            continue
+        if owner == scope or not _block_like(tree, _unit(tree, scope, owner, c)[1], 0, _ROWS, excluded):
+            out.update((n, tree.shape[n][::-1]) for n, _ in tree.direct[owner]
+                       if n not in excluded and len(tree.shape[n]) == 2)
+    inner = {tree.shape[n][-1] for n in c.experts} if c.flat else c.dims  # widths the experts surely read
+    return out, {a for a, b in out.values() if b in inner and (b, a) in out.values()}
+
+
+def _maps_back(loose: dict[str, tuple[int, int]], name: str, width: int, k: int) -> bool:
+    """Whether the loose matrices other than ``name`` lead from its output size ``k`` back to the ``width`` it
+    reads: then it is a step on the way back to the residual stream, not a router (whose scores feed a top-k)."""
+    seen, todo = set(), [k]
+    while todo:
+        node = todo.pop()
+        todo += {b for other, (a, b) in loose.items() if other != name and a == node} - seen
+        seen.update(todo)
+    return width in seen
 
 
 def _router_fits(shape: tuple[int, ...], c: _Container, widths: set[int]) -> list[tuple[int, int, int]]:
@@ -448,30 +481,20 @@ def _second_stage(tree: _Model, scope: str, c: _Container, excluded: set[str]) -
     if not c.levels:
         return []
     outer, inner = c.levels
-    found = []
-    for n in tree.params(scope):
-        shape = tree.shape[n]
-        if n in excluded or len(shape) != 3 or shape[0] != outer or inner not in shape[1:]:
-            continue
-        width = shape[2] if shape[1] == inner else shape[1]
-        if width in c.dims:
-            found.append(n)
-    return found
+    shapes = {n: tree.shape[n] for n in tree.params(scope) if n not in excluded and len(tree.shape[n]) == 3}
+    return [n for n, (o, a, b) in shapes.items()
+            if o == outer and inner in (a, b) and (b if a == inner else a) in c.dims]
 
 
 def _router_unit(tree: _Model, scope: str, unit: str, name: str, excluded: set[str], n_experts: int) -> list[str]:
     """All parameters of the router: those of its `_unit`; when the tensor sits directly on the block, it and the
     block's other per-expert vectors ``[E]``."""
     if unit == scope:
-        return [name] + [
-            n for n, p in tree.direct[scope] if p.ndim == 1 and p.shape[0] == n_experts and n not in excluded
-        ]
+        return [name] + [n for n, p in tree.direct[scope]
+                         if p.ndim == 1 and p.shape[0] == n_experts and n not in excluded]
     return [n for n in tree.params(unit) if n not in excluded]
 
 
 def _heavy(tree: _Model, root: str) -> bool:
-    return any(
-        isinstance(tree.modules[path], (nn.Embedding, nn.modules.conv._ConvNd))
-        or any(p.ndim >= 3 for _, p in tree.direct[path])
-        for path in tree.subtree(root)
-    )
+    return any(isinstance(tree.modules[path], (nn.Embedding, nn.modules.conv._ConvNd))
+               or any(p.ndim >= 3 for _, p in tree.direct[path]) for path in tree.subtree(root))

@@ -2,7 +2,7 @@
 
 Run by ``test_distributed.py`` as ``torchrun --standalone --nproc_per_node=2 worker.py OUT_DIR IMPL [CHECK ...]`` (CPU,
 gloo), once per kernel: IMPL (``eager`` or ``cpp``) is the kernel every SkewAdam here runs (``SKEWADAM_IMPL``), the
-one-process references included. Every check trains the reference MoE (`skewadam.models`, float64, tiny) or the toy
+one-process references included. Every check trains the reference MoE (`skewadam.bench.models`, float64, tiny) or the toy
 of issue 13 with SkewAdam groups per tier for a few steps and returns figures (max abs difference of parameters and
 optimizer state from one process on the global batch, reducer collectives and bytes per step, ...). Rank 0 writes
 ``OUT_DIR/results.json`` (`checks.run_checks`): ``{check: {"rank0": figures, "rank1": figures}}``, a check that
@@ -46,11 +46,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import skewadam.models
+import skewadam.bench.models
 from checks import run_checks
 from skewadam import SkewAdam
+from skewadam.bench.models import MoETransformer, get_config
 from skewadam.distributed import DTensorReducer, new_state_dtensor
-from skewadam.models import MoETransformer, get_config
 from skewadam.state import StateTensor
 
 W = 2
@@ -61,7 +61,7 @@ VOCAB = 67  # odd: the embedding's shards are uneven
 
 
 def _expert_dispatch_fp64(x_ND, expert_NK, weight_NK, experts):
-    """`skewadam.models.expert_dispatch` with one matmul per expert: ``F.grouped_mm`` has no float64 CPU kernel."""
+    """`skewadam.bench.models.expert_dispatch` with one matmul per expert: ``F.grouped_mm`` has no float64 CPU kernel."""
     y_ND = torch.zeros_like(x_ND)
     for e in range(experts.w1.shape[0]):
         token_n, slot_n = (expert_NK == e).nonzero(as_tuple=True)
@@ -71,7 +71,7 @@ def _expert_dispatch_fp64(x_ND, expert_NK, weight_NK, experts):
     return y_ND
 
 
-skewadam.models.expert_dispatch = _expert_dispatch_fp64
+skewadam.bench.models.expert_dispatch = _expert_dispatch_fp64
 
 
 def config(n_experts: int):

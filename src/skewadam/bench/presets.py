@@ -5,14 +5,19 @@ that holds one) and builds the model on the meta device by default, so a 671B mo
 and parameter counts are exact, the values are not allocated.
 
 Presets:
-  * every `skewadam.models` config (``tiny``, ``cpu``, ``paper-6.78b``): the reference MoE transformer;
+  * every `skewadam.bench.models` config (``tiny``, ``cpu``, ``paper-6.78b``): the reference MoE transformer;
   * Hugging Face architectures, written from each model's public ``config.json`` (architecture keys only; tokenizer
     ids, quantization and runtime keys left out). Their parameter counts, as Transformers builds them, match the
     published totals (`HF_PRESETS` lists each source and total; tests check them).
+
+`bench_model` builds what a bench run trains from the same specs: the corpus's vocabulary, a context that holds the
+bench's window, and `lm_losses` gives any of them the reference model's outputs (the model's own causal-LM loss and
+its router's auxiliary loss), so one training loop serves both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -23,7 +28,8 @@ from torch import nn
 
 from .extras import quiet_imports
 
-__all__ = ["HF_PRESETS", "HFPreset", "load_model", "preset_names"]
+__all__ = ["HF_PRESETS", "HFPreset", "load_model", "preset_names", "known", "bench_model", "BenchModel", "lm_losses",
+           "full_size"]
 
 
 class HFPreset(NamedTuple):
@@ -82,6 +88,12 @@ def preset_names() -> list[str]:
     return [*CONFIGS, *HF_PRESETS]
 
 
+def known(spec: Union[str, os.PathLike]) -> bool:
+    """Whether ``spec`` names a preset (case-insensitive) or an existing path `load_model` may read."""
+    key = os.fspath(spec)
+    return key.lower() in preset_names() or os.path.exists(key)
+
+
 def load_model(
     spec: Union[str, os.PathLike],
     device: Union[str, torch.device] = "meta",
@@ -94,7 +106,7 @@ def load_model(
         spec: a preset (`preset_names`; case-insensitive) or a ``config.json`` path, or the folder holding one.
         device: where the parameters live; ``"meta"`` allocates nothing.
         dtype: parameter dtype, allocated directly (no fp32 copy first); default the model's own (fp32).
-        overrides: config values to change, e.g. ``{"num_hidden_layers": 2}`` (`skewadam.models.MoEConfig` fields
+        overrides: config values to change, e.g. ``{"num_hidden_layers": 2}`` (`skewadam.bench.models.MoEConfig` fields
             for the reference presets).
 
     Example:
@@ -119,13 +131,11 @@ def _build(spec: Union[str, os.PathLike], device: Union[str, torch.device], over
         try:
             config = models.get_config(name, **overrides)
         except TypeError as e:
-            raise ValueError(f"preset {name!r}: {e}; fields are those of skewadam.models.MoEConfig") from None
+            raise ValueError(f"preset {name!r}: {e}; fields are those of skewadam.bench.models.MoEConfig") from None
         with torch.device(device):
             model = models.MoETransformer(config)
-    elif name in HF_PRESETS:
-        model = _hf_model({**HF_PRESETS[name].config, **overrides}, device, origin=f"preset {name!r}")
-    elif os.path.isdir(key) or os.path.isfile(key) or key.endswith(".json"):
-        model = _hf_model({**_read_config(key), **overrides}, device, origin=key)
+    elif name in HF_PRESETS or os.path.isdir(key) or os.path.isfile(key) or key.endswith(".json"):
+        model = _hf_model(_hf_raw(key), device, overrides, origin=_origin(key))
     else:
         raise ValueError(
             f"{key!r} is neither a preset nor a config.json path; presets: {', '.join(preset_names())}"
@@ -153,13 +163,33 @@ def _read_config(path: str) -> dict[str, Any]:
 _SIZE_KEY = re.compile(r"(_size|_dim|_rank|_layers|_heads|_experts|_length)$|^(num|n)_")
 
 
-def _hf_model(raw: dict[str, Any], device: Union[str, torch.device], origin: str) -> nn.Module:
+def _origin(key: str) -> str:
+    return f"preset {key.lower()!r}" if key.lower() in HF_PRESETS else key
+
+
+def _hf_raw(key: str) -> dict[str, Any]:
+    """The config.json facts of a Hugging Face preset or path."""
+    return dict(HF_PRESETS[key.lower()].config) if key.lower() in HF_PRESETS else _read_config(key)
+
+
+def _transformers(origin: str):
     try:
         with quiet_imports():  # transformers loads torchao, whose import logs lines that are not ours to show
             import transformers
     except ImportError:
         raise ImportError(f"building {origin} needs Hugging Face Transformers: pip install 'skewadam[hf]'") from None
-    raw = dict(raw)
+    return transformers
+
+
+def _hf_model(raw: dict[str, Any], device: Union[str, torch.device], overrides: dict[str, Any],
+              origin: str) -> nn.Module:
+    transformers = _transformers(origin)
+    unknown = [k for k in overrides if k not in raw and not hasattr(_default_config(transformers, raw), k)]
+    if unknown:
+        sizes = ", ".join(sorted(k for k in raw if _SIZE_KEY.search(k))[:4])
+        raise ValueError(f"{origin}: {', '.join(map(repr, unknown))} not a key of its config ({raw['model_type']}); "
+                         f"--set takes the config's own keys, e.g. {sizes}")
+    raw = {**raw, **overrides}
     negative = [f"{k}={v}" for k, v in raw.items() if _SIZE_KEY.search(k) and isinstance(v, int) and v < 0]
     if negative:
         raise ValueError(f"{origin}: negative size(s) {', '.join(negative)}; sizes and counts must be >= 0")
@@ -177,3 +207,101 @@ def _hf_model(raw: dict[str, Any], device: Union[str, torch.device], origin: str
             except ValueError:
                 continue
     raise ValueError(f"{origin}: Transformers has no model class for model_type {model_type!r}")
+
+
+def _default_config(transformers, raw: dict[str, Any]):
+    """The Transformers config class's defaults for ``raw``'s model type (its every key)."""
+    try:
+        return transformers.AutoConfig.for_model(raw["model_type"])
+    except ValueError:
+        return object()  # an unknown model type: building says so
+
+
+# ------------------------------------------------------------------------------------------- bench models
+class BenchModel(NamedTuple):
+    """What a bench run trains, and the facts its log records."""
+
+    model: nn.Module
+    block_size: int  # tokens per training window
+    balance_floor: Optional[float]  # the balance loss of perfectly uniform routing; None without one
+    config: dict[str, Any]  # the model's settings as built (JSON)
+
+
+def bench_model(spec: Union[str, os.PathLike], overrides: Optional[dict[str, Any]] = None, *, vocab_size: int,
+                block_size: Optional[int] = None, device: Union[str, torch.device] = "cpu",
+                dtype: Optional[torch.dtype] = None) -> BenchModel:
+    """The model a bench run trains: ``spec`` (as `load_model` takes it) with config ``overrides``, its vocabulary
+    the corpus's ``vocab_size``, holding windows of ``block_size`` tokens (default: a reference preset's own, or the
+    ``cpu`` preset's 128 for a Transformers config, whose context is its own). Token ids a Transformers config names
+    beyond the vocabulary (its tokenizer's) are dropped. Built from the config: nothing is downloaded.
+
+    Example:
+        >>> bench_model("mixtral-8x7b", {"hidden_size": 64, "num_hidden_layers": 2}, vocab_size=256).model
+    """
+    from . import models
+
+    overrides = dict(overrides or {})
+    if "vocab_size" in overrides:
+        raise ValueError(f"--set vocab_size: the vocabulary is the corpus's ({vocab_size} byte tokens), not a setting")
+    key = os.fspath(spec)
+    if key.lower() in models.CONFIGS:
+        window = {} if block_size is None else {"block_size": block_size}
+        model = load_model(key, device, dtype, {**overrides, **window, "vocab_size": vocab_size})
+        cfg = model.config
+        return BenchModel(model, cfg.block_size, cfg.balance_coef * (cfg.n_layer // 2), dataclasses.asdict(cfg))
+    if not known(key):
+        raise ValueError(f"{key!r} is neither a preset nor a config.json path; presets: {', '.join(preset_names())}")
+    T = block_size or models.CONFIGS["cpu"].block_size
+    raw = {**_hf_raw(key), **overrides, "vocab_size": vocab_size}
+    defaults = _default_config(_transformers(_origin(key)), raw)
+    ids = {k: v for k, v in (defaults.to_dict() if hasattr(defaults, "to_dict") else {}).items()
+           if k.endswith("_token_id")} | {k: v for k, v in raw.items() if k.endswith("_token_id")}
+    raw |= {k: None for k, v in ids.items() if isinstance(v, int) and v >= vocab_size}  # the tokenizer's, not ours
+    if isinstance(raw.get("max_position_embeddings"), int) and raw["max_position_embeddings"] < T:
+        raise ValueError(f"{_origin(key)}: max_position_embeddings={raw['max_position_embeddings']} is shorter than "
+                         f"the window of {T} tokens; use a smaller --block-size or --set max_position_embeddings={T}")
+    overrides = {k: v for k, v in raw.items() if k != "model_type"}
+    model = load_model(key, device, dtype, overrides)
+    config = model.config
+    coef, top_k = getattr(config, "router_aux_loss_coef", None), _top_k(config)
+    floor = coef * top_k if hasattr(config, "output_router_logits") and coef and top_k else None
+    return BenchModel(model, T, floor, {"model_type": raw["model_type"], **overrides})
+
+
+def _top_k(config) -> Optional[int]:
+    for key in ("num_experts_per_tok", "experts_per_token", "moe_top_k", "top_k"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def lm_losses(model: nn.Module, x_BT: torch.Tensor, y_BT: torch.Tensor):
+    """The reference model's outputs (`skewadam.bench.models.MoEOutput`: loss, lm_loss, balance_loss, z_loss) for
+    any bench model: a Transformers model's own causal-LM loss on next tokens ``y_BT`` (``shift_labels``: the batch
+    is already shifted) and its router's auxiliary loss times its ``router_aux_loss_coef``, as its forward adds it.
+
+    Example:
+        >>> out = lm_losses(model, x, y); out.loss.backward()
+    """
+    from .models import MoEOutput, MoETransformer
+
+    if isinstance(model, MoETransformer):
+        return model(x_BT, y_BT)
+    config = model.config
+    routed = hasattr(config, "output_router_logits")
+    y_BT = y_BT.contiguous()  # the loss views it flat
+    out = model(input_ids=x_BT, labels=y_BT, shift_labels=y_BT, **({"output_router_logits": True} if routed else {}))
+    aux = getattr(out, "aux_loss", None)
+    zero = out.loss.new_zeros(())
+    balance = config.router_aux_loss_coef * aux if aux is not None else zero
+    return MoEOutput(out.logits, out.loss, out.loss - balance, balance, zero)
+
+
+def full_size(spec: Union[str, os.PathLike]) -> str:
+    """The full-size model of a bench's ``spec``: the paper's 6.78B model for the reference presets, the config
+    itself (without the bench's ``--set``) for a Transformers one: where the optimizer state matters."""
+    from .models import CONFIGS
+
+    key = os.fspath(spec)
+    return "paper-6.78b" if key.lower() in CONFIGS else key

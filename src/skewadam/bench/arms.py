@@ -4,7 +4,9 @@ An `Arm` says how to build the optimizer over a model (`Arm.build`: one param gr
 `skewadam.groups.param_groups`, the arm's lr and weight decay) and, for the planner, what memory it keeps: the
 state of one trainable tensor, whether it keeps an fp32 master copy of 16-bit parameters, and the temporaries of its
 ``step()``. SkewAdam's arms take their state from `skewadam.state` under the arm's settings, and their temporaries
-from the kernel that runs them (``step_transient_bytes`` of `skewadam.kernels.eager` / `skewadam.kernels.cpu`).
+from the kernel backend that runs them (`skewadam.kernels.BACKENDS`: each backend's ``step_transient_bytes``).
+Builders import their optimizer when they run, so the planner reads this registry without importing SkewAdam or a
+kernel.
 
 | name                      | what                                                                              |
 |---------------------------|-----------------------------------------------------------------------------------|
@@ -18,7 +20,6 @@ from the kernel that runs them (``step_transient_bytes`` of `skewadam.kernels.ea
 |                           | norms, router and the 3-D expert banks                                            |
 | skewadam                  | SkewAdam's defaults: paper tiers, eps_mode="add" (Adafactor's)                    |
 | skewadam-floor            | SkewAdam, paper tiers, eps_mode="floor" (the paper's)                             |
-| skewadam-eager            | skewadam on the eager kernels: its math, another implementation                   |
 | skewadam-int8m            | skewadam, momentum block-wise int8 (momentum_dtype="int8")                        |
 | skewadam-bf16m            | skewadam, momentum in bf16 (momentum_dtype="bf16")                                |
 | skewadam-expert-momentum  | ablation: experts also keep momentum                                              |
@@ -30,16 +31,14 @@ from the kernel that runs them (``step_transient_bytes`` of `skewadam.kernels.ea
 | skewadam-orthogonal-experts-momentum | skewadam-orthogonal-experts, expert slices with Nesterov momentum too   |
 |                           | (Muon per expert; over a 0.15x budget where experts are most of the model)        |
 | skewadam-orthogonal-experts-momentum-int8m | that, every momentum block-wise int8: the best arm of the study   |
-| skewadam-orthogonal-lrNx  | skewadam-orthogonal with the orthogonal groups' lr N x the rest's (N = 3, 10)     |
 | skewadam-relative-step    | skewadam, update x max(1e-3, rms(p)) per unit (Adafactor's relative step)         |
-| skewadam-beta2-decay      | skewadam, beta2_t = 1 - t^-0.8, no second-moment bias correction (Adafactor's)    |
 
-The ablations and compact-momentum arms use ``eps_mode="add"``, the better of the two in the study (``docs/study``),
-so that each varies one thing against ``skewadam``. Default learning rates are each arm's best in the study on the
-bench's model (``docs/study/results.md``: 3 lrs x 3 seeds, 200 steps): 1e-3 for AdamW, 8-bit AdamW and SkewAdam with
+SkewAdam's kernel is not an arm: every SkewAdam arm takes ``impl`` (``skewadam bench-step --impl``). The ablations and
+compact-momentum arms use ``eps_mode="add"``, the better of the two in the study (``docs/study``), so that each
+varies one thing against ``skewadam``. Default learning rates are each arm's best in the study on the bench's model
+(``docs/study/results.md``: 3 lrs x 3 seeds, 200 steps): 1e-3 for AdamW, 8-bit AdamW and SkewAdam with
 ``eps_mode="add"`` (every ablation too), 1e-2 for Muon and for SkewAdam's ``eps_mode="floor"``, 1e-1 for Adafactor,
-whose ``lr`` is a relative step size. (The paper trains its 6.78B model at 3e-4.) Names used before the registry was
-one are accepted (`ALIASES`).
+whose ``lr`` is a relative step size. (The paper trains its 6.78B model at 3e-4.)
 """
 
 from __future__ import annotations
@@ -52,16 +51,13 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from ..groups import group_settings, param_groups
+from ..kernels import BACKENDS
+from ..state import StateTensor, state_flags
+from ..tiers import Tier
 from .extras import quiet_imports
-from .groups import group_settings, param_groups
-from .kernels import cpu, eager
-from .kernels import orthogonal as orthogonal_kernel
-from .optimizer import SkewAdam
-from .state import StateTensor, state_flags
-from .tiers import Tier
 
-__all__ = ["Arm", "ARMS", "ALIASES", "get", "canonical", "names", "ChainedOptimizer", "BENCH_DEFAULT",
-           "PLAN_DEFAULT", "BENCH_STEP_DEFAULT"]
+__all__ = ["Arm", "ARMS", "get", "names", "ChainedOptimizer", "PLAN_DEFAULT", "BENCH_STEP_DEFAULT"]
 
 #: ``(param groups, lr, SkewAdam kernel impl) -> optimizer``; the impl is ignored by the others.
 Builder = Callable[[list[dict[str, Any]], float, str], Any]
@@ -69,13 +65,12 @@ Builder = Callable[[list[dict[str, Any]], float, str], Any]
 #: in the dtype of the tensor the optimizer steps (the fp32 master copy when the arm keeps one); ``orthogonal``: the
 #: arm's ``orthogonal`` setting selects it (`skewadam.groups.orthogonal_names`).
 TensorState = Callable[[tuple[int, ...], str, torch.dtype, bool], list[tuple[str, StateTensor]]]
-#: ``([(shape, tier, orthogonal), ...], stepped dtype, SkewAdam kernel impl) -> bytes``: the peak temporaries of one
-#: step.
+#: ``([(shape, tier, orthogonal), ...], stepped dtype, SkewAdam's kernel backend by name) -> bytes``: the peak
+#: temporaries of one step.
 Transient = Callable[[Sequence[tuple[tuple[int, ...], str, bool]], torch.dtype, str], int]
 
 _F32 = torch.float32
 _STEP = ("step", StateTensor((), _F32))  # torch optimizers' per-tensor 0-d fp32 step count
-_KERNELS = {"eager": eager, "cpp": cpu}  # the SkewAdam kernel modules the planner asks for step temporaries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +80,7 @@ class Arm:
     Attributes:
         name, label: the registry name and a one-line description.
         make: builds it from `param_groups` output (`build` is the entry point); None for a memory model only.
-        state, transient: its state per tensor and its step temporaries, for `skewadam.planner.plan`; None where
+        state, transient: its state per tensor and its step temporaries, for `skewadam.bench.planner.plan`; None where
             the planner has no model of it.
         temporaries: how ``transient`` counts, in words (the plan prints it among its assumptions).
         master: keeps an fp32 master copy of 16-bit parameters (mixed precision); SkewAdam writes bf16 weights
@@ -94,11 +89,9 @@ class Arm:
         lr, weight_decay: defaults of `skewadam bench`: the best lr of the study (``docs/study``) on its model.
         tier_options: passed to `param_groups` (SkewAdam's tier ablations).
         orthogonal: passed to `param_groups`: which tensors take the orthogonal update (`orthogonal_names`).
-        orthogonal_lr: the orthogonal groups' lr as a multiple of the arm's lr (a ``tier_options``-style lr that
-            follows the lr given to `build`, and so the bench's lr grid).
         variant_of: another implementation of that arm's math (`bench-step` compares it; `bench --optimizers all`
             and the study leave it out).
-        requires: optional packages it imports, ``{module: pip package}`` (`skewadam.extras.missing` finds them).
+        requires: optional packages it imports, ``{module: pip package}`` (`skewadam.bench.extras.missing` finds them).
         kernels: steps with SkewAdam's kernels (`skewadam bench` builds the C++ one before its first run).
     """
 
@@ -114,7 +107,6 @@ class Arm:
     weight_decay: float = 0.05
     tier_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
     orthogonal: Any = False
-    orthogonal_lr: float = 1.0
     variant_of: Optional[str] = None
     requires: Mapping[str, str] = dataclasses.field(default_factory=dict)
     kernels: bool = False
@@ -133,9 +125,6 @@ class Arm:
         lr = self.lr if lr is None else lr
         groups = param_groups(model, weight_decay=wd, tier_options=dict(self.tier_options), log=False,
                               orthogonal=self.orthogonal)
-        for g in groups:
-            if g.get("update") == "orthogonal" and self.orthogonal_lr != 1.0:
-                g["lr"] = lr * self.orthogonal_lr
         return self.make(groups, lr, impl)
 
 
@@ -162,8 +151,8 @@ class ChainedOptimizer:
 # ----------------------------------------------------------------------------------------------------- builders
 def _adamw8bit_torchao(groups, lr, impl):
     """torchao's AdamW8bit. It compiles its per-tensor step with ``torch.compile``; on CPU that costs minutes of
-    compilation in every fresh run process (209 s measured for the first step), so parameters on CPU take the same
-    step eagerly (``torch.compiler.set_stance("force_eager")``): the same math and state, not torchao's speed."""
+    compilation in every fresh run process (``docs/bench/design.md``), so parameters on CPU take the same step
+    eagerly (``torch.compiler.set_stance("force_eager")``): the same math and state, not torchao's speed."""
     try:
         with quiet_imports():  # on a CPU-only build, each of its CUDA extensions logs a failure to load
             from torchao.optim import AdamW8bit
@@ -248,8 +237,8 @@ def _copy_of_largest_group(tensors, dtype, impl) -> int:
 
 
 def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None,
-              tier_options: Optional[dict[str, dict[str, Any]]] = None, variant_of: Optional[str] = None,
-              lr: float = 1e-3, orthogonal: Any = False, orthogonal_lr: float = 1.0) -> Arm:
+              tier_options: Optional[dict[str, dict[str, Any]]] = None, lr: float = 1e-3,
+              orthogonal: Any = False) -> Arm:
     """A SkewAdam arm: ``options`` are SkewAdam keyword arguments, ``tier_options`` per-tier group settings,
     ``orthogonal`` which tensors take the orthogonal update (their state, as `param_groups` sets their groups)."""
     options, tier_options = dict(options or {}), dict(tier_options or {})
@@ -259,23 +248,29 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
                       for t in (Tier.BACKBONE.value, Tier.EXPERT.value)})
 
     def make(groups, lr, impl):
-        return SkewAdam(groups, lr=lr, **{"impl": impl, **options})
+        from ..optimizer import SkewAdam
+
+        return SkewAdam(groups, lr=lr, impl=impl, **options)
 
     def state(shape, tier, dtype, orthogonal=False):
         return list(flags[tier, orthogonal].spec(shape, dtype).items())
 
     def transient(tensors, dtype, impl):
-        kernel = _KERNELS[options.get("impl", impl)]
         fused = [(shape, flags[tier, False].is_bank(len(shape))) for shape, tier, o in tensors if not o]
-        return max(kernel.step_transient_bytes(fused, dtype),
-                   orthogonal_kernel.step_transient_bytes([shape for shape, _, o in tensors if o], dtype))
+        orthogonal_shapes = [shape for shape, _, o in tensors if o]
+        if orthogonal_shapes:  # the Newton-Schulz step is one module for every backend
+            from ..kernels import orthogonal as orthogonal_kernel
 
-    return Arm(name, label, make, state, transient, master=False, tier_options=tier_options, variant_of=variant_of,
-               kernels=True, lr=lr, orthogonal=orthogonal, orthogonal_lr=orthogonal_lr,
-               temporaries="as its kernel counts them (`step_transient_bytes` of skewadam.kernels.eager: a few fp32 "
-               "copies of the largest chunk of whole bank slices; of skewadam.kernels.cpu: the row and column "
-               "statistics of the units it fuses and of one batch of split units; of "
-               "skewadam.kernels.orthogonal: the stacked Newton-Schulz iterates), the larger of the two")
+            ns = orthogonal_kernel.step_transient_bytes(orthogonal_shapes, dtype)
+        else:
+            ns = 0
+        return max(BACKENDS[impl].step_transient_bytes(fused, dtype), ns)
+
+    return Arm(name, label, make, state, transient, master=False, tier_options=tier_options, kernels=True, lr=lr,
+               orthogonal=orthogonal,
+               temporaries="as its kernel backend counts them (`step_transient_bytes` of skewadam.kernels.BACKENDS) "
+               "and, for orthogonal groups, skewadam.kernels.orthogonal (the stacked Newton-Schulz iterates): the "
+               "larger of the two")
 
 
 _MEASURED = "measured, torch 2.13 CPU"
@@ -301,7 +296,6 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
     _skewadam("skewadam", "SkewAdam (paper tiers, eps_mode='add')"),
     _skewadam("skewadam-floor", "SkewAdam (paper tiers, eps_mode='floor', the paper's)", options={"eps_mode": "floor"},
               lr=1e-2),
-    _skewadam("skewadam-eager", "SkewAdam on the eager kernels", options={"impl": "eager"}, variant_of="skewadam"),
     _skewadam("skewadam-int8m", "SkewAdam, int8 block-wise momentum", options={"momentum_dtype": "int8"}),
     _skewadam("skewadam-bf16m", "SkewAdam, bf16 momentum", options={"momentum_dtype": "bf16"}),
     _skewadam("skewadam-expert-momentum", "SkewAdam, experts keep momentum",
@@ -320,22 +314,10 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
               "skewadam-orthogonal-experts-momentum, every momentum block-wise int8",
               options={"momentum_dtype": "int8"}, orthogonal="experts", tier_options={"expert": {"use_momentum": True}},
               lr=3e-2),
-    *(_skewadam(f"skewadam-orthogonal-lr{k:g}x", f"skewadam-orthogonal, orthogonal groups at {k:g}x the lr",
-                orthogonal=True, orthogonal_lr=k) for k in (3.0, 10.0)),
     _skewadam("skewadam-relative-step", "SkewAdam, update x max(1e-3, rms(p)) (Adafactor's relative step)",
               options={"relative_step": True}),
-    _skewadam("skewadam-beta2-decay", "SkewAdam, beta2_t = 1 - t^-0.8 (Adafactor's decay)",
-              options={"beta2_decay": -0.8}),
 ]}
 
-#: Names of earlier releases (the planner's, the bench's and bench-step's own), accepted everywhere.
-ALIASES = {
-    "skewadam-add": "skewadam", "skewadam-int8": "skewadam-int8m", "adamw8bit": "adamw8bit-bnb",
-    "skewadam+expert-momentum": "skewadam-expert-momentum", "skewadam+factored-router": "skewadam-factored-router",
-    "SkewAdam": "skewadam", "SkewAdam eager": "skewadam-eager", "AdamW fused": "adamw", "AdamW foreach": "adamw-foreach",
-    "Adafactor": "adafactor",
-}
-BENCH_DEFAULT = ("adamw", "adafactor", "muon", "skewadam")  # `skewadam bench`, budgeted in harness.config
 PLAN_DEFAULT = ("adamw", "adamw8bit-bnb", "adamw8bit-torchao", "adafactor", "skewadam", "skewadam-expert-momentum",
                 "skewadam-factored-router", "skewadam-uniform", "skewadam-bf16m", "skewadam-int8m")
 BENCH_STEP_DEFAULT = ("skewadam", "adamw", "adamw-foreach", "adafactor")  # the first is the one compared with
@@ -347,19 +329,13 @@ def names(*, buildable: bool = False, planned: bool = False, variants: bool = Tr
             and (variants or a.variant_of is None)]
 
 
-def canonical(name: str) -> str:
-    """The registry name of ``name`` (an alias resolves to its arm); ValueError naming the choices if unknown."""
-    name = ALIASES.get(name, name)
-    if name not in ARMS:
-        raise ValueError(f"unknown optimizer {name!r}: use any of {', '.join(ARMS)}")
-    return name
-
-
 def get(name: str) -> Arm:
-    """The arm called ``name`` (or an alias of it).
+    """The arm called ``name``; ValueError naming the choices if there is none.
 
     Example:
-        >>> get("skewadam-int8").name
-        'skewadam-int8m'
+        >>> get("skewadam-int8m").label
+        'SkewAdam, int8 block-wise momentum'
     """
-    return ARMS[canonical(name)]
+    if name not in ARMS:
+        raise ValueError(f"unknown optimizer {name!r}: use any of {', '.join(ARMS)}")
+    return ARMS[name]

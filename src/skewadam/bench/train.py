@@ -1,6 +1,7 @@
-"""One benchmark training run: the reference MoE on a corpus with one optimizer, logged to one JSON file.
+"""One benchmark training run: an MoE (the reference model, or a Transformers config: `presets.bench_model`) on a
+corpus with one optimizer, logged to one JSON file.
 
-`skewadam bench` runs each of these in a fresh process (``python -m skewadam.harness.train RUN.json``) so that
+`skewadam bench` runs each of these in a fresh process (``python -m skewadam.bench.train RUN.json``) so that
 the peak RSS it reports belongs to that optimizer alone. Same seed => same initial weights (checked by
 ``init_checksum`` in the log), same batches in the same order, same router noise, whatever the optimizer.
 
@@ -11,7 +12,6 @@ The log (``RunConfig`` fields, then per-step and per-eval records, then a summar
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -22,14 +22,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch import nn
 
-from .. import arms
 from ..classify import classify
-from ..data import eval_batches, get_batch, load_corpus
-from ..models import MoETransformer, get_config
 from ..state import measure_state
-from .config import RunConfig, run_name
+from . import arms
+from .config import RunConfig, config_hash, run_identity, run_name
+from .data import eval_batches, get_batch, load_corpus
 from .measure import peak_rss
+from .presets import bench_model, lm_losses
 
 __all__ = ["train", "lr_factor", "evaluate", "main", "write_json", "die_with_parent"]
 
@@ -85,18 +86,19 @@ _MAX_LOG = math.log(sys.float_info.max)
 
 
 @torch.no_grad()
-def evaluate(model: MoETransformer, batches: list) -> dict[str, float]:
+def evaluate(model: nn.Module, batches: list) -> dict[str, float]:
     """Mean LM loss and balance loss over the fixed validation batches (eval mode: no router noise); the perplexity
     of a loss past float64's range (a diverging run) is inf, for the report to flag, not an OverflowError."""
     model.eval()
     lm, bal = [], []
     for x, y in batches:
-        out = model(x, y)
+        out = lm_losses(model, x, y)
         lm.append(out.lm_loss.item())
         bal.append(out.balance_loss.item())
     model.train()
     val_loss = sum(lm) / len(lm)
-    return {"val_loss": val_loss, "val_ppl": math.exp(val_loss) if val_loss < _MAX_LOG else math.inf, "val_balance_loss": sum(bal) / len(bal)}
+    return {"val_loss": val_loss, "val_ppl": math.exp(val_loss) if val_loss < _MAX_LOG else math.inf,
+            "val_balance_loss": sum(bal) / len(bal)}
 
 
 def _set_lr(optimizer, base_lrs: list[float], factor: float) -> None:
@@ -110,7 +112,7 @@ def _set_lr(optimizer, base_lrs: list[float], factor: float) -> None:
 def _train_step(model, optimizer, x, y, grad_clip: float, device: torch.device) -> dict[str, float]:
     """Forward, backward, clip, step; the losses, grad norm and timings (``opt_time_s``: the step alone)."""
     t0 = time.perf_counter()
-    out = model(x, y)
+    out = lm_losses(model, x, y)
     out.loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
     _sync(device)
@@ -202,13 +204,13 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
         torch.cuda.reset_peak_memory_stats(device)
     corpus = load_corpus(cfg.data)
     torch.manual_seed(cfg.seed)
-    model_cfg = get_config(cfg.model, vocab_size=corpus.vocab_size,
-                           **({} if cfg.block_size is None else {"block_size": cfg.block_size}))
-    T = model_cfg.block_size
-    model = MoETransformer(model_cfg).to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    built = bench_model(cfg.model, cfg.overrides, vocab_size=corpus.vocab_size, block_size=cfg.block_size)
+    T = built.block_size
+    model = built.model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     init_checksum = sum(p.double().sum().item() for p in model.parameters())
     data_gen = torch.Generator().manual_seed(cfg.seed)
-    val_batches = [(x.to(device), y.to(device)) for x, y in eval_batches(corpus.val, cfg.eval_batches, cfg.batch_size, T)]
+    val_batches = [(x.to(device), y.to(device))
+                   for x, y in eval_batches(corpus.val, cfg.eval_batches, cfg.batch_size, T)]
     params = dict(model.named_parameters())
     params_by_tier = {"backbone": 0, "expert": 0, "router": 0}
     for n, tier in classify(model).items():
@@ -240,12 +242,16 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
     monitor.close()
 
     summary = _summary(optimizer, steps_log, evals_log, device, baseline_memory, cfg.batch_size * T)
+    identity = run_identity(cfg)
     summary["wall_time_s"] = wall
     summary["loadavg_1min"] = [load_start, os.getloadavg()[0]]  # machine load at start and end: context for timings
     log = {
         "name": name,
-        "config": dataclasses.asdict(cfg) | {"lr": lr, "weight_decay": wd},
-        "model": dataclasses.asdict(model_cfg) | {"params": model.num_params(), "params_by_tier": params_by_tier},
+        "config": identity,
+        "config_hash": config_hash(identity),
+        "model": {"name": cfg.model, "params": sum(p.numel() for p in params.values()),
+                  "params_by_tier": params_by_tier, "block_size": T, "balance_floor": built.balance_floor,
+                  "config": built.config},
         "data": {"name": corpus.name, "train_tokens": corpus.train.numel(), "val_tokens": corpus.val.numel(),
                  "val_docs": list(corpus.val_docs)},
         "optimizer_repr": repr(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else
@@ -264,12 +270,12 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m skewadam.harness.train JOB.json``: JOB holds ``config`` (RunConfig fields), ``log_path`` and
+    """``python -m skewadam.bench.train JOB.json``: JOB holds ``config`` (RunConfig fields), ``log_path`` and
     optional ``tensorboard``, ``progress`` (see `train`) and ``parent_pid`` (the bench: this run dies with it). This
     is how `skewadam bench` starts each run in a fresh process."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        raise SystemExit("usage: python -m skewadam.harness.train JOB.json")
+        raise SystemExit("usage: python -m skewadam.bench.train JOB.json")
     job = json.loads(Path(argv[0]).read_text())
     if job.get("parent_pid"):
         die_with_parent(job["parent_pid"])

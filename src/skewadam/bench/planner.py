@@ -1,9 +1,9 @@
 r"""The memory planner: "will my MoE fit?"
 
-`plan(model, ...)`: for each optimizer arm (`skewadam.arms`: AdamW, 8-bit AdamW, Adafactor, SkewAdam and its tier
+`plan(model, ...)`: for each optimizer arm (`skewadam.bench.arms`: AdamW, 8-bit AdamW, Adafactor, SkewAdam and its tier
 ablations and compact momentum), the parameter, gradient, master-weight and optimizer-state bytes of one training
 process, and an *estimate* of its peak memory for a given batch, sequence length and parameter dtype. Planning only:
-nothing is allocated (meta-device models work) and nothing trains (`skewadam.harness.measure` runs real steps).
+nothing is allocated (meta-device models work) and nothing trains (`skewadam.bench.measure` runs real steps).
 
 SkewAdam's state is summed from `skewadam.state.state_spec` under the flags `skewadam.state.state_flags` resolves and
 `skewadam.classify` labels, so the planner and the optimizer cannot disagree; its step temporaries are those the
@@ -24,18 +24,20 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..groups import orthogonal_names
+from ..kernels import BACKENDS
+from ..state import StateBytes, Tally, format_bytes, is_bank
+from ..tiers import Tier
 from . import arms
-from .groups import orthogonal_names
-from .state import StateBytes, Tally, format_bytes, is_bank
-from .tiers import Tier
 
-__all__ = ["OptimizerPlan", "Plan", "plan", "format_bytes", "config_value", "default_seq", "DTYPES"]
+__all__ = ["OptimizerPlan", "Plan", "plan", "kernel_for", "format_bytes", "config_value", "default_seq", "DTYPES"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _plan_state(arm: arms.Arm, tensors: Sequence[tuple[tuple[int, ...], str, bool]], dtype: torch.dtype) -> StateBytes:
-    """The state ``arm`` allocates for trainable ``tensors`` ``[(shape, tier, orthogonal), ...]`` stepped in ``dtype``."""
+    """The state ``arm`` allocates for trainable ``tensors`` ``[(shape, tier, orthogonal), ...]`` stepped in
+    ``dtype``."""
     tally = Tally()
     quantized = False
     for shape, tier, orth in tensors:
@@ -208,9 +210,10 @@ class Plan:
     optimizers: dict[str, OptimizerPlan]
     assumptions: list[str]
     shards: int = 1
+    kernel: str = "auto"  # SkewAdam's kernel backend whose step temporaries the plan counts (`kernel_for`)
 
     def __getitem__(self, name: str) -> OptimizerPlan:
-        return self.optimizers[arms.canonical(name)]
+        return self.optimizers[arms.get(name).name]
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -227,7 +230,8 @@ class Plan:
         lines = [
             f"Memory plan for {self.model} (one process; the peak is an estimate)",
             f"parameters: {self.params:,}{trainable}: {share}",
-            f"{self.param_dtype} parameters, batch {self.batch} x seq {self.seq}{routing}",
+            f"{self.param_dtype} parameters, batch {self.batch} x seq {self.seq}{routing}; SkewAdam's kernel: "
+            f"{self.kernel}",
             "units: KiB = 2^10 bytes, MiB = 2^20 bytes, GiB = 2^30 bytes",
             "",
             "optimizer state: statistics (what the paper counts), per tier; step counters apart",
@@ -266,6 +270,44 @@ def _model_name(model: Any) -> str:
     return os.fspath(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__
 
 
+def _here(device: torch.device) -> bool:
+    """Whether this machine has ``device``'s type (so `skewadam.kernels.resolve` can check what runs on it)."""
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
+
+
+def kernel_for(impl: str = "auto", device: Optional[Union[str, torch.device]] = None) -> tuple[str, str]:
+    """The kernel backend whose step temporaries a plan counts for SkewAdam, and why: ``(name, reason)``.
+
+    ``impl`` a backend's name: that one (its temporaries are counted on any machine; a ``device`` it does not run on
+    is refused). ``"auto"``: what SkewAdam would run on ``device`` (default CPU): `skewadam.kernels.resolve`'s choice
+    where this machine has the device (it checks that the backend builds or imports, and honours ``SKEWADAM_IMPL``),
+    else the backend ``SKEWADAM_IMPL`` names or ``auto`` prefers on that device type (`skewadam.kernels.Backend.auto`),
+    as a machine that has it would run.
+
+    Example:
+        >>> kernel_for("auto", "cpu")[0]   # 'cpp' where the C++ kernel builds, else 'eager'
+        >>> kernel_for("auto", "cuda")[0]  # 'triton'
+    """
+    from ..kernels import IMPLS, resolve
+
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}: use one of {', '.join(IMPLS)}")
+    if impl != "auto":
+        if device is not None and not BACKENDS[impl].runs_on(device):
+            raise ValueError(f"impl={impl!r} ({BACKENDS[impl].summary}) does not run on {torch.device(device).type} "
+                             f"tensors: "
+                             f"use impl='auto' or another of {', '.join(IMPLS)}")
+        return impl, f"impl={impl!r}"
+    device = torch.device("cpu" if device is None else device)
+    if _here(device):
+        return resolve("auto", device).name, f"what SkewAdam runs on {device.type} here"
+    env = os.environ.get("SKEWADAM_IMPL", "auto")
+    if env != "auto":
+        return kernel_for(env, device)[0], f"SKEWADAM_IMPL={env}"
+    name = next(b.name for b in BACKENDS.values() if device.type in b.auto or b.devices is None)
+    return name, f"what SkewAdam runs on {device.type} where it is installed (no {device.type} device here)"
+
+
 def default_seq(model: nn.Module) -> int:
     n = config_value(model, ("block_size", "max_position_embeddings", "n_positions", "max_seq_len"))
     return min(n, 4096) if n else 2048
@@ -280,24 +322,26 @@ def plan(
     top_k: Optional[int] = None,
     optimizers: Optional[Sequence[str]] = None,
     labels: Optional[Mapping[str, str]] = None,
-    impl: str = "eager",
+    impl: str = "auto",
+    device: Optional[Union[str, torch.device]] = None,
     shards: int = 1,
 ) -> Plan:
-    """Plan the memory of training ``model`` with each optimizer arm named (default `skewadam.arms.PLAN_DEFAULT`).
+    """Plan the memory of training ``model`` with each optimizer arm named (default `skewadam.bench.arms.PLAN_DEFAULT`).
 
     Args:
         model: an ``nn.Module`` (meta-device models work), a preset name or a ``config.json`` path
-            (`skewadam.presets.load_model`, built on the meta device).
+            (`skewadam.bench.presets.load_model`, built on the meta device).
         batch, seq: sequences per step and tokens per sequence, for the activation estimate (``seq`` defaults to
             the model's context length, at most 4096).
         param_dtype: ``"fp32"`` or ``"bf16"``: parameters, gradients and activations. With bf16 the baselines keep
             an fp32 master copy (mixed precision); SkewAdam keeps none (stochastic rounding).
         top_k: experts per token; default from the model's config.
-        optimizers: arm names (`skewadam.arms`; aliases accepted) with a memory model; default
-            `skewadam.arms.PLAN_DEFAULT`.
+        optimizers: arm names (`skewadam.bench.arms`) with a memory model; default
+            `skewadam.bench.arms.PLAN_DEFAULT`.
         labels: ``{parameter name: tier}``; default `skewadam.classify.classify(model)`.
-        impl: SkewAdam's update kernel, which sets its step temporaries: ``"eager"`` (torch ops: what runs on GPUs,
-            and on CPUs without the C++ kernel) or ``"cpp"`` (`skewadam.kernels.cpu`: no tensor-sized scratch).
+        impl: SkewAdam's kernel backend, which sets its step temporaries: a name of `skewadam.kernels.BACKENDS`,
+            or ``"auto"``: the one SkewAdam would run on ``device`` (`kernel_for`).
+        device: where the model would train, for ``impl="auto"`` (default ``"cpu"``).
         shards: FSDP2 ranks (``Shard(0)`` on every tensor), for the bytes an orthogonal tier all-gathers per step
             (``gather_bytes``: its 2-D matrices' updates, the full matrix less the rank's shard; a bank sharded
             on its expert dim gathers nothing). State and memory stay those of one process.
@@ -314,8 +358,7 @@ def plan(
         name = _model_name(model)
     if param_dtype not in DTYPES:
         raise ValueError(f"param_dtype={param_dtype!r}: use one of {sorted(DTYPES)}")
-    if impl not in ("eager", "cpp"):
-        raise ValueError(f"impl={impl!r}: use 'eager' (torch ops, GPUs) or 'cpp' (the C++ CPU kernel)")
+    kernel, why = kernel_for(impl, device)
     if batch < 1 or (seq is not None and seq < 1) or shards < 1:
         raise ValueError(f"batch={batch}, seq={seq}, shards={shards}: all must be >= 1")
     chosen = [arms.get(o) for o in (arms.PLAN_DEFAULT if optimizers is None else optimizers)]
@@ -323,7 +366,7 @@ def plan(
     if unmodelled_arms:
         raise ValueError(f"no memory model of {unmodelled_arms}: plan any of {', '.join(arms.names(planned=True))}")
     if labels is None:
-        from .classify import classify
+        from ..classify import classify
 
         labels = classify(model)
     labels = {n: Tier.parse(t).value for n, t in labels.items()}
@@ -357,7 +400,7 @@ def plan(
         tensors = [(shape, tier, n in orth) for n, shape, tier in trainable]
         state = _plan_state(arm, tensors, stepped)
         static = n_params * itemsize + master + state.total
-        temporaries = arm.transient(tensors, stepped, impl)
+        temporaries = arm.transient(tensors, stepped, kernel)
         peak = None if unmodelled else static + max(bwd_peak, after_bwd + temporaries)
         # the update is gathered in the compute dtype (fp32 for 16-bit weights); an even share of it is the rank's own
         update_bytes = 4 if stepped.itemsize < 4 else stepped.itemsize
@@ -380,7 +423,7 @@ def plan(
         "8-bit AdamW as bitsandbytes (block 2048, tensors < 4096 elements in fp32) and torchao (block 256) "
         "store it; their small-tensor and shared-table rules included",
         "step temporaries: " + "; ".join(f"{', '.join(ns)}: {how}" for how, ns in counted.items())
-        + f"; SkewAdam kernel here: {impl}",
+        + f"; SkewAdam's kernel: {kernel} ({BACKENDS[kernel].summary}: {why})",
         "one process: divide parameters, gradients and state by the shard count under FSDP/ZeRO-3; tensor bytes "
         "only: allocator caches and runtime workspaces are not included (on CPU, glibc's heap kept RSS 14-45% "
         "above this on small models unless MALLOC_MMAP_THRESHOLD_ is set, and oneDNN's bf16 matmuls added ~81 MiB "
@@ -388,4 +431,4 @@ def plan(
     ]
     if unmodelled:
         assumptions.insert(0, f"no activation or peak estimate: {unmodelled}")
-    return Plan(name, n_params, n_trainable, by_tier, param_dtype, batch, seq, k, rows, assumptions, shards)
+    return Plan(name, n_params, n_trainable, by_tier, param_dtype, batch, seq, k, rows, assumptions, shards, kernel)

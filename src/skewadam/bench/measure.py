@@ -1,7 +1,7 @@
-"""Memory of real training steps, beside `skewadam.planner.plan`'s estimate: `measure_peak`, and the process RSS.
+"""Memory of real training steps, beside `skewadam.bench.planner.plan`'s estimate: `measure_peak`, and the process RSS.
 
 On CPU the peak resident set size of a process cannot be reset, so `measure_peak` trains in a fresh Python process
-(``python -m skewadam.harness.measure ARGS_JSON``, which prints its result as one JSON line).
+(``python -m skewadam.bench.measure ARGS_JSON``, which prints its result as one JSON line).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .. import arms, kernels
-from ..models import MoETransformer
-from ..planner import DTYPES, config_value, default_seq, plan
-from ..presets import load_model
+from .. import kernels
+from . import arms
+from .planner import DTYPES, config_value, default_seq, plan
+from .presets import lm_losses, load_model
 
 __all__ = ["measure_peak", "train_steps", "peak_rss", "rss"]
 
@@ -54,7 +54,7 @@ def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batch: int, seq: i
     for step in range(1, steps + 1):
         idx = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
         tgt = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
-        out = model(idx, tgt) if isinstance(model, MoETransformer) else model(input_ids=idx, labels=tgt)
+        out = lm_losses(model, idx, tgt)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -64,7 +64,8 @@ def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batch: int, seq: i
 
 
 def _measure_here(spec: str, overrides: dict, optimizer: str, batch: int, seq: int, param_dtype: str,
-                  device: str, steps: int, progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+                  device: str, steps: int, impl: str,
+                  progress: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """Train ``steps`` steps in this process and return the measured peak growth (see `measure_peak`); each stage is
     told to ``progress``."""
     t0 = time.perf_counter()
@@ -78,7 +79,7 @@ def _measure_here(spec: str, overrides: dict, optimizer: str, batch: int, seq: i
     # Warm up the same code paths on the tiny reference model, so that lazily loaded kernels and thread pools are
     # part of the baseline, not of the measurement.
     warm = load_model("tiny", device=device, dtype=dtype)
-    train_steps(warm, arm.build(warm), 2, 16, 2)
+    train_steps(warm, arm.build(warm, impl=impl), 2, 16, 2)
     tell("warmed up on the tiny model")
     del warm
     gc.collect()
@@ -90,7 +91,7 @@ def _measure_here(spec: str, overrides: dict, optimizer: str, batch: int, seq: i
         base = rss()
     model = load_model(spec, device=device, dtype=dtype, overrides=overrides)
     tell(f"built {spec} on {device}")
-    train_steps(model, arm.build(model), batch, seq, steps, lambda step: tell(f"step {step}/{steps}"))
+    train_steps(model, arm.build(model, impl=impl), batch, seq, steps, lambda step: tell(f"step {step}/{steps}"))
     if device == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
@@ -115,12 +116,13 @@ def measure_peak(
     """Measure the peak memory of real training steps and set it beside `plan`'s estimate.
 
     The model (``spec``: preset or ``config.json``, with config ``overrides``) is built on ``device`` and trained
-    ``steps`` steps on random tokens by the arm ``optimizer`` (`skewadam.arms`). CPU: the growth of the peak resident
-    set size (``VmHWM``) over the resident size after a warm-up, in a fresh Python process (the peak RSS of this one
-    is not resettable). CUDA: ``torch.cuda.max_memory_allocated`` growth, in this process.
+    ``steps`` steps on random tokens by the arm ``optimizer`` (`skewadam.bench.arms`). CPU: the growth of the peak
+    resident set size (``VmHWM``) over the resident size after a warm-up, in a fresh Python process (the peak RSS of
+    this one is not resettable). CUDA: ``torch.cuda.max_memory_allocated`` growth, in this process.
 
-    SkewAdam steps with ``impl`` (``"eager"`` or ``"cpp"``; None: the kernel ``impl="auto"`` selects on ``device``),
-    and the estimate is the plan's peak with that kernel (``impl`` in the result). ``progress`` is told each stage
+    SkewAdam steps with the kernel backend ``impl`` (a name of `skewadam.kernels.BACKENDS`; None or ``"auto"``: the
+    one `skewadam.kernels.resolve` picks on ``device``), and the estimate is the plan's peak with that kernel (``impl``
+    in the result). ``progress`` is told each stage
     (warm-up, model built, each step) as it ends.
 
     Returns:
@@ -130,39 +132,33 @@ def measure_peak(
         >>> measure_peak("cpu", optimizer="adamw", batch=16, seq=128)["ratio"]
     """
     overrides = dict(overrides or {})
-    optimizer = arms.canonical(optimizer)
+    optimizer = arms.get(optimizer).name
     meta = load_model(spec, device="meta", overrides=overrides)
     seq = default_seq(meta) if seq is None else seq
-    if impl is None:
-        impl = "eager" if kernels.select("auto", torch.device(device)) is kernels.eager else "cpp"
-    if impl not in ("eager", "cpp"):
-        raise ValueError(f"impl={impl!r}: use 'eager' or 'cpp'")
-    estimate = plan(meta, batch=batch, seq=seq, param_dtype=param_dtype, optimizers=[optimizer],
-                    impl=impl)[optimizer].peak
-    args = dict(spec=os.fspath(spec), overrides=overrides, optimizer=optimizer, batch=batch, seq=seq,
-                param_dtype=param_dtype, device=device, steps=steps)
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("device='cuda' but torch.cuda.is_available() is False")
-        if impl == "cpp":
-            raise ValueError("impl='cpp' is the CPU kernel: measure on cuda with impl='eager'")
-        result = _measure_here(**args, progress=progress)
-    elif device == "cpu":
-        result = _measure_in_child(args, impl, progress)
-    else:
+    if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
-    return {**args, **result, "impl": impl, "estimate": estimate, "ratio": result["measured"] / estimate}
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' but torch.cuda.is_available() is False")
+    impl = kernels.resolve(impl or "auto", torch.device(device)).name  # raises if it does not run there
+    estimate = plan(meta, batch=batch, seq=seq, param_dtype=param_dtype, optimizers=[optimizer], impl=impl,
+                    device=device)[optimizer].peak
+    args = dict(spec=os.fspath(spec), overrides=overrides, optimizer=optimizer, batch=batch, seq=seq,
+                param_dtype=param_dtype, device=device, steps=steps, impl=impl)
+    if device == "cuda":
+        result = _measure_here(**args, progress=progress)
+    else:
+        result = _measure_in_child(args, progress)
+    return {**args, **result, "estimate": estimate, "ratio": result["measured"] / estimate}
 
 
 _PROGRESS = "progress: "
 
 
-def _measure_in_child(args: dict[str, Any], impl: str, progress: Callable[[str], None]) -> dict[str, Any]:
-    """`_measure_here` in a fresh process stepping with ``impl`` (not whatever "auto" finds there): its progress
-    lines passed on as they come, its result read from its last stdout line."""
-    proc = subprocess.Popen([sys.executable, "-m", "skewadam.harness.measure", json.dumps(args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "SKEWADAM_IMPL": impl})
+def _measure_in_child(args: dict[str, Any], progress: Callable[[str], None]) -> dict[str, Any]:
+    """`_measure_here` in a fresh process (stepping with ``args["impl"]``, not whatever "auto" finds there): its
+    progress lines passed on as they come, its result read from its last stdout line."""
+    proc = subprocess.Popen([sys.executable, "-m", "skewadam.bench.measure", json.dumps(args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     errors = []
     for line in proc.stderr:  # stdout holds one line, written at the end: no deadlock reading stderr first
         if line.startswith(_PROGRESS):

@@ -4,7 +4,8 @@
 ``balance.png``; `skewadam bench` calls the same code when its runs finish.
 
 Per optimizer the table shows the learning rate with the best mean validation perplexity; each figure is the mean over
-seeds (``± std`` with several seeds) and, in parentheses, its ratio to the baseline optimizer (AdamW) at its own best lr.
+seeds (``± std`` with several seeds) and, in parentheses, its ratio to the baseline optimizer (AdamW) at its own best
+lr. Only logs `skewadam.bench.logs` accepts count; the others are listed, skipped.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..state import BINARY_UNITS, format_bytes
+from .logs import NUMBER, bench_order, load_runs
 
-__all__ = ["load_runs", "read_log", "divergence", "summarize", "best_by_optimizer", "results_table", "sweep_table",
-           "render"]
+__all__ = ["divergence", "summarize", "best_by_optimizer", "results_table", "sweep_table", "render"]
 
 # (column title, summary key, formatter of the value)
-_MiB = 2**20
 COLUMNS = [
     ("optimizer state", "state_bytes", format_bytes),
     ("train peak mem", "train_peak_memory_bytes", format_bytes),
@@ -33,43 +33,8 @@ COLUMNS = [
 ]
 
 
-#: The keys of a complete run log (`skewadam.harness.train`).
-RUN_KEYS = ("name", "config", "model", "summary", "evals", "steps")
 #: A run diverged when its final validation perplexity is above this multiple of its best (or its loss non-finite).
 DIVERGED_RATIO = 2.0
-
-
-def read_log(path: str | Path, keys: tuple[str, ...] = RUN_KEYS) -> dict[str, Any]:
-    """The JSON object in ``path``, which must hold ``keys``; ValueError naming the file if it is not UTF-8, not
-    JSON (a truncated write, say) or not such an object."""
-    try:
-        obj = json.loads(Path(path).read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
-    absent = [k for k in keys if not isinstance(obj, dict) or k not in obj]
-    if absent:
-        raise ValueError(f"{path}: not a complete log (no {', '.join(map(repr, absent))})")
-    return obj
-
-
-def load_runs(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every run log under ``run_dir/runs``; ValueError naming every damaged one (rerun the bench to redo them)."""
-    files = sorted(Path(run_dir, "runs").glob("*.json"))
-    if not files:
-        raise FileNotFoundError(f"no run logs in {Path(run_dir, 'runs')}: is {run_dir} a `skewadam bench` output?")
-    runs, damaged = [], []
-    for f in files:
-        try:
-            runs.append(read_log(f))
-        except ValueError as e:
-            damaged.append(str(e))
-    if damaged:
-        raise ValueError(f"{len(damaged)} damaged run log(s): {'; '.join(damaged)}. `skewadam bench` with the same "
-                         f"--out runs them again")
-    return runs
-
 
 def divergence(run: dict[str, Any]) -> Optional[str]:
     """Why ``run`` (a log) diverged, or None: a non-finite loss, or a final validation perplexity above
@@ -176,117 +141,46 @@ def sweep_table(summary, order: Optional[list[str]] = None) -> Optional[str]:
     return "\n".join(lines)
 
 
-def _curves(runs, best, x_key: str, series: str, y_key: str):
-    """Per optimizer at its best lr: (xs, mean ys, min ys, max ys) over seeds, on the steps all seeds logged."""
-    out = {}
-    for opt, (lr, _) in best.items():
-        seqs = [r[series] for r in runs if r["config"]["optimizer"] == opt and r["config"]["lr"] == lr]
-        n = min(len(s) for s in seqs)
-        xs = [rec[x_key] for rec in seqs[0][:n]]
-        cols = [[s[i][y_key] for s in seqs] for i in range(n)]
-        out[opt] = (xs, [statistics.fmean(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols])
-    return out
-
-
-def _smooth(ys: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, y in enumerate(ys):
-        acc += y - (ys[i - window] if i >= window else 0.0)
-        out.append(acc / min(i + 1, window))
-    return out
-
-
-def plot(run_dir: Path, runs, summary, order: Optional[list[str]] = None) -> list[Path]:
-    """Write val_ppl.png, memory.png, balance.png into ``run_dir``; return their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    best = best_by_optimizer(summary)
-    best = {o: best[o] for o in _ordered(list(best), order)}
-    colors = {opt: plt.cm.tab10(i % 10) for i, opt in enumerate(best)}
-    label = {opt: f"{opt} (lr {lr:g})" for opt, (lr, _) in best.items()}
-    seeds = max(row["seeds"] for _, row in best.values())
-    band = f", band = min..max over {seeds} seeds" if seeds > 1 else ""
-    paths = []
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    curves = _curves(runs, best, "step", "evals", "val_ppl")
-    for ax, zoom in zip(axes, (False, True)):
-        for opt, (xs, mean, lo, hi) in curves.items():
-            i = sum(x < xs[-1] / 2 for x in xs) if zoom else 0  # steps ascend: the zoom is a suffix
-            ax.plot(xs[i:], mean[i:], marker="o", ms=3, color=colors[opt], label=label[opt])
-            if seeds > 1:
-                ax.fill_between(xs[i:], lo[i:], hi[i:], color=colors[opt], alpha=0.2)
-        ax.grid(alpha=0.3, which="both")
-    axes[0].set(xlabel="step", ylabel="validation perplexity (per byte)", yscale="log",
-                title=f"Validation perplexity{band}")
-    for ticks in (axes[0].yaxis.set_major_formatter, axes[0].yaxis.set_minor_formatter):
-        ticks(matplotlib.ticker.FormatStrFormatter("%g"))  # the log axis labelled in plain numbers
-    axes[1].set(xlabel="step", title="Second half of training")
-    axes[0].legend(fontsize=8)
-    paths.append(_save(fig, run_dir / "val_ppl.png"))
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 0.6 * len(best) + 2), sharey=True)
-    names = list(best)
-    tiers = (("backbone", "tab:blue"), ("expert", "tab:orange"), ("router", "tab:green"))
-    height = 0.8 / len(tiers)
-    for j, (tier, color) in enumerate(tiers):  # one bar per tier on a log axis: a KiB router beside MiB backbones
-        vals = [statistics.fmean(r["summary"]["state_bytes_by_tier"].get(tier, 0) for r in runs
-                                 if r["config"]["optimizer"] == o and r["config"]["lr"] == best[o][0]) for o in names]
-        ys = [i + (j - 1) * height for i in range(len(names))]
-        ax1.barh(ys, [v / _MiB if v else float("nan") for v in vals], height=height, color=color, label=tier)
-        for y, v in zip(ys, vals):
-            ax1.annotate(format_bytes(v), (v / _MiB if v else 1e-3, y), xytext=(3, 0), textcoords="offset points",
-                         va="center", fontsize=7)
-    ax1.set(xlabel="optimizer state (MiB, log scale)", title="Optimizer state by tier", xscale="log",
-            yticks=range(len(names)), yticklabels=names)
-    ax1.set_xlim(right=ax1.get_xlim()[1] * 20)  # room for the labels
-    ax1.legend(fontsize=8, loc="lower right")
-    ax1.invert_yaxis()
-    peak = [best[o][1]["train_peak_memory_bytes"][0] for o in names]
-    ax2.barh(range(len(names)), [v / _MiB for v in peak], color=[colors[o] for o in names])
-    for i, v in enumerate(peak):
-        ax2.annotate(format_bytes(v), (v / _MiB, i), xytext=(3, 0), textcoords="offset points", va="center",
-                     fontsize=7)
-    ax2.set_xlim(right=ax2.get_xlim()[1] * 1.2)
-    kind = runs[0]["summary"]["memory_kind"]
-    ax2.set(xlabel="peak memory above the loaded model (MiB)", title=f"Training peak ({kind})")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3, axis="x")
-    paths.append(_save(fig, run_dir / "memory.png"))
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    curves = _curves(runs, best, "step", "steps", "balance_loss")
-    window = max(1, max(len(c[0]) for c in curves.values()) // 20)
-    model = runs[0]["model"]
-    floor = model["balance_coef"] * (model["n_layer"] // 2)  # uniform routing gives each MoE layer exactly coef
-    for opt, (xs, mean, _, _) in curves.items():
-        ax.plot(xs, [100 * (y / floor - 1) for y in _smooth(mean, window)], color=colors[opt], label=label[opt])
-    ax.axhline(0, color="k", ls="--", lw=1, label=f"uniform routing (loss {floor:g})")
-    ax.set(xlabel="step", ylabel="balance loss above uniform routing (%)",
-           title=f"Training load-balancing loss, sum over MoE layers (moving average of {window} steps)")
-    ax.title.set_fontsize(10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    paths.append(_save(fig, run_dir / "balance.png"))
-    return paths
-
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path
-
-
 def _load_range(runs) -> str:
-    loads = [x for r in runs for x in r["summary"].get("loadavg_1min", [])]
+    logged = [r["summary"].get("loadavg_1min") for r in runs]
+    loads = [x for ls in logged if isinstance(ls, list) for x in ls if isinstance(x, NUMBER)]
     return f"{min(loads):.1f} to {max(loads):.1f}" if loads else "not logged"
+
+
+#: How the memory plot plans the full-size model: as one trains it, bf16 weights on a GPU, one sequence per step.
+FULL_SIZE_PLAN = dict(param_dtype="bf16", device="cuda", batch=1)
+
+
+def full_size_peaks(model: str, optimizers: list[str]) -> tuple[Optional[tuple[str, dict[str, int]]], str]:
+    """The planner's peak per optimizer for the full-size model of a bench's ``model`` (`presets.full_size`:
+    paper-6.78b for the reference presets, a Transformers config without the bench's ``--set``), planned as
+    `FULL_SIZE_PLAN`: ``((what, {optimizer: bytes}), "")``, or ``(None, why not)``."""
+    from . import arms
+    from .planner import plan
+    from .presets import full_size
+
+    spec = full_size(model)
+    planned = [o for o in optimizers if o in arms.ARMS and arms.ARMS[o].state is not None]
+    if not planned:
+        return None, "no optimizer of this bench has a memory model"
+    try:
+        p = plan(spec, optimizers=planned, **FULL_SIZE_PLAN)
+    except (ValueError, OSError, ImportError) as e:
+        return None, f"{spec} could not be planned ({e})"
+    peaks = {o: row.peak for o, row in p.optimizers.items() if row.peak is not None}
+    what = f"{spec} ({p.params / 1e9:.2f}B), bf16, batch 1 x {p.seq}, {p.kernel} kernel"
+    return (what, peaks), ""
+
+
+def _overrides(cfg: dict[str, Any]) -> str:
+    sets = cfg.get("overrides")
+    return f" with `--set {' '.join(f'{k}={json.dumps(v)}' for k, v in sets.items())}`" if isinstance(sets, dict) \
+        and sets else ""
+
+
+def _threads(runs) -> str:
+    counts = sorted({r["threads"] for r in runs})
+    return f"{' or '.join(map(str, counts))} thread{'s' if counts != [1] else ''}"
 
 
 def _same_init(runs) -> str:
@@ -299,11 +193,14 @@ def _same_init(runs) -> str:
 
 
 def render(run_dir: str | Path, baseline: str = "adamw", plots: bool = True) -> str:
-    """Write ``results.md`` (and the plots) for ``run_dir`` from its logs; return the markdown."""
+    """Write ``results.md`` (and the plots) for ``run_dir`` from its valid logs, listing those skipped and why
+    (`load_runs`); return the markdown. ValueError if no log is valid."""
     run_dir = Path(run_dir)
-    runs = load_runs(run_dir)
-    bench_file = run_dir / "bench.json"
-    order = read_log(bench_file, ("optimizers",))["optimizers"] if bench_file.exists() else None
+    runs, skipped = load_runs(run_dir)
+    if not runs:
+        raise ValueError(f"no valid run log in {run_dir / 'runs'} ({len(skipped)} skipped: {'; '.join(skipped)}); "
+                         f"`skewadam bench` with the same --out runs them again")
+    order = bench_order(run_dir)
     summary = summarize(runs)
     first = runs[0]
     cfg, model = first["config"], first["model"]
@@ -311,10 +208,10 @@ def render(run_dir: str | Path, baseline: str = "adamw", plots: bool = True) -> 
     lines = [
         f"# skewadam bench: {run_dir.name}",
         "",
-        f"Model `{cfg['model']}` ({model['params']:,} parameters: "
+        f"Model `{cfg['model']}`{_overrides(cfg)} ({model['params']:,} parameters: "
         + ", ".join(f"{t} {n:,}" for t, n in model["params_by_tier"].items())
         + f"), data {first['data']['name']}, {cfg['steps']} steps of {cfg['batch_size']} x {model['block_size']} "
-        f"tokens, device {cfg['device']}, {' or '.join(map(str, sorted({r['threads'] for r in runs})))} threads, "
+        f"tokens, device {cfg['device']}, {_threads(runs)}, "
         f"seeds {seeds}. "
         f"Machine load (1-min average) during the runs: {_load_range(runs)}. {_same_init(runs)}",
         "",
@@ -330,11 +227,20 @@ def render(run_dir: str | Path, baseline: str = "adamw", plots: bool = True) -> 
         lines += ["", f"**{len(diverged)} run(s) diverged** (a non-finite loss, or a final validation perplexity above "
                   f"{DIVERGED_RATIO:g}x its best; counted in the seeds column): "
                   + "; ".join(f"{name}: {why}" for name, why in diverged) + "."]
+    if skipped:
+        lines += ["", f"**{len(skipped)} run log(s) skipped** (`skewadam bench` with the same --out runs them "
+                  "again): " + "; ".join(skipped) + "."]
     sweep = sweep_table(summary, order)
     if sweep:
         lines += ["", "## Learning-rate sweep: best validation perplexity (bold: best lr)", "", sweep]
     if plots:
-        paths = plot(run_dir, runs, summary, order)
+        from .plots import plot
+
+        best = best_by_optimizer(summary)
+        full, why = full_size_peaks(cfg["model"], list(best))
+        paths = plot(run_dir, runs, {o: best[o] for o in _ordered(list(best), order)}, full)
+        if why:
+            lines += ["", f"The memory plot has no full-size panel: {why}."]
         lines += ["", "Plots: " + ", ".join(f"[{p.name}]({p.name})" for p in paths)]
     text = "\n".join(lines) + "\n"
     (run_dir / "results.md").write_text(text)

@@ -1,7 +1,7 @@
 """``skewadam bench-step``: the time and transient memory of one optimizer step, SkewAdam against torch's optimizers.
 
-Each optimizer steps its own copy of a `skewadam.models` preset (same weights, same fixed random gradients, the same
-per-tier param groups from `skewadam.groups.param_groups`). Steps are timed in interleaved rounds: every round runs
+Each optimizer steps its own copy of a `skewadam.bench.models` preset (same weights, same fixed random gradients, the
+same per-tier param groups from `skewadam.groups.param_groups`). Steps are timed in interleaved rounds: every round runs
 each optimizer ``--steps`` times, in an order that rotates from round to round, so load from other processes falls
 on all of them alike. A ratio is the median over rounds of the ratio of the two optimizers' per-round medians
 (paired), printed with its spread over the rounds (interquartile range and min..max); a time is the median over
@@ -9,8 +9,9 @@ all timed steps. The defaults, 1 thread and the process's CPU time (``--clock cp
 steady on a machine shared with other work: with several threads a descheduled thread stalls the others at every
 parallel region, and wall time counts other processes' turns on the CPU.
 
-The report names the CPU and the instruction sets the C++ kernel was compiled for (``-march=native``: this CPU's
-AVX-512 / AVX2 / FMA flags from ``/proc/cpuinfo``), since the kernel's speed depends on them.
+The report names SkewAdam's kernel backend (`skewadam.kernels.resolve`'s choice for ``--impl`` on CPU), the CPU and
+its instruction sets (this CPU's AVX-512 / AVX2 / FMA flags from ``/proc/cpuinfo``: a compiled kernel is built for
+them, ``-march=native``), since the kernel's speed depends on them.
 
 Transient memory is the peak, during one step, of the bytes allocated through torch's allocator beyond those held
 before it (torch's profiler); the optimizer state (allocated on the first step) is not part of it.
@@ -31,11 +32,11 @@ from typing import Any, Optional
 
 import torch
 
-from .. import arms
-from ..kernels import select
-from ..models import MoETransformer, get_config
-from ..planner import DTYPES
+from ..kernels import BACKENDS, resolve
 from ..state import format_bytes
+from . import arms
+from .models import MoETransformer, get_config
+from .planner import DTYPES
 
 __all__ = ["bench_step", "step_transient_bytes", "format_report", "cpu_info"]
 
@@ -121,18 +122,18 @@ def bench_step(
     lr: float = 1e-3,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Time ``optimizers`` (arms of `skewadam.arms`, built as the bench builds them, at ``lr``; ``impl`` is the kernel
-    of their SkewAdam arms) stepping copies of the model preset; return per-optimizer times, ratios and memory.
+    """Time ``optimizers`` (arms of `skewadam.bench.arms`, built as the bench builds them, at ``lr``; ``impl`` is the
+    kernel backend of their SkewAdam arms) stepping copies of the model preset; return times, ratios and memory.
 
     Returns:
         The settings, the model's ``params``, ``tensors`` and ``largest`` tensor (elements), the SkewAdam
-        ``kernel`` used on CPU, the ``cpu`` model and its ``isa`` flags (`cpu_info`), the load average before and
-        after, and ``results``: per optimizer ``median_s``, ``ratio`` (paired median of the first optimizer's time
-        over this one's), ``ratios`` (one per round) and ``transient_bytes``.
+        ``kernel`` used on CPU (a backend's name), the ``cpu`` model and its ``isa`` flags (`cpu_info`), the load
+        average before and after, and ``results``: per optimizer ``median_s``, ``ratio`` (paired median of the first
+        optimizer's time over this one's), ``ratios`` (one per round) and ``transient_bytes``.
     """
     if not optimizers:
         raise ValueError("bench_step needs at least one optimizer")
-    optimizers = tuple(dict.fromkeys(arms.canonical(n) for n in optimizers))
+    optimizers = tuple(dict.fromkeys(arms.get(n).name for n in optimizers))
     unbuildable = [n for n in optimizers if arms.ARMS[n].make is None]
     if unbuildable:
         raise ValueError(f"{unbuildable}: memory models only; use any of {', '.join(arms.names(buildable=True))}")
@@ -141,6 +142,7 @@ def bench_step(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     timer = time.perf_counter if clock == "wall" else time.process_time
+    kernel = resolve(impl, torch.device("cpu")).name  # what its SkewAdam arms step with; raises if it cannot run
     torch.manual_seed(seed)
     base = MoETransformer(get_config(preset, **(overrides or {}))).to(DTYPES[dtype])
     for p in base.parameters():
@@ -150,7 +152,7 @@ def bench_step(
         model = copy.deepcopy(base)
         for p, q in zip(model.parameters(), base.parameters()):
             p.grad = q.grad.clone()  # deepcopy does not copy .grad
-        opts[name] = arms.ARMS[name].build(model, lr, impl=impl)
+        opts[name] = arms.ARMS[name].build(model, lr, impl=kernel)
     first = optimizers[0]
     memory = {}
     for name, opt in opts.items():
@@ -179,7 +181,7 @@ def bench_step(
     model_name, isa = cpu_info()
     return {
         "preset": preset, "overrides": dict(overrides or {}), "dtype": dtype, "clock": clock,
-        "kernel": "cpp" if select(impl, torch.device("cpu")).__name__.endswith(".cpu") else "eager",
+        "kernel": kernel,
         "threads": torch.get_num_threads(), "params": sum(p.numel() for p in params), "tensors": len(params),
         "largest": max(p.numel() for p in params), "load": (load_before, os.getloadavg()), "rounds": rounds,
         "steps": steps, "cpu": model_name, "isa": isa,
@@ -204,14 +206,12 @@ def format_report(res: dict[str, Any]) -> str:
     first = next(iter(res["results"]))
     over = " ".join(f"{k}={v}" for k, v in res["overrides"].items())
     (l1, _, _), (l2, _, _) = res["load"]
-    kernel = res["kernel"]
-    if kernel == "cpp":  # compiled with -march=native (skewadam.kernels.cpu): for this CPU's instruction sets
-        kernel = f"C++, compiled for this CPU's {' '.join(res['isa']) or 'baseline instruction set'}"
     lines = [
         f"skewadam bench-step: preset {res['preset']!r}{' (' + over + ')' if over else ''}: {res['tensors']} tensors, "
         f"{res['params']:,} parameters, {res['dtype']}; largest tensor {res['largest']:,} elements "
         f"({format_bytes(res['largest'] * 4)} as fp32)",
-        f"CPU: {res['cpu']} ({os.cpu_count()} CPUs); SkewAdam kernel: {kernel}",
+        f"CPU: {res['cpu']} ({os.cpu_count()} CPUs; {' '.join(res['isa']) or 'baseline instruction set'}); SkewAdam "
+        f"kernel: {res['kernel']} ({BACKENDS[res['kernel']].summary})",
         f"{res['threads']} thread{'s' if res['threads'] != 1 else ''}, {res['clock']} clock, {res['rounds']} "
         f"interleaved rounds x {res['steps']} steps, load average {l1:.1f} -> {l2:.1f}",
         f"{'optimizer':<24} {'median ms':>10} {first + ' / this':>22} {'IQR  min-max over rounds':>26} "

@@ -1,0 +1,103 @@
+"""Recipes: named SkewAdam configurations, each with its lr and the evidence for it (`RECIPES`).
+
+``SkewAdam.from_model(model, recipe="quality")`` applies one (`apply`); keyword arguments given beside it override
+it, a dict-valued setting (``orthogonal_options``, ``tier_options``) key by key. ``"paper"``, the paper's tiers, is
+the default. The bench's arms carry the recipes' names.
+
+| recipe    | settings                                                     | lr   | state, paper-6.78b | Newton-Schulz |
+|-----------|--------------------------------------------------------------|------|--------------------|---------------|
+| `paper`   | the paper's tiers (SkewAdam's defaults)                      | 1e-3 | 1.29 GiB (0.025x)  | none          |
+| `lean`    | `momentum_dtype="int8"`: the least memory                    | 1e-3 | 345 MiB (0.007x)   | none          |
+| `quality` | `orthogonal="experts"`, `orthogonal_options={"use_momentum": | 1e-2 | 6.42 GiB (0.127x)  | 8.1e14 FLOPs  |
+|           | True}`, `momentum_dtype="int8"`: Muon's update on the hidden |      |                    | per step      |
+|           | matrices and each expert slice, from int8 Nesterov momentum  |      |                    |               |
+
+State: optimizer statistics in fp32 (x: AdamW's 50.55 GiB), `skewadam plan paper-6.78b --optimizer skewadam
+--optimizer skewadam-int8m --optimizer skewadam-orthogonal-experts-momentum-int8m` (the arms of these settings).
+Newton-Schulz: the matmul FLOPs of its 5 steps over every matrix the recipe orthogonalises
+(`skewadam.groups.orthogonal_flops`; quality: 11 hidden matrices and 384 expert slices of ``[4096, 4096]``),
+against the forward and backward's ~6 x 0.44B active parameters per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+__all__ = ["Recipe", "RECIPES", "DEFAULT_RECIPE", "apply"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A named configuration of `SkewAdam.from_model`.
+
+    Attributes:
+        name: the registry key (the bench arm of these settings carries it).
+        summary: what it is, in a line.
+        settings: `SkewAdam.from_model` keyword arguments (param group options and SkewAdam's own), lr aside.
+        lr: its learning rate, the best the evidence found.
+        state: its optimizer state on the paper's 6.78B model (`paper-6.78b`), and the command that gives it.
+        compute: its extra compute per step on `paper-6.78b` (Newton-Schulz FLOPs, `skewadam.groups.orthogonal_flops`).
+        evidence: why it is a recipe, in a line, with where the runs are.
+    """
+
+    name: str
+    summary: str
+    settings: Mapping[str, Any]
+    lr: float
+    state: str
+    compute: str
+    evidence: str
+
+    def describe(self) -> str:
+        """The recipe in a few lines: its summary, settings and lr, state, compute and evidence."""
+        settings = ", ".join(f"{k}={v!r}" for k, v in self.settings.items()) or "SkewAdam's defaults"
+        return (f"{self.name}: {self.summary}\n  settings: {settings}, lr={self.lr:g}\n  state: {self.state}\n"
+                f"  compute: {self.compute}\n  evidence: {self.evidence}")
+
+
+_PLAN = "skewadam plan paper-6.78b --optimizer {}"
+RECIPES: dict[str, Recipe] = {r.name: r for r in [
+    Recipe("paper", "the paper's tiers: backbone fp32 momentum + factored second moment, experts factored, router "
+           "exact", {}, 1e-3,
+           state=f"1.29 GiB (0.025x AdamW's 50.55 GiB; {_PLAN.format('skewadam')})",
+           compute="none beyond the Adam-style update",
+           evidence="the paper's configuration; on the bench model it matches AdamW at 0.117x its state over 1,000 "
+                    "steps (6.540 ± 0.118 against 6.624 ± 0.077, 3 seeds, docs/study/long.md)"),
+    Recipe("lean", "the paper's tiers with block-wise int8 momentum: the least memory", {"momentum_dtype": "int8"},
+           1e-3,
+           state=f"345.23 MiB (0.007x AdamW's 50.55 GiB; {_PLAN.format('skewadam-int8m')})",
+           compute="none beyond the Adam-style update (and int8 (de)quantisation)",
+           evidence="as good as fp32 momentum at 0.30x its state on the bench model over 200 steps (11.729 ± 0.079 "
+                    "against 11.744 ± 0.083, 3 seeds, docs/study/results.md)"),
+    Recipe("quality", "Muon's update on the hidden matrices and on each expert slice, from Nesterov momentum, every "
+           "momentum block-wise int8: the best configuration measured",
+           {"orthogonal": "experts", "orthogonal_options": {"use_momentum": True}, "momentum_dtype": "int8"}, 1e-2,
+           state=f"6.42 GiB (0.127x AdamW's 50.55 GiB; {_PLAN.format('skewadam-orthogonal-experts-momentum-int8m')})",
+           compute="8.1e14 Newton-Schulz FLOPs per step (1.5e13 for the 11 hidden matrices, 7.9e14 for the 384 expert "
+                   "slices), those of ~300k tokens' forward and backward",
+           evidence="the best arm over 1,000 steps on the bench model: 4.515 ± 0.035 (lr 1e-2, 3 seeds) against "
+                    "Muon+AdamW's 4.684 ± 0.027 and AdamW's 6.624 ± 0.077 (docs/study/long.md; Muon's rows predate "
+                    "its hidden matrices found by structure)"),
+]}
+DEFAULT_RECIPE = "paper"
+
+
+def apply(recipe: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """`SkewAdam.from_model` keyword arguments: ``recipe``'s settings and lr, overridden by ``kwargs`` (a dict-valued
+    setting key by key).
+
+    Example:
+        >>> apply("quality", {"lr": 3e-3})["lr"], apply("quality", {})["orthogonal"]
+        (0.003, 'experts')
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}: use one of {', '.join(RECIPES)} (skewadam.recipes.RECIPES)")
+    found = RECIPES[recipe]
+    out = {"lr": found.lr, **{k: dict(v) if isinstance(v, Mapping) else v for k, v in found.settings.items()}}
+    for key, value in kwargs.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out

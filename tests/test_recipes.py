@@ -1,0 +1,147 @@
+"""Recipes (`skewadam.recipes`): `SkewAdam.from_model(model, recipe=...)` builds each one's configuration at its lr,
+explicit arguments override it, and the state and Newton-Schulz FLOPs each recipe states for `paper-6.78b` are what
+the census, the planner and a FLOP counter give. Also `from_model`'s census in print (``verbose``) and its refusal of
+what is not a model."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from skewadam import SkewAdam, plan
+from skewadam.classify import label
+from skewadam.groups import describe, orthogonal_flops, orthogonal_names, split_kwargs
+from skewadam.kernels.orthogonal import newton_schulz
+from skewadam.bench.models import MoETransformer, get_config
+from skewadam.recipes import RECIPES, apply
+from skewadam.state import format_bytes
+
+
+def _groups(opt: SkewAdam) -> list[dict]:
+    """The param groups without their tensors, for comparing two optimizers' configurations."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def _model():
+    torch.manual_seed(0)
+    return MoETransformer(get_config("tiny"))
+
+
+@pytest.fixture(scope="module")
+def paper_model():
+    with torch.device("meta"):
+        model = MoETransformer(get_config("paper-6.78b"))
+    return model, label(model)
+
+
+# ------------------------------------------------------------------------------------------------ from_model
+def test_from_model_without_a_recipe_is_the_paper_recipe_at_its_lr():
+    model = _model()
+    default = SkewAdam.from_model(model, log=False)
+    assert _groups(default) == _groups(SkewAdam.from_model(model, recipe="paper", log=False))
+    assert default.defaults["lr"] == RECIPES["paper"].lr == 1e-3
+    assert {g["update"] for g in default.param_groups} == {"adam"}
+
+
+def test_the_quality_recipe_is_the_studys_best_configuration_at_its_lr():
+    model = _model()
+    opt = SkewAdam.from_model(model, recipe="quality", log=False)
+    spelled = SkewAdam.from_model(model, lr=1e-2, orthogonal="experts", orthogonal_options={"use_momentum": True},
+                                  momentum_dtype="int8", log=False)
+    assert _groups(opt) == _groups(spelled) and opt.defaults == spelled.defaults
+    orth = [g for g in opt.param_groups if g["update"] == "orthogonal"]
+    assert {g["tier"] for g in orth} == {"backbone", "expert"}
+    assert all(g["use_momentum"] and g["momentum_dtype"] == "int8" for g in orth)
+    assert opt.defaults["lr"] == 1e-2
+
+
+def test_the_lean_recipe_keeps_int8_momentum_and_the_least_state():
+    model = _model()
+    bytes_ = {name: describe(model, defaults=split_kwargs({"recipe": name})[1]).state_bytes
+              for name in ("paper", "lean")}
+    assert SkewAdam.from_model(model, recipe="lean", log=False).defaults["momentum_dtype"] == "int8"
+    assert bytes_["lean"] < bytes_["paper"]
+
+
+def test_explicit_keyword_arguments_override_a_recipe_and_dicts_key_by_key():
+    model = _model()
+    opt = SkewAdam.from_model(model, recipe="quality", lr=3e-3, momentum_dtype="bf16",
+                              orthogonal_options={"lr": 5e-3}, log=False)
+    assert opt.defaults["lr"] == 3e-3 and opt.defaults["momentum_dtype"] == "bf16"
+    orth = [g for g in opt.param_groups if g["update"] == "orthogonal"]
+    assert orth and all(g["lr"] == 5e-3 and g["use_momentum"] for g in orth)  # the recipe's use_momentum stays
+    assert apply("quality", {"orthogonal": False})["orthogonal"] is False
+    assert RECIPES["quality"].settings["orthogonal_options"] == {"use_momentum": True}  # the registry is untouched
+
+
+def test_an_unknown_recipe_is_refused_naming_the_recipes():
+    with pytest.raises(ValueError, match=r"unknown recipe 'fast': use one of paper, lean, quality"):
+        SkewAdam.from_model(_model(), recipe="fast")
+
+
+# ------------------------------------------------------------------------------------------------ stated figures
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_each_recipe_states_the_state_the_census_and_the_planner_give_on_the_papers_model(name, paper_model):
+    model, found = paper_model
+    recipe = RECIPES[name]
+    group, opt = split_kwargs({"recipe": name})
+    census = describe(model, labels=found, tier_options=group.get("tier_options"), defaults=opt,
+                      orthogonal=group.get("orthogonal", False), orthogonal_options=group.get("orthogonal_options"))
+    adamw = 2 * 4 * sum(p.numel() for p in found.trainable.values())  # fp32 exp_avg and exp_avg_sq
+    assert recipe.state.startswith(f"{format_bytes(census.state_bytes)} ({census.state_bytes / adamw:.3f}x AdamW's "
+                                   f"{format_bytes(adamw)}; ")
+    (arm,) = re.findall(r"skewadam plan paper-6\.78b --optimizer (\S+)\)$", recipe.state)
+    assert plan(model, optimizers=[arm])[arm].state.statistics == census.state_bytes
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_each_recipe_states_its_newton_schulz_flops_on_the_papers_model(name, paper_model):
+    model, found = paper_model
+    orthogonal = RECIPES[name].settings.get("orthogonal", False)
+    flops = orthogonal_flops(model, orthogonal, found)
+    if not orthogonal:
+        assert flops == 0 and RECIPES[name].compute.startswith("none")
+        return
+    hidden = orthogonal_flops(model, True, found)
+    slices = sum(found.trainable[n].shape[0] for n, t in found.tiers.items() if t == "expert")  # banks [E, A, B]
+    assert RECIPES[name].compute.startswith(f"{_e(flops)} Newton-Schulz FLOPs per step ({_e(hidden)} for the "
+                                            f"{len(found.hidden)} hidden matrices, {_e(flops - hidden)} for the "
+                                            f"{slices} expert slices)")
+
+
+def _e(x: float) -> str:
+    """``x`` as the recipes write FLOPs: ``8.1e14``."""
+    return f"{x:.1e}".replace("e+", "e")
+
+
+def test_orthogonal_flops_are_the_matmul_flops_torch_counts_for_newton_schulz():
+    model = _model()
+    names = orthogonal_names(model, label(model), "experts")
+    shapes = {n: p.shape for n, p in model.named_parameters() if n in set(names)}
+    counter = FlopCounterMode(display=False)
+    with counter:
+        for shape in shapes.values():
+            newton_schulz(torch.randn(shape))
+    assert orthogonal_flops(model, "experts") == counter.get_total_flops() > 0
+
+
+# ------------------------------------------------------------------------------------------------ the census, bad input
+def test_verbose_prints_the_census_where_the_user_looks(capsys):
+    SkewAdam.from_model(_model(), recipe="quality", verbose=True, log=False)
+    out = capsys.readouterr().out
+    assert out.startswith("SkewAdam tiers of MoETransformer") and all(t in out for t in ("backbone", "expert",
+                                                                                         "router", "total"))
+    SkewAdam.from_model(_model(), log=False)
+    assert capsys.readouterr().out == ""  # quiet unless asked
+
+
+def test_from_model_given_parameters_says_in_one_line_to_pass_the_model():
+    model = _model()
+    with pytest.raises(TypeError) as caught:
+        SkewAdam.from_model(list(model.parameters()))
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("expected the model (an nn.Module), got list")
+    assert "SkewAdam(params, tier=" in message
