@@ -4,10 +4,10 @@ its model's hidden matrices are every attention and dense-FFN weight (none taken
 
 from __future__ import annotations
 
-from skewadam import arms
+from skewadam.bench import arms
+from skewadam.bench.config import get_preset
+from skewadam.bench.models import MoETransformer, get_config
 from skewadam.classify import classify, hidden_matrices
-from skewadam.harness.config import get_preset
-from skewadam.models import MoETransformer, get_config
 
 
 def test_study_20m_trains_20m_parameters_for_1000_steps_with_3_lrs_per_arm():
