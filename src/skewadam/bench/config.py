@@ -25,9 +25,10 @@ __all__ = ["RunConfig", "BenchConfig", "PRESETS", "ALL", "DEFAULT_OPTIMIZERS", "
 
 #: The default bench (`default`: ``skewadam bench`` with no arguments), set here in one place: which arms, how many
 #: steps, an evaluation every how many, and lrs other than each arm's registry lr (``{arm: (lr, ...)}``).
-DEFAULT_OPTIMIZERS: tuple[str, ...] = ("adamw", "adafactor", "muon", "skewadam")
-DEFAULT_STEPS = 60
-DEFAULT_EVAL_INTERVAL = 15
+DEFAULT_OPTIMIZERS: tuple[str, ...] = ("adamw", "adafactor", "muon", "skewadam",
+                                       "skewadam-orthogonal-experts-momentum-int8m")
+DEFAULT_STEPS = 200  # the study's horizon: its ranking and its lrs (docs/study/rerun.md); 60 steps rank otherwise
+DEFAULT_EVAL_INTERVAL = 25
 DEFAULT_LRS: dict[str, tuple[float, ...]] = {}
 
 
