@@ -129,3 +129,17 @@ def test_a_transformers_moe_trains_in_the_harness_with_tiers_logs_and_plots(tmp_
     text = report.render(tmp_path, plots=True)
     assert "Model `qwen3-30b-a3b` with `--set hidden_size=32" in text and "| skewadam | 0.001 | 1 |" in text
     assert (tmp_path / "balance.png").exists()
+
+
+def test_a_bench_directory_written_before_a_setting_existed_resumes_and_another_setup_is_refused(tmp_path):
+    """``bench.json`` of an earlier version lacks settings added since (``overrides``): they count at their default;
+    a setting that differs still refuses the directory, naming it."""
+    from skewadam.bench.run import _check_resume, _identity
+
+    bench = BenchConfig(base=RunConfig(model="tiny", steps=2), optimizers=["adamw"])
+    older = {k: v for k, v in _identity(bench.base).items() if k != "overrides"}
+    (tmp_path / "bench.json").write_text(json.dumps({"base": older, "optimizers": ["skewadam"]}))
+    assert _check_resume(tmp_path, bench) == ["skewadam", "adamw"]
+    changed = BenchConfig(base=RunConfig(model="tiny", steps=3), optimizers=["adamw"])
+    with pytest.raises(ValueError, match=r"different setup \(steps: 2 there vs 3 now\)"):
+        _check_resume(tmp_path, changed)

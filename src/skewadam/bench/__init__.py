@@ -5,7 +5,7 @@ Its modules, each importing only those above it in this list (the planner thereb
 a kernel module: an arm's builder imports the optimizer when it runs):
 
 extras.py      optional dependencies: what is missing, quiet third-party imports
-models.py      the reference MoE transformer and its size presets (tiny, cpu, paper-6.78b)
+models.py      the reference MoE transformer and its size presets (tiny, cpu, cpu-20m, paper-6.78b)
 data.py        corpora as byte tokens: the embedded Shakespeare or a user's folder, split by document
 presets.py     models by name: the reference presets and Transformers MoE configs, built without downloads
 arms.py        the arms: every optimizer under comparison, one registry (name, label, lr, builder, memory model)

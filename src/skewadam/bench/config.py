@@ -25,9 +25,10 @@ __all__ = ["RunConfig", "BenchConfig", "PRESETS", "ALL", "DEFAULT_OPTIMIZERS", "
 
 #: The default bench (`default`: ``skewadam bench`` with no arguments), set here in one place: which arms, how many
 #: steps, an evaluation every how many, and lrs other than each arm's registry lr (``{arm: (lr, ...)}``).
-DEFAULT_OPTIMIZERS: tuple[str, ...] = ("adamw", "adafactor", "muon", "skewadam")
-DEFAULT_STEPS = 60
-DEFAULT_EVAL_INTERVAL = 15
+DEFAULT_OPTIMIZERS: tuple[str, ...] = ("adamw", "adafactor", "muon", "skewadam",
+                                       "skewadam-orthogonal-experts-momentum-int8m")
+DEFAULT_STEPS = 200  # the study's horizon: its ranking and its lrs (docs/study/rerun.md); 60 steps rank otherwise
+DEFAULT_EVAL_INTERVAL = 25
 DEFAULT_LRS: dict[str, tuple[float, ...]] = {}
 
 
@@ -264,8 +265,27 @@ def study_orth() -> BenchConfig:
     return BenchConfig(base=study().base, optimizers=tuple(STUDY_ORTH_LRS), lrs=dict(STUDY_ORTH_LRS), seeds=3)
 
 
+#: the 10x study's grid (docs/study/scale.md): 3 half-decade lrs per arm around its best at 1,000 steps on the `cpu`
+#: model (docs/study/long.md)
+STUDY_20M_LRS: dict[str, tuple[float, ...]] = {
+    "adamw": (3e-4, 1e-3, 3e-3),
+    "muon": (1e-3, 3e-3, 1e-2),
+    "skewadam": (3e-4, 1e-3, 3e-3),
+    "skewadam-int8m": (3e-4, 1e-3, 3e-3),
+    "skewadam-orthogonal-experts-momentum-int8m": (3e-3, 1e-2, 3e-2),
+}
+
+
+def study_20m() -> BenchConfig:
+    """The 10x study: model ``cpu-20m`` (20.3M parameters), 1,000 steps of 16 x 128 tokens, 8 validation batches
+    every 50, 1 thread a run, 3 lrs x 3 seeds per arm; 20-150 minutes a run on a shared 2-core CPU, so the study ran
+    a chosen subset of it (docs/study/scale.md says which)."""
+    return BenchConfig(base=RunConfig(model="cpu-20m", steps=1000, eval_interval=50, threads=1),
+                       optimizers=tuple(STUDY_20M_LRS), lrs=dict(STUDY_20M_LRS), seeds=3)
+
+
 PRESETS: dict[str, Callable[[], BenchConfig]] = {"default": default, "smoke": smoke, "study": study,
-                                                 "study-orth": study_orth}
+                                                 "study-orth": study_orth, "study-20m": study_20m}
 
 
 def get_preset(name: str) -> BenchConfig:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from . import arms, extras
-from .config import PER_RUN_FIELDS, BenchConfig, RunConfig, run_identity, run_name
+from .config import PER_RUN_FIELDS, BenchConfig, RunConfig, run_identity, run_name, with_defaults
 from .logs import BENCH_SCHEMA, identity_problem, read_log
 from .models import CONFIGS
 from .report import divergence
@@ -83,7 +83,8 @@ def _check_resume(out: Path, bench: BenchConfig) -> list[str]:
     order = list(bench.optimizers)
     if path.exists():
         saved = read_log(path, BENCH_SCHEMA)
-        diff = {k: (saved["base"].get(k), v) for k, v in identity.items() if saved["base"].get(k) != v}
+        base = with_defaults(saved["base"])  # (settings added since it was written: at their defaults)
+        diff = {k: (base.get(k), v) for k, v in identity.items() if base.get(k) != v}
         if diff:
             changes = ", ".join(f"{k}: {a!r} there vs {b!r} now" for k, (a, b) in diff.items())
             raise ValueError(f"{out} holds runs of a different setup ({changes}); use another --out, or the same "
