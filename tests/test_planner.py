@@ -11,15 +11,12 @@ import json
 import subprocess
 import sys
 import textwrap
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import skewadam
 from skewadam import SkewAdam
@@ -30,6 +27,8 @@ from skewadam.bench.presets import HF_PRESETS, load_model, preset_names
 from skewadam.classify import classify
 from skewadam.kernels import BACKENDS, Backend, resolve
 from skewadam.state import measure_state
+
+from allocations import Allocations
 
 GiB = 2**30
 SRC = Path(skewadam.__file__).parent
@@ -322,36 +321,6 @@ def test_plan_without_a_vocabulary_reports_state_and_says_why_no_peak():
 
 
 # ---------------------------------------------------------------------------------------------- the estimate
-class _Allocations(TorchDispatchMode):
-    """Peak bytes of live tensor storages created inside the mode (exact tensor accounting, no allocator)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
-            s = t.untyped_storage()
-            ptr, n = s.data_ptr(), s.nbytes()
-            if ptr in inputs or ptr in self._seen or n == 0:  # in-place results and known storages
-                continue
-            self._seen.add(ptr)
-            self.live += n
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(s, self._free, ptr, n)
-        return out
-
-    def _free(self, ptr: int, n: int) -> None:
-        self._seen.discard(ptr)
-        self.live -= n
-
-
 @pytest.mark.parametrize("optimizer,param_dtype,impl,batch,seq", [
     ("skewadam", "fp32", "eager", 4, 64), ("skewadam", "bf16", "eager", 4, 64), ("skewadam", "bf16", "cpp", 1, 8),
     ("adamw", "fp32", "eager", 1, 8), ("adamw-foreach", "fp32", "eager", 1, 8), ("adafactor", "fp32", "eager", 1, 8),
@@ -374,7 +343,7 @@ def test_peak_estimate_is_within_5_percent_of_tracked_tensor_bytes(optimizer, pa
                      n_experts=16)
     dtype = torch.bfloat16 if param_dtype == "bf16" else torch.float32
     torch.manual_seed(0)
-    with _Allocations() as tracked:
+    with Allocations() as tracked:
         model = load_model("cpu", device="cpu", dtype=dtype, overrides=overrides)
         train_steps(model, arms.get(optimizer).build(model), batch, seq, 2)  # step 2 has the state from the start
     estimate = plan(model, batch=batch, seq=seq, param_dtype=param_dtype, optimizers=[optimizer], impl=impl)

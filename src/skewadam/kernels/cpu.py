@@ -47,10 +47,9 @@ from .types import (RELATIVE_STEP_EPS, ROW_MEAN_FLOOR, GradStats, Group, Moments
 
 __all__ = [
     "GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "step_", "unit_dims", "stat_dims",
-    "load", "available", "built", "stochastic_round_bf16", "SKIP_ON_HOST",
+    "load", "available", "built", "stochastic_round_bf16",
 ]
 
-SKIP_ON_HOST = True  # ``skip`` is a CPU tensor, read by the kernel (free on the CPU)
 
 _SOURCE = Path(__file__).with_name("csrc") / "skewadam_cpu.cpp"
 

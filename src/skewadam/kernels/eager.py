@@ -62,12 +62,11 @@ from .types import (RELATIVE_STEP_EPS, ROW_MEAN_FLOOR, GradStats, Group, Moments
                     all_finite, check, check_lr, stat_dims, unit_dims, unit_numel)
 
 __all__ = ["GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "step_", "unit_dims",
-           "stat_dims", "chunk_slices", "ema", "step_key", "CHUNK_NUMEL", "BLOCK_NUMEL", "SKIP_ON_HOST",
+           "stat_dims", "chunk_slices", "ema", "step_key", "CHUNK_NUMEL", "BLOCK_NUMEL",
            "step_transient_bytes"]
 
 CHUNK_NUMEL = 1 << 24  # 64 MiB of fp32: tensors above this are processed a chunk of whole dim-0 slices at a time
 BLOCK_NUMEL = 1 << 20  # sums are taken per block of whole dim-0 slices of about this many elements
-SKIP_ON_HOST = True  # a tensor ``skip`` is read on the host (one sync on GPU); the optimizer reads it once per step
 
 Scalar = Union[float, Tensor]
 Beta = Union[float, tuple[Tensor, Tensor]]  # an EMA's beta: a float, or per-slice coefficients (beta, 1 - beta)
