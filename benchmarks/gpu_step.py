@@ -237,7 +237,7 @@ def train_memory(dtype_name: str, args, device, model_spec: dict) -> dict[str, A
     from skewadam.groups import param_groups
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
-    arm = {"fp32": "skewadam", "bf16": "skewadam-bf16m", "int8": "skewadam-int8m"}[args.momentum_dtype]
+    arm = {"fp32": "skewadam", "bf16": "skewadam-bf16m", "int8": "skewadam-lean"}[args.momentum_dtype]
     cuda = device.type == "cuda"
     modes = {"regular": {}}
     if _takes(SkewAdam, "in_backward"):  # the step inside backward, where this build has it

@@ -41,10 +41,10 @@ def test_python_m_skewadam_is_the_skewadam_command(tmp_path):
 
 # ----------------------------------------------------------------------------------------- one vocabulary of names
 def test_plan_bench_and_bench_step_take_the_same_names_and_no_aliases(capsys):
-    plan = json.loads(_cli(["plan", "tiny", "--json", "--optimizer", "skewadam-int8m"], capsys))
-    assert list(plan["optimizers"]) == ["skewadam-int8m"]
-    assert parse_optimizers("skewadam-int8m,skewadam-expert-momentum") == ("skewadam-int8m", "skewadam-expert-momentum")
-    assert _bench_step_rows(["--optimizers", "skewadam-int8m", "adamw"], capsys) == ["skewadam", "skewadam-int8m",
+    plan = json.loads(_cli(["plan", "tiny", "--json", "--optimizer", "skewadam-lean"], capsys))
+    assert list(plan["optimizers"]) == ["skewadam-lean"]
+    assert parse_optimizers("skewadam-lean,skewadam-expert-momentum") == ("skewadam-lean", "skewadam-expert-momentum")
+    assert _bench_step_rows(["--optimizers", "skewadam-lean", "adamw"], capsys) == ["skewadam", "skewadam-lean",
                                                                                     "adamw"]
     for old in ("skewadam-add", "skewadam-int8", "adamw8bit", "SkewAdam", "AdamW fused", "skewadam-eager"):
         with pytest.raises(ValueError, match=f"unknown optimizer '{old}'"):
@@ -239,8 +239,8 @@ def _bench_step_rows(flags, capsys) -> list[str]:
 def test_bench_step_prints_times_ratios_and_memory(capsys):
     assert _bench_step_rows([], capsys) == list(arms.BENCH_STEP_DEFAULT)
     # the bench's arms too, built with their own param groups (Muon's hidden matrices, the int8 momentum)
-    assert _bench_step_rows(["--optimizers", "muon", "skewadam-int8m"], capsys) == ["skewadam", "muon",
-                                                                                  "skewadam-int8m"]
+    assert _bench_step_rows(["--optimizers", "muon", "skewadam-lean"], capsys) == ["skewadam", "muon",
+                                                                                  "skewadam-lean"]
 
 
 # ------------------------------------------------------------------------------- a user's mistake: one line
@@ -361,7 +361,7 @@ def test_every_printed_size_is_in_binary_units(capsys):
 
 # -------------------------------------------------------------------------------------------------- defaults
 #: The names docs/study/results.md's runs were made under, where they differ from the registry's.
-_STUDY_NAMES = {"skewadam-add": "skewadam", "skewadam-int8": "skewadam-int8m"}
+_STUDY_NAMES = {"skewadam-add": "skewadam", "skewadam-int8": "skewadam-lean"}
 
 
 def _study_best_lrs() -> dict[str, float]:

@@ -132,11 +132,11 @@ def test_momentum_dtype_is_validated():
 
 
 def test_plan_int8_momentum_paper_model_about_a_third_of_a_gib():
-    result = plan("paper-6.78b", optimizers=["adamw", "skewadam", "skewadam-int8m"])
+    result = plan("paper-6.78b", optimizers=["adamw", "skewadam", "skewadam-lean"])
     stats = {name: entry.state.statistics for name, entry in result.optimizers.items()}
     assert stats["skewadam"] == 1_380_029_764
-    assert 0.32 * 2**30 < stats["skewadam-int8m"] < 0.35 * 2**30
-    assert stats["skewadam-int8m"] / stats["adamw"] < 0.007
+    assert 0.32 * 2**30 < stats["skewadam-lean"] < 0.35 * 2**30
+    assert stats["skewadam-lean"] / stats["adamw"] < 0.007
 
 
 # (shape, tier, overrides), all with momentum: 1-D to 4-D, last dims not a multiple of BLOCK (a padded last block),

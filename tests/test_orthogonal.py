@@ -386,12 +386,12 @@ def test_the_orthogonal_kernel_refuses_records_that_do_not_fit_naming_the_parame
 
 def test_the_recommended_recipe_builds_the_arm_with_int8_expert_momentum():
     """README's one line (``orthogonal="experts"``, ``orthogonal_options={"use_momentum": True}``,
-    ``momentum_dtype="int8"``) gives the groups of arm skewadam-orthogonal-experts-momentum-int8m: every orthogonal
+    ``momentum_dtype="int8"``) gives the groups of arm skewadam-quality: every orthogonal
     group, the experts' too, keeps int8 momentum; the router keeps none; the state is what the planner counts."""
     model = _model()
     recipe = SkewAdam.from_model(model, log=False, lr=1e-2, orthogonal="experts",
                                  orthogonal_options={"use_momentum": True}, momentum_dtype="int8")
-    arm = arms.get("skewadam-orthogonal-experts-momentum-int8m").build(model, lr=1e-2)
+    arm = arms.get("skewadam-quality").build(model, lr=1e-2)
     keys = ("tier", "update", "use_momentum", "use_factored", "momentum_dtype", "betas", "param_names")
     assert [[g[k] for k in keys] for g in recipe.param_groups] == [[g[k] for k in keys] for g in arm.param_groups]
     orth = [g for g in recipe.param_groups if g["update"] == "orthogonal"]
@@ -401,5 +401,5 @@ def test_the_recommended_recipe_builds_the_arm_with_int8_expert_momentum():
     for g in orth:
         for p in g["params"]:
             assert recipe.state[p]["exp_avg"].dtype == torch.int8
-    planned = plan(model, optimizers=["skewadam-orthogonal-experts-momentum-int8m"])
-    assert planned["skewadam-orthogonal-experts-momentum-int8m"].state.statistics == recipe.state_bytes().statistics
+    planned = plan(model, optimizers=["skewadam-quality"])
+    assert planned["skewadam-quality"].state.statistics == recipe.state_bytes().statistics

@@ -82,6 +82,21 @@ def test_an_unknown_recipe_is_refused_naming_the_recipes():
         SkewAdam.from_model(_model(), recipe="fast")
 
 
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_each_recipe_is_the_bench_arm_of_its_name(name):
+    """``skewadam`` is the paper recipe's arm, ``skewadam-<recipe>`` each other's: the same param groups and
+    settings as ``from_model(recipe=...)`` at one lr and weight decay (the bench's arms set their own)."""
+    from skewadam.bench import arms
+
+    model = _model()
+    arm = arms.get("skewadam" if name == "paper" else f"skewadam-{name}")
+    built = arm.build(model, lr=RECIPES[name].lr, weight_decay=0.0)
+    made = SkewAdam.from_model(model, recipe=name)
+    assert built.defaults == made.defaults
+    assert [{**g, "params": [id(p) for p in g["params"]]} for g in built.param_groups] == \
+        [{**g, "params": [id(p) for p in g["params"]]} for g in made.param_groups]
+
+
 # ------------------------------------------------------------------------------------------------ stated figures
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_each_recipe_states_the_state_the_census_and_the_planner_give_on_the_papers_model(name, paper_model):

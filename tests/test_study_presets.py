@@ -20,8 +20,8 @@ def test_study_20m_trains_20m_parameters_for_1000_steps_with_3_lrs_per_arm():
     assert model.num_params() >= 20_000_000
     assert abs(expert / model.num_params() - cpu_expert / cpu.num_params()) < 0.01
     assert bench.base.steps >= 1000 and bench.base.threads == 1
-    assert set(bench.optimizers) == {"adamw", "muon", "skewadam", "skewadam-int8m",
-                                     "skewadam-orthogonal-experts-momentum-int8m"}
+    assert set(bench.optimizers) == {"adamw", "muon", "skewadam", "skewadam-lean",
+                                     "skewadam-quality"}
     for name in bench.optimizers:
         grid = bench.lrs[name]
         assert len(grid) == 3 and list(grid) == sorted(grid), name

@@ -305,7 +305,7 @@ def param_groups(
     matrices (an expert group with ``update="orthogonal"``, no momentum: per expert, from the gradient);
     ``orthogonal_options`` overrides those groups' settings (applied after ``tier_options``):
     ``{"use_momentum": True}`` with ``"experts"`` gives the expert slices Nesterov momentum too (the study's best with
-    ``momentum_dtype="int8"``, arm ``skewadam-orthogonal-experts-momentum-int8m``).
+    ``momentum_dtype="int8"``, arm ``skewadam-quality``).
 
     Example:
         >>> opt = SkewAdam(param_groups(model, weight_decay=0.1, exempt_1d=True), lr=3e-4)

@@ -2,7 +2,8 @@
 
 ``SkewAdam.from_model(model, recipe="quality")`` applies one (`apply`); keyword arguments given beside it override
 it, a dict-valued setting (``orthogonal_options``, ``tier_options``) key by key. ``"paper"``, the paper's tiers, is
-the default. The bench's arms carry the recipes' names.
+the default. The bench arms of these settings carry their names: ``skewadam`` (paper), ``skewadam-lean``,
+``skewadam-quality``.
 
 | recipe    | settings                                                     | lr   | state, paper-6.78b | Newton-Schulz |
 |-----------|--------------------------------------------------------------|------|--------------------|---------------|
@@ -13,7 +14,7 @@ the default. The bench's arms carry the recipes' names.
 |           | matrices and each expert slice, from int8 Nesterov momentum  |      |                    |               |
 
 State: optimizer statistics in fp32 (x: AdamW's 50.55 GiB), `skewadam plan paper-6.78b --optimizer skewadam
---optimizer skewadam-int8m --optimizer skewadam-orthogonal-experts-momentum-int8m` (the arms of these settings).
+--optimizer skewadam-lean --optimizer skewadam-quality` (the arms of these settings).
 Newton-Schulz: the matmul FLOPs of its 5 steps over every matrix the recipe orthogonalises
 (`skewadam.groups.orthogonal_flops`; quality: 11 hidden matrices and 384 expert slices of ``[4096, 4096]``),
 against the forward and backward's ~6 x 0.44B active parameters per token.
@@ -66,14 +67,14 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
                     "steps (6.540 ± 0.118 against 6.624 ± 0.077, 3 seeds, docs/study/long.md)"),
     Recipe("lean", "the paper's tiers with block-wise int8 momentum: the least memory", {"momentum_dtype": "int8"},
            1e-3,
-           state=f"345.23 MiB (0.007x AdamW's 50.55 GiB; {_PLAN.format('skewadam-int8m')})",
+           state=f"345.23 MiB (0.007x AdamW's 50.55 GiB; {_PLAN.format('skewadam-lean')})",
            compute="none beyond the Adam-style update (and int8 (de)quantisation)",
            evidence="as good as fp32 momentum at 0.30x its state on the bench model over 200 steps (11.729 ± 0.079 "
                     "against 11.744 ± 0.083, 3 seeds, docs/study/results.md)"),
     Recipe("quality", "Muon's update on the hidden matrices and on each expert slice, from Nesterov momentum, every "
            "momentum block-wise int8: the best configuration measured",
            {"orthogonal": "experts", "orthogonal_options": {"use_momentum": True}, "momentum_dtype": "int8"}, 1e-2,
-           state=f"6.42 GiB (0.127x AdamW's 50.55 GiB; {_PLAN.format('skewadam-orthogonal-experts-momentum-int8m')})",
+           state=f"6.42 GiB (0.127x AdamW's 50.55 GiB; {_PLAN.format('skewadam-quality')})",
            compute="8.1e14 Newton-Schulz FLOPs per step (1.5e13 for the 11 hidden matrices, 7.9e14 for the 384 expert "
                    "slices), those of ~300k tokens' forward and backward",
            evidence="the best arm over 1,000 steps on the bench model: 4.515 ± 0.035 (lr 1e-2, 3 seeds) against "

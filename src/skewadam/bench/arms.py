@@ -18,9 +18,9 @@ kernel.
 | muon                      | torch.optim.Muon on the hidden matrices (`skewadam.classify.hidden_matrices`:     |
 |                           | attention, dense FFN), lr matched to AdamW's RMS; AdamW (fused) on embeddings,    |
 |                           | norms, router and the 3-D expert banks                                            |
-| skewadam                  | SkewAdam's defaults: paper tiers, eps_mode="add" (Adafactor's)                    |
+| skewadam                  | the recipe "paper", SkewAdam's defaults: paper tiers, eps_mode="add"            |
 | skewadam-floor            | SkewAdam, paper tiers, eps_mode="floor" (the paper's)                             |
-| skewadam-int8m            | skewadam, momentum block-wise int8 (momentum_dtype="int8")                        |
+| skewadam-lean             | the recipe "lean": skewadam, momentum block-wise int8 (momentum_dtype="int8")     |
 | skewadam-bf16m            | skewadam, momentum in bf16 (momentum_dtype="bf16")                                |
 | skewadam-expert-momentum  | ablation: experts also keep momentum                                              |
 | skewadam-factored-router  | ablation: the router's second moment factored too                                 |
@@ -30,7 +30,8 @@ kernel.
 | skewadam-orthogonal-experts | skewadam-orthogonal + expert banks orthogonalised per expert from the gradient  |
 | skewadam-orthogonal-experts-momentum | skewadam-orthogonal-experts, expert slices with Nesterov momentum too   |
 |                           | (Muon per expert; over a 0.15x budget where experts are most of the model)        |
-| skewadam-orthogonal-experts-momentum-int8m | that, every momentum block-wise int8: the best arm of the study   |
+| skewadam-quality          | the recipe "quality": that, every momentum block-wise int8 (the best of the     |
+|                           | study); lr 3e-2, its best at the bench's 200 steps (the recipe's 1e-2: 1,000)     |
 | skewadam-relative-step    | skewadam, update x max(1e-3, rms(p)) per unit (Adafactor's relative step)         |
 | skewadam-in-backward      | skewadam stepped inside backward (in_backward=True): each gradient freed as soon  |
 |                           | as backward completes it; skewadam's bits; trains at --grad-clip 0 (no clip)      |
@@ -128,7 +129,7 @@ class Arm:
         """The optimizer over ``model``'s parameters, one param group per tier (``impl``: SkewAdam's kernel).
 
         Example:
-            >>> opt = get("skewadam-int8m").build(model, lr=1e-3)
+            >>> opt = get("skewadam-lean").build(model, lr=1e-3)
         """
         if self.make is None:
             raise ValueError(f"{self.name} is a memory model only (its library is not a dependency): plan it, "
@@ -331,7 +332,7 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
     _skewadam("skewadam", "SkewAdam (paper tiers, eps_mode='add')"),
     _skewadam("skewadam-floor", "SkewAdam (paper tiers, eps_mode='floor', the paper's)", options={"eps_mode": "floor"},
               lr=1e-2),
-    _skewadam("skewadam-int8m", "SkewAdam, int8 block-wise momentum", options={"momentum_dtype": "int8"}),
+    _skewadam("skewadam-lean", "SkewAdam's lean recipe: int8 block-wise momentum", options={"momentum_dtype": "int8"}),
     _skewadam("skewadam-bf16m", "SkewAdam, bf16 momentum", options={"momentum_dtype": "bf16"}),
     _skewadam("skewadam-expert-momentum", "SkewAdam, experts keep momentum",
               tier_options={"expert": {"use_momentum": True}}),
@@ -345,8 +346,8 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
     _skewadam("skewadam-orthogonal-experts-momentum",
               "skewadam-orthogonal-experts, expert slices with Nesterov momentum", orthogonal="experts",
               tier_options={"expert": {"use_momentum": True}}, lr=3e-2),  # its int8 twin's best (not swept itself)
-    _skewadam("skewadam-orthogonal-experts-momentum-int8m",
-              "skewadam-orthogonal-experts-momentum, every momentum block-wise int8",
+    _skewadam("skewadam-quality", "SkewAdam's quality recipe: hidden matrices and expert slices orthogonal from int8 "
+              "Nesterov momentum",
               options={"momentum_dtype": "int8"}, orthogonal="experts", tier_options={"expert": {"use_momentum": True}},
               lr=3e-2),
     _skewadam("skewadam-relative-step", "SkewAdam, update x max(1e-3, rms(p)) (Adafactor's relative step)",
@@ -357,7 +358,7 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
 ]}
 
 PLAN_DEFAULT = ("adamw", "adamw8bit-bnb", "adamw8bit-torchao", "adafactor", "skewadam", "skewadam-expert-momentum",
-                "skewadam-factored-router", "skewadam-uniform", "skewadam-bf16m", "skewadam-int8m")
+                "skewadam-factored-router", "skewadam-uniform", "skewadam-bf16m", "skewadam-lean")
 BENCH_STEP_DEFAULT = ("skewadam", "adamw", "adamw-foreach", "adafactor")  # the first is the one compared with
 
 
@@ -371,7 +372,7 @@ def get(name: str) -> Arm:
     """The arm called ``name``; ValueError naming the choices if there is none.
 
     Example:
-        >>> get("skewadam-int8m").label
+        >>> get("skewadam-lean").label
         'SkewAdam, int8 block-wise momentum'
     """
     if name not in ARMS:

@@ -26,7 +26,7 @@ __all__ = ["RunConfig", "BenchConfig", "PRESETS", "ALL", "DEFAULT_OPTIMIZERS", "
 #: The default bench (`default`: ``skewadam bench`` with no arguments), set here in one place: which arms, how many
 #: steps, an evaluation every how many, and lrs other than each arm's registry lr (``{arm: (lr, ...)}``).
 DEFAULT_OPTIMIZERS: tuple[str, ...] = ("adamw", "adafactor", "muon", "skewadam",
-                                       "skewadam-orthogonal-experts-momentum-int8m")
+                                       "skewadam-quality")
 DEFAULT_STEPS = 200  # the study's horizon: its ranking and its lrs (docs/study/rerun.md); 60 steps rank otherwise
 DEFAULT_EVAL_INTERVAL = 25
 DEFAULT_LRS: dict[str, tuple[float, ...]] = {}
@@ -198,7 +198,7 @@ def _trainable(name: str) -> str:
 #: What ``--optimizers all`` trains: every arm that builds, one implementation of each.
 ALL = tuple(arms.names(buildable=True, variants=False))
 #: The arms of the study in docs/study/results.md, fixed so that the preset reproduces it as new arms come.
-STUDY_ARMS = ("skewadam-floor", "skewadam", "adamw", "skewadam-int8m", "adafactor", "muon", "skewadam-expert-momentum",
+STUDY_ARMS = ("skewadam-floor", "skewadam", "adamw", "skewadam-lean", "adafactor", "muon", "skewadam-expert-momentum",
               "skewadam-factored-router", "skewadam-uniform", "skewadam-bf16m", "adamw8bit-torchao")
 
 
@@ -252,7 +252,7 @@ def study() -> BenchConfig:
 STUDY_ORTH_LRS: dict[str, tuple[float, ...]] = {
     "skewadam-orthogonal": (3e-3, 1e-2, 3e-2),
     "skewadam-orthogonal-experts": (1e-2, 3e-2, 1e-1),
-    "skewadam-orthogonal-experts-momentum-int8m": (1e-2, 3e-2, 1e-1),
+    "skewadam-quality": (1e-2, 3e-2, 1e-1),
     "skewadam-relative-step": (3e-2, 1e-1, 3e-1),
 }
 
@@ -271,8 +271,8 @@ STUDY_20M_LRS: dict[str, tuple[float, ...]] = {
     "adamw": (3e-4, 1e-3, 3e-3),
     "muon": (1e-3, 3e-3, 1e-2),
     "skewadam": (3e-4, 1e-3, 3e-3),
-    "skewadam-int8m": (3e-4, 1e-3, 3e-3),
-    "skewadam-orthogonal-experts-momentum-int8m": (3e-3, 1e-2, 3e-2),
+    "skewadam-lean": (3e-4, 1e-3, 3e-3),
+    "skewadam-quality": (3e-3, 1e-2, 3e-2),
 }
 
 
