@@ -1211,6 +1211,11 @@ template <class T, int NS>
 struct FactoredDir {  // u = src * (rinv_i * c) * cinv_j, rs[s] = rinv_i * c for the row of run s
   using Ptr = const T*;
   T rs[NS];
+  static FactoredDir rows(const T* rinv, int64_t i, int64_t qr, T c) {  // runs s at rows i + s * qr
+    FactoredDir d;
+    for (int s = 0; s < NS; ++s) d.rs[s] = rinv[i + s * qr] * c;
+    return d;
+  }
   void moment(Ptr, int64_t, T) const {}
   T u(Ptr __restrict cinv, int s, int64_t j, int64_t, T src) const { return src * rs[s] * cinv[j]; }
   T plus(Ptr __restrict cinv, int s, int64_t j, int64_t, T src, T base) const {
@@ -1323,10 +1328,7 @@ double p2_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
       factored_spans<kChunked>(G, b, [&](auto ns, int64_t e, int64_t stride, int64_t n, int64_t mt, int64_t i,
                                          int64_t qr, int64_t c0) {
         constexpr int NS = decltype(ns)::value;
-        const T corr = T(q.corr[G.unit_of_mat(mt)]);
-        const T* rinv = st.at<T>(st.rinv, mt, G.R);
-        FactoredDir<T, NS> dir;
-        for (int s = 0; s < NS; ++s) dir.rs[s] = rinv[i + s * qr] * corr;
+        const auto dir = FactoredDir<T, NS>::rows(st.at<T>(st.rinv, mt, G.R), i, qr, T(q.corr[G.unit_of_mat(mt)]));
         const auto sp = update_span<NS>(mom, e, stride, n, buf);
         p2_span<E, NS>(g + e, sp.ptr(), st.at<T>(st.cinv, mt, G.C) + c0, stride, n, sp, dir, acc);
       });
@@ -1359,13 +1361,9 @@ void p3_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
         constexpr int NS = decltype(ns)::value;
         const int64_t u = G.unit_of_mat(mt);
         const T cc = T(q.scale[u]) * T(q.clip[u]) * nlr;
-        const T* rinv = st.at<T>(st.rinv, mt, G.R);
-        FactoredDir<T, NS> dir;
+        const auto dir = FactoredDir<T, NS>::rows(st.at<T>(st.rinv, mt, G.R), i, qr, cc);
         Rounder rnd[NS];
-        for (int s = 0; s < NS; ++s) {
-          dir.rs[s] = rinv[i + s * qr] * cc;
-          rnd[s] = rounder(e + s * stride, q.key);
-        }
+        for (int s = 0; s < NS; ++s) rnd[s] = rounder(e + s * stride, q.key);
         const auto sp = mom.template read_span<NS>(e, stride);
         p3_span<E, NS>(p + e, sp.ptr(), st.at<T>(st.cinv, mt, G.C) + c0, stride, n, sp, dir, decay, rnd);
       });
