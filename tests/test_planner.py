@@ -431,3 +431,15 @@ def test_load_model_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="MoEConfig"):
         load_model("tiny", overrides={"n_expert": 3})
     assert set(HF_PRESETS) <= set(preset_names()) and "paper-6.78b" in preset_names()
+
+
+def test_the_plan_counts_newton_schulz_flops_per_step_for_arms_that_orthogonalise_and_none_for_others():
+    from skewadam.groups import orthogonal_flops
+
+    with torch.device("meta"):
+        model = load_model("paper-6.78b")
+    p = plan(model, optimizers=["skewadam-quality", "muon", "skewadam"])
+    assert p["skewadam-quality"].newton_schulz_flops == orthogonal_flops(model, "experts") > 0
+    assert p["muon"].newton_schulz_flops == orthogonal_flops(model, True) > 0
+    assert p["skewadam"].newton_schulz_flops == 0
+    assert "skewadam-quality  8.06e+14" in str(p)

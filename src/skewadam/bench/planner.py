@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..groups import orthogonal_names
+from ..groups import orthogonal_flops, orthogonal_names
 from ..kernels import BACKENDS
 from ..state import StateBytes, Tally, format_bytes
 from ..tiers import Tier
@@ -91,6 +91,7 @@ class OptimizerPlan:
     gather_bytes: int = 0  # per rank and step under FSDP2 over `Plan.shards` ranks: the orthogonal tier's all-gathers
     in_backward: bool = False  # stepped inside backward: ``grads`` is the most gradient bytes in flight, not all
     reduce_bytes: int = 0  # per rank and step under FSDP2 over `Plan.shards` ranks: its statistics' all-reduces
+    newton_schulz_flops: int = 0  # per step: the orthogonal update's matmuls (`skewadam.groups.orthogonal_flops`)
 
     @property
     def static(self) -> int:
@@ -159,6 +160,11 @@ class Plan:
                 lines += ["", f"bytes each rank {what} (FSDP2 over {self.shards} ranks, Shard(0))"]
                 lines += _table(["optimizer", column, "bytes"], [[n, format_bytes(b), f"{b:,}"]
                                                                   for n, b in sent.items()])
+        flops = {n: o.newton_schulz_flops for n, o in self.optimizers.items() if o.newton_schulz_flops}
+        if flops:
+            lines += ["", "compute beyond an Adam-style update: Newton-Schulz matmul FLOPs per step (5 iterations over "
+                          "every orthogonalised matrix; one process)"]
+            lines += _table(["optimizer", "FLOPs"], [[n, f"{f:.3g}"] for n, f in flops.items()])
         lines += ["", "optimizers:", *(f"  {n}: {o.label}" for n, o in self.optimizers.items())]
         lines += ["assumptions:", *(f"  - {a}" for a in self.assumptions)]
         return "\n".join(lines)
@@ -336,8 +342,9 @@ def plan(
         if shards > 1 and arm.reduced is not None:  # and the 4-byte float32 flag that skips a non-finite step
             reduced = 4 * (len(trainable) if inside else 1) + sum(  # inside backward: a flag per tensor's step
                 arm.reduced(shape, tier, stepped, n in orth, experts.get(n)) for n, shape, tier in trainable)
+        flops = orthogonal_flops(model, arm.orthogonal, labels) if arm.orthogonal else 0
         rows[arm.name] = OptimizerPlan(arm.name, arm.label, n_params * itemsize, grads, master, state, activations,
-                                       temporaries, peak, gathered, inside, reduced)
+                                       temporaries, peak, gathered, inside, reduced, flops)
     counted: dict[str, list[str]] = {}
     for arm in chosen:
         counted.setdefault(arm.temporaries, []).append(arm.name)
