@@ -45,8 +45,13 @@ def torchrun(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module", params=kernels.impls())
 def results(request, tmp_path_factory) -> dict:
     """Every check's figures on both ranks, with every SkewAdam on one kernel (one torchrun launch per kernel)."""
-    out = tmp_path_factory.mktemp(f"distributed-{request.param}")
-    torchrun(str(WORKER), str(out), request.param)
+    return worker_results(WORKER, tmp_path_factory.mktemp(f"distributed-{request.param}"), request.param)
+
+
+def worker_results(worker: Path, out: Path, impl: str, *checks: str) -> dict:
+    """Run ``worker`` on 2 ranks into ``out`` with every SkewAdam on kernel ``impl`` (the named checks, else every
+    one); both ranks' figures, from the ``results.json`` rank 0 writes."""
+    torchrun(str(worker), str(out), impl, *checks)
     return json.loads((out / "results.json").read_text())
 
 

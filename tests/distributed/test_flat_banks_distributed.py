@@ -9,7 +9,6 @@ one-process side of the checkpoint checks runs here, in this process (world size
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from unittest import mock
 
@@ -19,7 +18,7 @@ import torch
 import flat_worker as fw
 from skewadam import kernels
 import test_distributed
-from test_distributed import TOL, torchrun
+from test_distributed import TOL, torchrun, worker_results
 
 WORKER = Path(__file__).with_name("flat_worker.py")
 SHARDED = ["cut", "one_expert", "empty", "columns", "cut_momentum", "cut_int8", "empty_int8", "cut_in_backward",
@@ -45,8 +44,8 @@ def results(request, tmp_path_factory) -> dict:
     with mock.patch.dict("os.environ", {"SKEWADAM_IMPL": impl}):
         if impl != "triton":
             _save_one_process(out)
-        torchrun(str(WORKER), str(out), impl, *checks)
-    return {"out": out, "impl": impl, **json.loads((out / "results.json").read_text())}
+        figures = worker_results(WORKER, out, impl, *checks)
+    return {"out": out, "impl": impl, **figures}
 
 
 def _get(results: dict, check: str) -> list[dict]:

@@ -7,22 +7,19 @@ the hooks) is refused at the first ``step()``. The checks run in ``in_backward_w
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from skewadam import kernels
-from test_distributed import TOL, _get, torchrun
+from test_distributed import TOL, _get, worker_results
 
 WORKER = Path(__file__).with_name("in_backward_worker.py")
 
 
 @pytest.fixture(scope="module", params=kernels.impls())
 def results(request, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp(f"in-backward-{request.param}")
-    torchrun(str(WORKER), str(out), request.param)
-    return json.loads((out / "results.json").read_text())
+    return worker_results(WORKER, tmp_path_factory.mktemp(f"in-backward-{request.param}"), request.param)
 
 
 EQUIVALENT = ["fsdp2_uneven", "fsdp2_empty_shards", "fsdp2_torchtitan_shard1", "fsdp2_int8_momentum",

@@ -5,22 +5,19 @@ gloo), once per kernel available here (the fused groups' kernel: eager, and the 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from skewadam import kernels
-from test_distributed import TOL, _get, torchrun
+from test_distributed import TOL, _get, worker_results
 
 WORKER = Path(__file__).with_name("orthogonal_worker.py")
 
 
 @pytest.fixture(scope="module", params=kernels.impls())
 def results(request, tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp(f"orthogonal-{request.param}")
-    torchrun(str(WORKER), str(out), request.param)
-    return json.loads((out / "results.json").read_text())
+    return worker_results(WORKER, tmp_path_factory.mktemp(f"orthogonal-{request.param}"), request.param)
 
 
 @pytest.mark.distributed
