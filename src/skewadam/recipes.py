@@ -72,14 +72,15 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            evidence="as good as fp32 momentum at 0.30x its state on the bench model over 200 steps (11.729 ± 0.079 "
                     "against 11.744 ± 0.083, 3 seeds, docs/study/results.md)"),
     Recipe("quality", "Muon's update on the hidden matrices and on each expert slice, from Nesterov momentum, every "
-           "momentum block-wise int8: the best configuration measured",
+           "momentum block-wise int8: the best quality measured at SkewAdam's memory",
            {"orthogonal": "experts", "orthogonal_options": {"use_momentum": True}, "momentum_dtype": "int8"}, 1e-2,
            state=f"6.42 GiB (0.127x AdamW's 50.55 GiB; {_PLAN.format('skewadam-quality')})",
            compute="8.1e14 Newton-Schulz FLOPs per step (1.5e13 for the 11 hidden matrices, 7.9e14 for the 384 expert "
                    "slices), those of ~300k tokens' forward and backward",
-           evidence="the best arm over 1,000 steps on the bench model: 4.515 ± 0.035 (lr 1e-2, 3 seeds) against "
-                    "Muon+AdamW's 4.684 ± 0.027 and AdamW's 6.624 ± 0.077 (docs/study/long.md; Muon's rows predate "
-                    "its hidden matrices found by structure)"),
+           evidence="on the bench model ahead of Muon+AdamW over 1,000 steps: 4.550 ± 0.023 (lr 1e-2, 3 seeds) "
+                    "against 4.673 ± 0.040 (docs/study/rerun.md); at 20.3M parameters ahead of AdamW and the paper "
+                    "tiers on Shakespeare and Python source but behind Muon+AdamW (4.520 against 4.402, 3.333 "
+                    "against 3.295; seed 0, docs/study/scale.md)"),
 ]}
 DEFAULT_RECIPE = "paper"
 
