@@ -70,7 +70,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            state=f"345.23 MiB (0.007x AdamW's 50.55 GiB; {_PLAN.format('skewadam-lean')})",
            compute="none beyond the Adam-style update (and int8 (de)quantisation)",
            evidence="as good as fp32 momentum at 0.30x its state on the bench model over 200 steps (11.729 ± 0.079 "
-                    "against 11.744 ± 0.083, 3 seeds, docs/study/results.md)"),
+                    "against 11.744 ± 0.083, 3 seeds, docs/study/results.md); at 20.3M parameters over 1,000 steps "
+                    "4.958 against 5.016 (Shakespeare) and 4.092 against 4.183 (Python source; seed 0, "
+                    "docs/study/scale.md)"),
     Recipe("quality", "Muon's update on the hidden matrices and on each expert slice, from Nesterov momentum, every "
            "momentum block-wise int8: the best quality measured at SkewAdam's memory",
            {"orthogonal": "experts", "orthogonal_options": {"use_momentum": True}, "momentum_dtype": "int8"}, 1e-2,
