@@ -39,5 +39,7 @@ def run_checks(make_checks: Callable[[], Checks], out_dir: Path, only: Iterable[
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:
         merged = {name: {f"rank{r}": per_rank[name] for r, per_rank in enumerate(gathered)} for name in results}
-        (out_dir / "results.json").write_text(json.dumps(merged, indent=1))
+        partial = out_dir / "results.json.partial"  # renamed when whole: a launch is judged by this file
+        partial.write_text(json.dumps(merged, indent=1))
+        partial.replace(out_dir / "results.json")
     dist.destroy_process_group()

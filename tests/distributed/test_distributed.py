@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,22 +21,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from skewadam import SkewAdam, kernels
 from skewadam.distributed import check_layout, state_placements
 
+from launch import torchrun
+
 WORKER = Path(__file__).with_name("worker.py")
-REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 600  # process startup alone can take over a minute on a loaded machine
 TOL = 1e-10
-
-
-def torchrun(*args: str) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node=2 ARGS`` on CPU; fails the test with the output's tail on error."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # hosts whose name does not resolve to a reachable address
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=REPO)
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(args)} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
-    return proc
 
 
 @pytest.fixture(scope="module", params=kernels.impls())
@@ -51,7 +36,7 @@ def results(request, tmp_path_factory) -> dict:
 def worker_results(worker: Path, out: Path, impl: str, *checks: str) -> dict:
     """Run ``worker`` on 2 ranks into ``out`` with every SkewAdam on kernel ``impl`` (the named checks, else every
     one); both ranks' figures, from the ``results.json`` rank 0 writes."""
-    torchrun(str(worker), str(out), impl, *checks)
+    torchrun(str(worker), str(out), impl, *checks, result=out / "results.json")
     return json.loads((out / "results.json").read_text())
 
 

@@ -18,7 +18,8 @@ import torch
 import flat_worker as fw
 from skewadam import kernels
 import test_distributed
-from test_distributed import TOL, torchrun, worker_results
+from launch import torchrun
+from test_distributed import TOL, worker_results
 
 WORKER = Path(__file__).with_name("flat_worker.py")
 SHARDED = ["cut", "one_expert", "empty", "columns", "cut_momentum", "cut_int8", "empty_int8", "cut_in_backward",

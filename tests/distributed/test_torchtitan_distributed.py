@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from launch import torchrun
+
 pytest.importorskip("torchtitan")
 
 WORKER = Path(__file__).with_name("torchtitan_worker.py")
-REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 900
 TOL = 1e-12  # float64 throughout; reductions in another order than one process's
 KERNELS = ["eager", "default"]  # SKEWADAM_IMPL=eager, and unset: the C++ kernel where it builds
 
@@ -28,16 +26,11 @@ KERNELS = ["eager", "default"]  # SKEWADAM_IMPL=eager, and unset: the C++ kernel
 @pytest.fixture(scope="module", params=KERNELS)
 def results(request, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp(f"torchtitan_{request.param}")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ)
     env.pop("SKEWADAM_IMPL", None)
     if request.param != "default":
         env["SKEWADAM_IMPL"] = request.param
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=REPO)
-    if proc.returncode != 0:
-        pytest.fail(f"torchtitan worker failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
+    torchrun(str(WORKER), str(out), result=out / "results.json", env=env)
     return {"kernel": request.param, **json.loads((out / "results.json").read_text())}
 
 
