@@ -120,7 +120,7 @@ class SkewAdam(Optimizer):
     That is the paper's ``eps_mode="floor"``. The default, ``eps_mode="add"`` (Adafactor's convention), accumulates
     :math:`g^2 + \epsilon` instead and applies no floor (:math:`d = \sqrt{r/\mathrm{mean}_i r}\sqrt{c}` or
     :math:`\sqrt{v}`), with ``eps`` 1e-30: with the paper's 1e-8 floor most second-moment entries sit on the floor
-    (README, "Which settings train best", has the evidence).
+    (docs/study/index.md, "200 steps, every arm", has the evidence).
 
     Tiers (group key ``tier``) set the state: ``backbone`` momentum + factored, ``expert`` factored only,
     ``router`` full exact second moment. ``use_momentum`` / ``use_factored`` override per group (the names of the
@@ -148,13 +148,13 @@ class SkewAdam(Optimizer):
         eps: second-moment addend (``add``) or floor (``floor``). Default 1e-30 with ``eps_mode="add"``, 1e-8 with
             ``"floor"``.
         weight_decay: decoupled weight decay :math:`\lambda`. Default 0.
-        eps_mode: ``"add"`` (Adafactor's; the default, chosen by the study in the README) or ``"floor"`` (the
+        eps_mode: ``"add"`` (Adafactor's; the default, chosen by the study in docs/study) or ``"floor"`` (the
             paper's).
         tier: default tier of groups that name none. Default ``"backbone"``.
-        use_momentum, use_factored, bank: per-group overrides of the tier's state (``None`` = tier default).
-        experts (group key only): how many experts each tensor of an ``expert`` group stacks along dim 0
-            (flattened banks ``[E*D, F]``, `skewadam.classify.flattened_experts`): stepped as the bank ``[E, D, F]``,
-            also as FSDP2 shards that cut experts (`skewadam.distributed`).
+        use_momentum: per-group override of the tier's momentum (``None`` = tier default).
+        use_factored: per-group override of the tier's factored second moment (``None`` = tier default).
+        bank: per-group override of the bank rule (``None`` = the rule). Group key ``experts``: E experts stacked along
+            dim 0 of each tensor (flattened banks, `skewadam.classify.flattened_experts`), stepped as ``[E, D, F]``.
         momentum_dtype: storage of the first moment: ``"fp32"`` (the statistics dtype), ``"bf16"`` (stochastically
             rounded) or ``"int8"`` (block-wise, 256 per fp32 scale; tensors with < 2 dims stay fp32); see
             `skewadam.kernels.quant`, the same stored bytes on every backend.
@@ -165,8 +165,8 @@ class SkewAdam(Optimizer):
         impl: the kernel backend, ``"auto"`` or a name of `skewadam.kernels.BACKENDS` (`skewadam.kernels.resolve`:
             ``SKEWADAM_IMPL`` if set, else the preferred backend available on the parameters' device); same math.
         update: ``"adam"`` (the tiers' update) or ``"orthogonal"`` (above; matrices and banks of matrices only).
-        relative_step, beta2_decay: Adafactor's options (off by default), per unit: the update term scaled by
-            ``max(1e-3, rms(p))``; ``beta2_t = 1 - t^beta2_decay`` (e.g. -0.8) without second-moment correction.
+        relative_step: Adafactor's option (off by default): the update term scaled by ``max(1e-3, rms(p))`` per unit.
+        beta2_decay: Adafactor's option (off by default): ``beta2_t = 1 - t^beta2_decay`` (e.g. -0.8), uncorrected.
         in_backward: step each parameter inside backward as soon as its gradient is complete, and free it
             (`skewadam.backward`: the same update; no global grad-norm clipping, no accumulation across backwards
             but under `hold_gradients`); ``step()`` then does the bookkeeping. Settable later.

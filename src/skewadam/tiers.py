@@ -17,6 +17,8 @@ __all__ = ["Tier", "TIER_STATE"]
 
 
 class Tier(str, enum.Enum):
+    """A tier label: ``backbone``, ``expert`` or ``router``; a `str`, so ``"expert"`` works wherever a Tier does."""
+
     BACKBONE = "backbone"
     EXPERT = "expert"
     ROUTER = "router"

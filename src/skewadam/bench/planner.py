@@ -246,8 +246,8 @@ def plan(
     Args:
         model: an ``nn.Module`` (meta-device models work), a preset name or a ``config.json`` path
             (`skewadam.bench.presets.load_model`, built on the meta device).
-        batch, seq: sequences per step and tokens per sequence, for the activation estimate (``seq`` defaults to
-            the model's context length, at most 4096).
+        batch: sequences per step, for the activation estimate.
+        seq: tokens per sequence, for the activation estimate (default: the model's context length, at most 4096).
         param_dtype: ``"fp32"`` or ``"bf16"``: parameters, gradients and activations. With bf16 the baselines keep
             an fp32 master copy (mixed precision); SkewAdam keeps none (stochastic rounding).
         top_k: experts per token; default from the model's config.

@@ -5,5 +5,6 @@ dependency) and is imported only by its users: ``import skewadam`` imports none 
 - `skewadam.integrations.torchtitan`: an ``OptimizersContainer`` for torchtitan
   (``pip install 'skewadam[torchtitan]'``).
 
-PyTorch Lightning needs no module: ``configure_optimizers`` returns ``SkewAdam.from_model(self)`` (README).
+PyTorch Lightning needs no module: ``configure_optimizers`` returns ``SkewAdam.from_model(self)``
+(docs/guide/lightning.md).
 """

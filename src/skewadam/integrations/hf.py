@@ -201,7 +201,8 @@ class SkewAdamTrainer(Trainer):
     `load_pretrained_weights` when resuming and for ``load_best_model_at_end``.
 
     Args:
-        *args, **kwargs: those of `transformers.Trainer`.
+        *args: those of `transformers.Trainer`.
+        **kwargs: those of `transformers.Trainer`.
         optimizer_kwargs: keyword arguments of `SkewAdam.from_model`, overriding those taken from ``args``.
     """
 
