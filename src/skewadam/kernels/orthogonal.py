@@ -44,42 +44,92 @@ from . import types
 from .eager import step_key
 from .quant import load_momentum, store_momentum_
 from .rounding import stochastic_round_bf16
-from .types import Group, ParamTensors, unit_dims
+from .types import NS_STEPS, Group, ParamTensors, unit_dims
 
-__all__ = ["NS_COEFFICIENTS", "NS_STEPS", "NS_EPS", "CHUNK_NUMEL", "ns_dtype", "newton_schulz", "newton_schulz_",
-           "rms_scale", "check", "grad_stats", "step_", "nesterov_", "apply_", "step_transient_bytes"]
+__all__ = ["NS_COEFFICIENTS", "NS_EPS", "NS_SCHEDULES", "NS_DTYPES", "CHUNK_NUMEL", "ns_dtype",
+           "newton_schulz", "newton_schulz_", "check_options", "rms_scale", "check", "grad_stats", "step_", "nesterov_", "apply_", "step_transient_bytes"]
 
-#: Muon's quintic Newton-Schulz coefficients (KellerJordan/Muon; torch.optim.Muon's defaults), steps and eps.
+#: Muon's quintic Newton-Schulz coefficients (KellerJordan/Muon; torch.optim.Muon's defaults) and eps; its 5 steps
+#: are `skewadam.kernels.types.NS_STEPS`.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_STEPS = 5
 NS_EPS = 1e-7
 CHUNK_NUMEL = 1 << 24  # elements of whole matrices orthogonalised at a time (64 MiB of fp32)
 
+# Polar Express (arXiv 2505.16932, Algorithm 1): the minimax-optimal quintic of each iteration for singular values
+# in [1e-3, 1], as published; the algorithm divides every one but the last by a safety factor 1.01 (x, x^3, x^5
+# terms by 1.01, 1.01^3, 1.01^5) and its input by 1.01 * ||X||_F.
+_POLAR_EXPRESS = ((8.28721201814563, -23.595886519098837, 17.300387312530933),
+                  (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+                  (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+                  (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+                  (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+                  (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+                  (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+                  (1.875, -1.25, 0.375))
+_SAFE = 1.01
 
-def ns_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype Newton-Schulz runs in: bf16 for 16-bit parameters (torch's choice), the parameter's own otherwise."""
+
+def _fold_input_scale(schedule: Sequence[tuple[float, float, float]], s: float) -> tuple:
+    """``schedule`` with its input scaled by ``1/s`` folded into the first polynomial: ``p(x / s)``."""
+    (a, b, c), *rest = schedule
+    return ((a / s, b / s ** 3, c / s ** 5), *rest)
+
+
+#: Newton-Schulz coefficient schedules by name (a group's ``ns_coefficients``): ``(a, b, c)`` of iteration ``i``,
+#: the last one repeated. ``"muon"``: `NS_COEFFICIENTS` every iteration; ``"polar_express"``: Polar Express's, its
+#: safety factors applied and its input scaling folded into the first (the same polynomials, one normalisation).
+NS_SCHEDULES: dict[str, tuple[tuple[float, float, float], ...]] = {
+    "muon": (NS_COEFFICIENTS,),
+    "polar_express": _fold_input_scale([(a / _SAFE, b / _SAFE ** 3, c / _SAFE ** 5) for a, b, c in _POLAR_EXPRESS[:-1]]
+                                       + [_POLAR_EXPRESS[-1]], _SAFE),
+}
+#: A group's ``ns_dtype``: Newton-Schulz in the parameter's `ns_dtype` (None), or in this dtype whatever the parameter's.
+NS_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def ns_dtype(param_dtype: torch.dtype, choice: Optional[str] = None) -> torch.dtype:
+    """The dtype Newton-Schulz runs in: ``choice`` (a group's ``ns_dtype``: `NS_DTYPES`) if given, else bf16 for
+    16-bit parameters (torch's choice) and the parameter's own otherwise."""
+    if choice is not None:
+        return NS_DTYPES[choice]
     return torch.bfloat16 if param_dtype in (torch.bfloat16, torch.float16) else param_dtype
 
 
-def newton_schulz(x_NAB: Tensor, steps: int = NS_STEPS) -> Tensor:
-    """``NS_steps(x)`` of each matrix of ``x_NAB`` (leading dims are batch dims), in ``x``'s dtype.
+def check_options(group: Group, where: str = "the param group") -> None:
+    """Raise ValueError naming ``where`` unless ``group``'s Newton-Schulz settings are ones `step_` takes: ``ns_steps``
+    an int >= 1, ``ns_coefficients`` a name of `NS_SCHEDULES`, ``ns_dtype`` a key of `NS_DTYPES`."""
+    steps, coefficients, dtype = group.ns_steps, group.ns_coefficients, group.ns_dtype
+    if type(steps) is not int or steps < 1:
+        raise ValueError(f"Invalid ns_steps in {where}: {steps!r} (expected an int >= 1: Newton-Schulz iterations)")
+    if not isinstance(coefficients, str) or coefficients not in NS_SCHEDULES:
+        raise ValueError(f"Invalid ns_coefficients in {where}: {coefficients!r} (expected one of "
+                         f"{', '.join(map(repr, NS_SCHEDULES))})")
+    if dtype is not None and (not isinstance(dtype, str) or dtype not in NS_DTYPES):
+        raise ValueError(f"Invalid ns_dtype in {where}: {dtype!r} (expected None, the parameter's rule, or one of "
+                         f"{', '.join(repr(k) for k in NS_DTYPES if k)})")
+
+
+def newton_schulz(x_NAB: Tensor, steps: int = NS_STEPS, coefficients: str = "muon") -> Tensor:
+    """``NS_steps(x)`` of each matrix of ``x_NAB`` (leading dims are batch dims), in ``x``'s dtype, with the
+    coefficient schedule ``coefficients`` (`NS_SCHEDULES`).
 
     Example:
         >>> o = newton_schulz(torch.randn(4, 64, 32))  # singular values of each o[i] in about [0.7, 1.2]
     """
-    return newton_schulz_(x_NAB.clone(), steps)
+    return newton_schulz_(x_NAB.clone(), steps, coefficients)
 
 
-def newton_schulz_(x_NAB: Tensor, steps: int = NS_STEPS) -> Tensor:
+def newton_schulz_(x_NAB: Tensor, steps: int = NS_STEPS, coefficients: str = "muon") -> Tensor:
     """`newton_schulz`, using ``x_NAB`` (contiguous) as the first iterate: its values are lost."""
-    a, b, c = NS_COEFFICIENTS
+    schedule = NS_SCHEDULES[coefficients]
     wide = x_NAB.shape[-2] <= x_NAB.shape[-1]
     x = x_NAB if wide else x_NAB.mT
     x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp_(min=NS_EPS))
     shape = x.shape
     flat = x.reshape(-1, *shape[-2:])
     del x, x_NAB  # (the caller's reference keeps the input alive: 3 stacks and a Gram polynomial at most)
-    for _ in range(steps):
+    for i in range(steps):
+        a, b, c = schedule[min(i, len(schedule) - 1)]
         gram = torch.bmm(flat, flat.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b*G + c*G^2
         del gram
@@ -202,7 +252,7 @@ def step_(
             for pt in pts]
     kinds: dict[tuple, list[int]] = defaultdict(list)
     for i, pt in enumerate(pts):
-        kinds[(tuple(pt.shape[-2:]), ns_dtype(pt.param.dtype))].append(i)
+        kinds[(tuple(pt.shape[-2:]), ns_dtype(pt.param.dtype, group.ns_dtype))].append(i)
     for (_, dtype), idx in kinds.items():
         for chunk in _pieces([pt.param.shape for pt in pts], [pt.bank for pt in pts], gathered, idx):
             mats, cut = [], []
@@ -218,7 +268,7 @@ def step_(
             counts = [m.shape[0] for m in mats]
             x_NAB = torch.cat(mats)  # a fresh buffer (gradients stay as they are) that the iteration consumes
             del mats, u
-            o_NAB = newton_schulz_(x_NAB)
+            o_NAB = newton_schulz_(x_NAB, group.ns_steps, group.ns_coefficients)
             del x_NAB
             for (i, rows), o, shape in zip(chunk, o_NAB.split(counts), cut):
                 pt = pts[i]
