@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -54,6 +54,7 @@ __all__ = ["NS_COEFFICIENTS", "NS_EPS", "NS_SCHEDULES", "NS_DTYPES", "CHUNK_NUME
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 CHUNK_NUMEL = 1 << 24  # elements of whole matrices orthogonalised at a time (64 MiB of fp32)
+BLOCK_NUMEL = 1 << 17  # elements per block of the momentum and weight passes (512 KiB of fp32: in cache)
 
 # Polar Express (arXiv 2505.16932, Algorithm 1): the minimax-optimal quintic of each iteration for singular values
 # in [1e-3, 1], as published; the algorithm divides every one but the last by a safety factor 1.01 (x, x^3, x^5
@@ -255,20 +256,20 @@ def step_(
         kinds[(tuple(pt.shape[-2:]), ns_dtype(pt.param.dtype, group.ns_dtype))].append(i)
     for (_, dtype), idx in kinds.items():
         for chunk in _pieces([pt.param.shape for pt in pts], [pt.bank for pt in pts], gathered, idx):
-            mats, cut = [], []
-            for i, rows in chunk:
+            # each piece's matrices as Newton-Schulz takes them: local ones, or a sharded tensor's gathered whole
+            cut = [tuple(pts[i].shape) if gathered[i] else tuple(pts[i].param[rows].shape) for i, rows in chunk]
+            counts = [math.prod(shape[:-2]) for shape in cut]
+            x_NAB = torch.empty(sum(counts), *cut[0][-2:], dtype=dtype, device=pts[chunk[0].index].param.device)
+            for (i, rows), x, shape in zip(chunk, x_NAB.split(counts), cut):
                 pt = pts[i]
                 offset = (rows.start or 0) * math.prod(pt.param.shape[1:])
-                u = nesterov_(pt.grad[rows], _at(pt.exp_avg, rows), _at(pt.exp_avg_scale, rows),
-                              _at(actives[i], rows), beta=group.beta1, key=keys[i], offset=offset)
-                if gathered[i]:
-                    u = gather(u, i)  # type: ignore[misc]
-                cut.append(u.shape)
-                mats.append(u.to(dtype).reshape(-1, *u.shape[-2:]))
-            counts = [m.shape[0] for m in mats]
-            x_NAB = torch.cat(mats)  # a fresh buffer (gradients stay as they are) that the iteration consumes
-            del mats, u
-            o_NAB = newton_schulz_(x_NAB, group.ns_steps, group.ns_coefficients)
+                args = (pt.grad[rows], _at(pt.exp_avg, rows), _at(pt.exp_avg_scale, rows), _at(actives[i], rows))
+                if gathered[i]:  # the momentum of the local shard, then the full matrices
+                    x.copy_(gather(nesterov_(*args, beta=group.beta1, key=keys[i], offset=offset), i)  # type: ignore
+                            .reshape(x.shape))
+                else:
+                    nesterov_(*args, beta=group.beta1, key=keys[i], offset=offset, out=x.view(shape))
+            o_NAB = newton_schulz_(x_NAB, group.ns_steps, group.ns_coefficients)  # (consumes the fresh buffer)
             del x_NAB
             for (i, rows), o, shape in zip(chunk, o_NAB.split(counts), cut):
                 pt = pts[i]
@@ -285,42 +286,77 @@ def _at(t: Optional[Tensor], rows: slice) -> Optional[Tensor]:
     return t[rows] if t is not None and t.ndim else t
 
 
+def _blocks(shape: Sequence[int]) -> Iterator[tuple[tuple, int]]:
+    """``(index, start)`` per block of a matrix ``[A, B]`` or a bank ``[E, A, B]`` for the momentum and weight passes:
+    whole matrices of a bank together up to `BLOCK_NUMEL` elements, else whole rows of one matrix; ``start`` is the
+    block's first element's row-major position (the int8 momentum's blocks lie along rows)."""
+    *lead, rows, cols = shape
+    per = rows * cols
+    if lead and 0 < per <= BLOCK_NUMEL:
+        n = BLOCK_NUMEL // per
+        for e in range(0, lead[0], n):
+            yield (slice(e, e + n),), e * per
+        return
+    step = max(1, BLOCK_NUMEL // max(cols, 1))
+    for e in range(lead[0] if lead else 1):
+        for r in range(0, rows, step):
+            yield (*([e] if lead else []), slice(r, r + step)), (e * rows + r) * cols
+
+
+def _mask(active: Optional[Tensor], index: tuple) -> Optional[Tensor]:
+    """A bank's ``active`` ``[E, 1, 1]`` at a block's slices; a 0-d mask (a matrix's skip) or None as it is."""
+    return active[index[0]] if active is not None and active.ndim else active
+
+
 def nesterov_(g: Tensor, m: Optional[Tensor], scale: Optional[Tensor], active: Optional[Tensor], *, beta: float,
-              key: int, offset: int = 0) -> Tensor:
+              key: int, offset: int = 0, out: Optional[Tensor] = None) -> Tensor:
     """Update the momentum in place (``m = lerp(m, g, 1 - beta)``, stored per its dtype, `skewadam.kernels.quant`;
-    a bank's slices where ``active`` is False keep theirs) and return the Nesterov update ``u = lerp(g, m, beta)`` in
-    the compute dtype; ``u = g`` without momentum. ``key`` and ``offset`` (of ``g``'s first element in its tensor)
-    seed a bf16 momentum's stochastic rounding."""
+    a bank's slices where ``active`` is False keep theirs) and return the Nesterov update ``u = lerp(g, m, beta)``,
+    computed in the compute dtype from the stored momentum; ``u = g`` without momentum. ``key`` and ``offset`` (of
+    ``g``'s first element in its tensor) seed a bf16 momentum's stochastic rounding. ``u`` is written into ``out``
+    (``g``'s shape, any float dtype: rounded to it) if given, else into a new tensor of the compute dtype. Block by
+    block (`_blocks`): the same values as whole tensors, with temporaries that stay in cache."""
     dtype = _compute_dtype(g.dtype)
-    g = g if g.dtype == dtype else g.to(dtype)
-    if m is None:
-        return g
-    m32 = load_momentum(m, scale, dtype)
-    new = m32.lerp(g, 1.0 - beta)
-    if active is not None:
-        new = torch.where(active, new, m32)
-    store_momentum_(m, scale, new, key, offset)
-    return g.lerp(load_momentum(m, scale, dtype), beta)
+    u = torch.empty(g.shape, dtype=dtype, device=g.device) if out is None else out
+    for index, start in _blocks(g.shape):
+        gb = g[index].to(dtype)
+        if m is None:
+            u[index] = gb
+            continue
+        mb, sb = m[index], None if scale is None else scale[index]
+        m32 = load_momentum(mb, sb, dtype)
+        new = m32.lerp(gb, 1.0 - beta)
+        if active is not None:
+            new = torch.where(_mask(active, index), new, m32)
+        store_momentum_(mb, sb, new, key, offset + start)
+        u[index] = gb.lerp(load_momentum(mb, sb, dtype), beta)
+    return u
 
 
 def apply_(p: Tensor, o: Tensor, active: Optional[Tensor], *, shape: Sequence[int], lr: float | Tensor,
            weight_decay: float, key: int, offset: int = 0) -> None:
     """``p = p*(1 - lr*wd) - lr * rms_scale(shape) * o`` in the compute dtype (``shape``: the global shape), bf16
     weights rounded stochastically (``key``, ``offset``); where ``active`` is False (an idle bank slice, a skipped
-    step) ``p`` is kept. ``lr`` may be a one-element tensor on ``p``'s device (read there: no host sync)."""
+    step) ``p`` is kept. ``lr`` may be a one-element tensor on ``p``'s device (read there: no host sync). Block by
+    block (`_blocks`), as `nesterov_`."""
     dtype = _compute_dtype(p.dtype)
-    p32 = p if p.dtype == dtype else p.to(dtype)
     if isinstance(lr, Tensor):
         lr = lr.detach().reshape(()).to(torch.float64)
-        new = torch.add(p32 * (1.0 - lr * weight_decay).to(dtype), o.to(dtype) * (-lr * rms_scale(shape)).to(dtype))
+        decay, alpha = (1.0 - lr * weight_decay).to(dtype), (-lr * rms_scale(shape)).to(dtype)
     else:
-        decay = 1.0 - lr * weight_decay
-        new = torch.add(p32 * decay if decay != 1.0 else p32, o.to(dtype), alpha=-lr * rms_scale(shape))
-    if active is not None:
-        new = torch.where(active, new, p32)
-    if p.dtype == torch.bfloat16:
-        new = stochastic_round_bf16(new, key, offset)
-    p.copy_(new)
+        decay, alpha = 1.0 - lr * weight_decay, -lr * rms_scale(shape)
+    for index, start in _blocks(p.shape):
+        pb = p[index]
+        p32, ob = pb.to(dtype), o[index].to(dtype)
+        if isinstance(alpha, Tensor):
+            new = torch.add(p32 * decay, ob * alpha)
+        else:
+            new = torch.add(p32 * decay if decay != 1.0 else p32, ob, alpha=alpha)
+        if active is not None:
+            new = torch.where(_mask(active, index), new, p32)
+        if p.dtype == torch.bfloat16:
+            new = stochastic_round_bf16(new, key, offset + start)
+        pb.copy_(new)
 
 
 def step_transient_bytes(shapes: Sequence[Sequence[int]], param_dtype: torch.dtype) -> int:
