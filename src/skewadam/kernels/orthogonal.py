@@ -98,7 +98,8 @@ def ns_dtype(param_dtype: torch.dtype, choice: Optional[str] = None) -> torch.dt
 
 def check_options(group: Group, where: str = "the param group") -> None:
     """Raise ValueError naming ``where`` unless ``group``'s Newton-Schulz settings are ones `step_` takes: ``ns_steps``
-    an int >= 1, ``ns_coefficients`` a name of `NS_SCHEDULES`, ``ns_dtype`` a key of `NS_DTYPES`."""
+    an int >= 1, ``ns_coefficients`` a name of `NS_SCHEDULES`, ``ns_dtype`` a key of `NS_DTYPES`, ``ns_interval`` an
+    int >= 1."""
     steps, coefficients, dtype = group.ns_steps, group.ns_coefficients, group.ns_dtype
     if type(steps) is not int or steps < 1:
         raise ValueError(f"Invalid ns_steps in {where}: {steps!r} (expected an int >= 1: Newton-Schulz iterations)")
@@ -108,6 +109,9 @@ def check_options(group: Group, where: str = "the param group") -> None:
     if dtype is not None and (not isinstance(dtype, str) or dtype not in NS_DTYPES):
         raise ValueError(f"Invalid ns_dtype in {where}: {dtype!r} (expected None, the parameter's rule, or one of "
                          f"{', '.join(repr(k) for k in NS_DTYPES if k)})")
+    if type(group.ns_interval) is not int or group.ns_interval < 1:
+        raise ValueError(f"Invalid ns_interval in {where}: {group.ns_interval!r} (expected an int >= 1: every how many "
+                         f"of its steps a matrix is orthogonalised)")
 
 
 def newton_schulz(x_NAB: Tensor, steps: int = NS_STEPS, coefficients: str = "muon") -> Tensor:
@@ -231,7 +235,10 @@ def step_(
     (`nesterov_`), ``gather(u, i)`` (tensors with ``gathered[i]``: the full matrices of a shard, whole tensors at a
     time), `newton_schulz` in `ns_dtype`, ``local_part(o, i)`` (the shard back), then `apply_`. The momentum
     coefficient is ``group.beta1``; bf16 weights and momentum round with `skewadam.kernels.rounding.rounding_key`
-    of the group's seed, the parameter's stream and its step count.
+    of the group's seed, the parameter's stream and its step count. With ``group.ns_interval`` k > 1 a unit (matrix,
+    bank slice) is orthogonalised and its weights stepped only when its new step count is a multiple of k, by k
+    steps' update at once (``p (1 - k lr wd) - k lr 0.2 sqrt(max(A, B)) NS(u)``); in between its momentum alone
+    moves. Which units are due is read on the host, once per chunk.
     """
     pts = group.params
     if len(stats) != len(pts):
@@ -247,8 +254,11 @@ def step_(
         actives = [go if a is None else a & go for a in actives]
     for pt, active in zip(pts, actives):
         pt.step.add_(1 if active is None else active.view(-1) if pt.bank else active)
+    every = group.ns_interval
+    dues = actives if every == 1 else [_due(pt, active, every) for pt, active in zip(pts, actives)]
     gathered = gathered or [False] * len(pts)
     lr = group.lr if isinstance(group.lr, Tensor) and group.lr.device.type != "cpu" else float(group.lr)
+    lr = lr * every  # (an interval's steps at once)
     keys = [step_key(group.seed, pt) if torch.bfloat16 in (pt.param.dtype, getattr(pt.exp_avg, "dtype", None)) else 0
             for pt in pts]
     kinds: dict[tuple, list[int]] = defaultdict(list)
@@ -269,7 +279,16 @@ def step_(
                             .reshape(x.shape))
                 else:
                     nesterov_(*args, beta=group.beta1, key=keys[i], offset=offset, out=x.view(shape))
-            o_NAB = newton_schulz_(x_NAB, group.ns_steps, group.ns_coefficients)  # (consumes the fresh buffer)
+            if every == 1:
+                o_NAB = newton_schulz_(x_NAB, group.ns_steps, group.ns_coefficients)  # (consumes the fresh buffer)
+            else:  # the due matrices alone (one host read of which are due): the others keep their update unused
+                due = torch.cat([_at(dues[i], rows).reshape(-1).expand(n) for (i, rows), n in zip(chunk, counts)])
+                due = due.tolist()
+                if not any(due):
+                    continue
+                sel = torch.tensor([j for j, d in enumerate(due) if d], device=x_NAB.device)
+                o_NAB = x_NAB.index_copy_(0, sel, newton_schulz_(x_NAB.index_select(0, sel), group.ns_steps,
+                                                                 group.ns_coefficients))
             del x_NAB
             for (i, rows), o, shape in zip(chunk, o_NAB.split(counts), cut):
                 pt = pts[i]
@@ -277,8 +296,17 @@ def step_(
                 if gathered[i]:
                     o = local_part(o, i)  # type: ignore[misc]
                 offset = (rows.start or 0) * math.prod(pt.param.shape[1:])
-                apply_(pt.param[rows], o, _at(actives[i], rows), shape=pt.shape, lr=lr,
+                apply_(pt.param[rows], o, _at(dues[i], rows), shape=pt.shape, lr=lr,
                        weight_decay=group.weight_decay, key=keys[i], offset=offset)
+
+
+def _due(pt: ParamTensors, active: Optional[Tensor], every: int) -> Tensor:
+    """Which units step their weights this step under ``ns_interval=every``: those whose new step count is a multiple
+    of it (and are ``active``), as ``active``'s mask (``[E, 1, 1]`` for a bank, 0-d otherwise) on the parameter's
+    device."""
+    step = pt.step.to(pt.param.device)
+    due = step.view(-1, 1, 1) % every == 0 if pt.bank else step.reshape(()) % every == 0
+    return due if active is None else due & active
 
 
 def _at(t: Optional[Tensor], rows: slice) -> Optional[Tensor]:
