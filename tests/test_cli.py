@@ -244,6 +244,22 @@ def test_bench_step_prints_times_ratios_and_memory(capsys):
                                                                                   "skewadam-lean"]
 
 
+def test_bench_step_times_a_bench_batchs_forward_and_backward_and_gives_each_steps_share(capsys):
+    """The forward and backward of one --batch-size batch runs in the same rounds; each step is printed as a multiple
+    of it and as its share of a training step (forward, backward, step); --batch-size 0 leaves it out."""
+    out = _cli(["bench-step", "--preset", "tiny", "--rounds", "2", "--steps", "2", "--warmup", "1", "--optimizers",
+                "skewadam-quality"], capsys)
+    fb = float(re.search(r"forward\+backward of one 16 x 32 batch: ([\d.]+) ms", out).group(1))
+    lines = out.splitlines()
+    rows = lines[next(i for i, line in enumerate(lines) if line.startswith("optimizer")) + 1:]
+    assert [row.split()[0] for row in rows] == ["skewadam", "skewadam-quality"]
+    for row in (row.split() for row in rows):
+        t, times, share = float(row[1]), float(row[-2].rstrip("x")), float(row[-1].rstrip("%"))
+        assert times == pytest.approx(t / fb, rel=0.02, abs=0.01) and abs(share - 100 * t / (t + fb)) <= 1
+    out = _cli(["bench-step", "--preset", "tiny", "--rounds", "1", "--steps", "1", "--batch-size", "0"], capsys)
+    assert "forward+backward" not in out and "share" not in out
+
+
 # ------------------------------------------------------------------------------- a user's mistake: one line
 def _one_line_error(argv, capsys) -> str:
     """Run the command; it must fail with exit status 1 and one line on stderr (no traceback); return that line."""

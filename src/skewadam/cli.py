@@ -414,6 +414,9 @@ def _add_bench_step(sub) -> None:
                    help="write a buffer of this many MiB before each timed step, so the step starts with cold caches")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of every optimizer (default: 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights and gradients (default: 0)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="sequences of the batch whose forward and backward is timed beside the steps (default: 16, "
+                        "the bench's; 0: none)")
     p.set_defaults(func=_bench_step)
 
 
@@ -434,7 +437,7 @@ def _bench_step(args: argparse.Namespace) -> int:
         res = bench_step(
             preset=args.preset, overrides=parse_sets(args.set, json_values=False), dtype=args.dtype,
             optimizers=names, rounds=args.rounds, steps=args.steps, warmup=args.warmup, impl=args.impl,
-            clock=args.clock, flush_mb=args.flush_mb, lr=args.lr, seed=args.seed,
+            clock=args.clock, flush_mb=args.flush_mb, lr=args.lr, seed=args.seed, batch_size=args.batch_size,
         )
     except ValueError as e:
         raise SystemExit(f"skewadam bench-step: {e}") from None

@@ -97,6 +97,7 @@ class Arm:
         shared: state allocated once per optimizer, not per tensor (bitsandbytes' quantisation maps).
         lr, weight_decay: defaults of `skewadam bench`: the best lr of the study (``docs/study``) on its model.
         tier_options: passed to `param_groups` (SkewAdam's tier ablations).
+        options: SkewAdam's keyword arguments (its constructor's: ``momentum_dtype``, the Newton-Schulz options, ...).
         orthogonal: passed to `param_groups`: which tensors take the orthogonal update (`orthogonal_names`).
         variant_of: another implementation of that arm's math (`bench-step` compares it; `bench --optimizers all`
             and the study leave it out).
@@ -117,6 +118,7 @@ class Arm:
     lr: float = 1e-3
     weight_decay: float = 0.05
     tier_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     orthogonal: Any = False
     variant_of: Optional[str] = None
     requires: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -275,7 +277,8 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
         if orthogonal_shapes:  # the Newton-Schulz step is one module for every backend
             from ..kernels import orthogonal as orthogonal_kernel
 
-            ns = orthogonal_kernel.step_transient_bytes(orthogonal_shapes, dtype)
+            ns = orthogonal_kernel.step_transient_bytes(orthogonal_shapes, dtype, [
+                group_settings(tier, True, options, tier_options, {}).get("ns_dtype") for _, tier, o in tensors if o])
         else:
             ns = 0
         return max(BACKENDS[impl].step_transient_bytes(fused, dtype), ns)
@@ -301,8 +304,8 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
             n += units * (2 + view[-1])
         return n * 8 + units * state_dtype_for(dtype).itemsize
 
-    return Arm(name, label, make, state, transient, master=False, tier_options=tier_options, kernels=True, lr=lr,
-               orthogonal=orthogonal, variant_of=variant_of, in_backward=bool(options.get("in_backward")),
+    return Arm(name, label, make, state, transient, master=False, tier_options=tier_options, options=options,
+               kernels=True, lr=lr, orthogonal=orthogonal, variant_of=variant_of, in_backward=bool(options.get("in_backward")),
                reduced=reduced,
                temporaries="as its kernel backend counts them (`step_transient_bytes` of skewadam.kernels.BACKENDS) "
                "and, for orthogonal groups, skewadam.kernels.orthogonal (the stacked Newton-Schulz iterates): the "

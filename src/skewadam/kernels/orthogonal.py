@@ -387,21 +387,22 @@ def apply_(p: Tensor, o: Tensor, active: Optional[Tensor], *, shape: Sequence[in
         pb.copy_(new)
 
 
-def step_transient_bytes(shapes: Sequence[Sequence[int]], param_dtype: torch.dtype) -> int:
+def step_transient_bytes(shapes: Sequence[Sequence[int]], param_dtype: torch.dtype,
+                         choices: Optional[Sequence[Optional[str]]] = None) -> int:
     """Peak bytes a step of the orthogonal tensors ``shapes`` allocates beyond parameters, gradients and state, for
     the largest chunk of one matrix shape (`CHUNK_NUMEL` elements of whole matrices; a bigger matrix alone): during
     Newton-Schulz 3 of its stacks (the input, the old and the new iterate) and a Gram polynomial (``min(A, B)^2``
-    per matrix) in the Newton-Schulz dtype; then its result and, for the largest tensor, 4 copies in the compute
-    dtype (the result's piece, decay, update, mask).
+    per matrix) in the Newton-Schulz dtype (`ns_dtype` of ``param_dtype`` and each tensor's group's ``ns_dtype``,
+    ``choices``); then its result and 4 blocks (`BLOCK_NUMEL`) in the compute dtype (the result's block, decay,
+    update, mask).
     Measured on torch 2.13 CPU (tests/test_planner.py, tracked tensor bytes)."""
     compute = _compute_dtype(param_dtype).itemsize
-    ns = ns_dtype(param_dtype).itemsize
     stacks: dict[tuple, int] = defaultdict(int)
-    for s in shapes:
-        stacks[tuple(s[-2:])] += math.prod(s[:-2])
+    for s, choice in zip(shapes, choices or [None] * len(shapes)):
+        stacks[(*s[-2:], ns_dtype(param_dtype, choice).itemsize)] += math.prod(s[:-2])
     worst = 0
-    for (a, b), count in stacks.items():
+    for (a, b, ns), count in stacks.items():
         n = max(1, min(count, CHUNK_NUMEL // (a * b)))
-        largest = max(min(math.prod(s), max(CHUNK_NUMEL, a * b)) for s in shapes if tuple(s[-2:]) == (a, b))
-        worst = max(worst, n * (3 * a * b + min(a, b) ** 2) * ns, n * a * b * ns + 4 * largest * compute)
+        block = min(a * b * n, max(BLOCK_NUMEL, b))
+        worst = max(worst, n * (3 * a * b + min(a, b) ** 2) * ns, n * a * b * ns + 4 * block * compute)
     return worst
