@@ -8,6 +8,7 @@ Shape legend: A rows, B columns, E bank slices (experts).
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
@@ -138,6 +139,23 @@ def test_an_interval_orthogonalises_only_the_matrices_that_are_due(monkeypatch):
         opt.step()
     # counts after steps 1, 2, 3: (1, 1, 1, 1), (2, 2, 2, 1), (3, 3, 3, 2): none due, slices 0-2, slice 3
     assert counted == [3, 1] and opt.state[bank]["step"].tolist() == [3, 3, 3, 2]
+
+
+@pytest.mark.parametrize("shape,block", [((5, 7, 3), 50), ((5, 7, 3), 21), ((5, 7, 3), 8), ((9, 4), 10),
+                                         ((2, 3, 40), 16), ((0, 4, 3), 8)])
+def test_the_momentum_and_weight_passes_blocks_tile_a_tensor_once_at_its_row_major_offsets(monkeypatch, shape, block):
+    """Blocks of whole matrices (several of a bank when they fit), else of whole rows (at least one): every element
+    in exactly one block, each block's start its first element's row-major position (stochastic rounding and the
+    int8 momentum's row blocks depend on it); off the CPU one block, the whole tensor."""
+    monkeypatch.setattr(orthogonal, "BLOCK_NUMEL", block)
+    t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    seen = torch.zeros(shape, dtype=torch.int64)
+    for index, start in orthogonal._blocks(t):
+        piece = t[index]
+        assert piece.numel() and piece.flatten()[0] == start and (piece.numel() <= block or piece.shape[-2] == 1)
+        seen[index] += 1
+    assert bool((seen == 1).all())
+    assert list(orthogonal._blocks(torch.empty(shape, device="meta"))) == [((), 0)]
 
 
 # ---------------------------------------------------------------------------------------- refusals, checkpoints

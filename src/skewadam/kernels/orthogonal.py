@@ -314,11 +314,15 @@ def _at(t: Optional[Tensor], rows: slice) -> Optional[Tensor]:
     return t[rows] if t is not None and t.ndim else t
 
 
-def _blocks(shape: Sequence[int]) -> Iterator[tuple[tuple, int]]:
+def _blocks(t: Tensor) -> Iterator[tuple[tuple, int]]:
     """``(index, start)`` per block of a matrix ``[A, B]`` or a bank ``[E, A, B]`` for the momentum and weight passes:
-    whole matrices of a bank together up to `BLOCK_NUMEL` elements, else whole rows of one matrix; ``start`` is the
+    on a CPU whole matrices of a bank together up to `BLOCK_NUMEL` elements, else whole rows of one matrix (a cache's
+    worth: memory-bound passes); elsewhere the whole tensor (a GPU's launches would multiply). ``start`` is the
     block's first element's row-major position (the int8 momentum's blocks lie along rows)."""
-    *lead, rows, cols = shape
+    if t.device.type != "cpu":
+        yield (), 0
+        return
+    *lead, rows, cols = t.shape
     per = rows * cols
     if lead and 0 < per <= BLOCK_NUMEL:
         n = BLOCK_NUMEL // per
@@ -333,7 +337,7 @@ def _blocks(shape: Sequence[int]) -> Iterator[tuple[tuple, int]]:
 
 def _mask(active: Optional[Tensor], index: tuple) -> Optional[Tensor]:
     """A bank's ``active`` ``[E, 1, 1]`` at a block's slices; a 0-d mask (a matrix's skip) or None as it is."""
-    return active[index[0]] if active is not None and active.ndim else active
+    return active[index[0]] if active is not None and active.ndim and index else active
 
 
 def nesterov_(g: Tensor, m: Optional[Tensor], scale: Optional[Tensor], active: Optional[Tensor], *, beta: float,
@@ -346,7 +350,7 @@ def nesterov_(g: Tensor, m: Optional[Tensor], scale: Optional[Tensor], active: O
     block (`_blocks`): the same values as whole tensors, with temporaries that stay in cache."""
     dtype = _compute_dtype(g.dtype)
     u = torch.empty(g.shape, dtype=dtype, device=g.device) if out is None else out
-    for index, start in _blocks(g.shape):
+    for index, start in _blocks(g):
         gb = g[index].to(dtype)
         if m is None:
             u[index] = gb
@@ -373,7 +377,7 @@ def apply_(p: Tensor, o: Tensor, active: Optional[Tensor], *, shape: Sequence[in
         decay, alpha = (1.0 - lr * weight_decay).to(dtype), (-lr * rms_scale(shape)).to(dtype)
     else:
         decay, alpha = 1.0 - lr * weight_decay, -lr * rms_scale(shape)
-    for index, start in _blocks(p.shape):
+    for index, start in _blocks(p):
         pb = p[index]
         p32, ob = pb.to(dtype), o[index].to(dtype)
         if isinstance(alpha, Tensor):
