@@ -124,6 +124,24 @@ def test_newton_schulz_runs_in_ns_dtype_whatever_the_parameters(monkeypatch, par
     assert seen == [runs_in] and p.dtype == param_dtype
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["bf16_matmuls", "emulated_bf16"])
+def test_ns_dtype_auto_is_bf16_where_the_device_multiplies_bf16_natively_else_the_parameters_rule(monkeypatch,
+                                                                                                  native):
+    """A CPU with AVX512-BF16 or AMX (as torch reports it), or a GPU: bf16; elsewhere bf16 matmuls are emulated and
+    slower than fp32, so the parameter's rule (fp32 for fp32 weights)."""
+    orthogonal.bf16_matmuls.cache_clear()
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    try:
+        assert orthogonal.bf16_matmuls("cpu") is native and orthogonal.bf16_matmuls("cuda")
+        assert orthogonal.ns_dtype(torch.float32, "auto", torch.device("cpu")) == (
+            torch.bfloat16 if native else torch.float32)
+        assert orthogonal.ns_dtype(torch.float64, "auto", torch.device("cuda")) == torch.bfloat16
+        assert orthogonal.ns_dtype(torch.bfloat16, "auto", torch.device("cpu")) == torch.bfloat16
+    finally:
+        orthogonal.bf16_matmuls.cache_clear()
+
+
 def test_an_interval_orthogonalises_only_the_matrices_that_are_due(monkeypatch):
     """The compute an interval saves: with ns_interval=2 the expert slices go through Newton-Schulz at every second
     of their steps and not between; an idle slice drops out of step with the others and is orthogonalised alone."""
@@ -165,7 +183,7 @@ def test_the_momentum_and_weight_passes_blocks_tile_a_tensor_once_at_its_row_maj
     ("ns_coefficients", "jordan", r"Invalid ns_coefficients in param group 0: 'jordan' \(expected one of 'muon', "
                                   r"'polar_express'\)"),
     ("ns_coefficients", (3.4445, -4.775, 2.0315), "Invalid ns_coefficients"),
-    ("ns_dtype", "fp16", r"Invalid ns_dtype in param group 0: 'fp16' \(expected None.*'fp32', 'bf16'\)"),
+    ("ns_dtype", "fp16", r"Invalid ns_dtype in param group 0: 'fp16' \(expected None.*'fp32', 'bf16', 'auto'\)"),
     ("ns_interval", 0, r"Invalid ns_interval in param group 0: 0 \(expected an int >= 1"),
     ("ns_interval", True, "Invalid ns_interval"),
 ])

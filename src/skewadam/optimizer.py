@@ -166,8 +166,8 @@ class SkewAdam(Optimizer):
             ``SKEWADAM_IMPL`` if set, else the preferred backend available on the parameters' device); same math.
         update: ``"adam"`` (the tiers' update) or ``"orthogonal"`` (above; matrices and banks of matrices only).
         ns_steps, ns_coefficients, ns_dtype, ns_interval: the orthogonal update's Newton-Schulz iterations (5),
-            coefficients (``"muon"`` or ``"polar_express"``), dtype (None: the parameter's rule; ``"bf16"``) and
-            interval (1: every step; k: each matrix every k of its steps, k steps' update at once).
+            coefficients (``"muon"`` or ``"polar_express"``), dtype (None: the parameter's rule; ``"bf16"``, ``"auto"``:
+            bf16 where matmuls are) and interval (1: every step; k: each matrix every k of its steps, k steps at once).
         relative_step: Adafactor's option (off by default): the update term scaled by ``max(1e-3, rms(p))`` per unit.
         beta2_decay: Adafactor's option (off by default): ``beta2_t = 1 - t^beta2_decay`` (e.g. -0.8), uncorrected.
         in_backward: step each parameter inside backward as soon as its gradient is complete, and free it

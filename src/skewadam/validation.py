@@ -21,8 +21,8 @@ from .kernels import orthogonal
 from .kernels.types import NS_STEPS, Group, check_group, check_param_dtype
 from .state import TierSpec, check_state, state_flags
 
-__all__ = ["EPS_DEFAULT", "GROUP_KEYS", "ADDED_KEYS", "FOREIGN_KEYS", "resolve_group", "validate_group", "validate_params",
-           "validate_param", "foreign_message", "check_state_dict"]
+__all__ = ["EPS_DEFAULT", "GROUP_KEYS", "ADDED_KEYS", "FOREIGN_KEYS", "resolve_group", "validate_group",
+           "validate_params", "validate_param", "foreign_message", "check_state_dict"]
 
 EPS_DEFAULT = {"floor": 1e-8, "add": 1e-30}
 GROUP_KEYS = frozenset(
@@ -136,8 +136,8 @@ def validate_param(p: Tensor, group: dict, idx: int) -> None:
 def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) -> tuple[list[dict], dict]:
     """The param groups and state of ``state_dict`` (an optimizer's), checked for loading
     into an optimizer holding ``param_groups``: each saved group whole (every key SkewAdam saves, none another
-    optimizer's; nothing is filled in but the keys of `ADDED_KEYS` an older checkpoint lacks), with the constructor's checks, and the group it replaces (the same tier and
-    flattened banks); each parameter's state against `skewadam.state.state_spec`, by value too (a Python-number
+    optimizer's; nothing is filled in but the `ADDED_KEYS` an older checkpoint lacks), with the constructor's checks,
+    and the group it replaces (the same tier and flattened banks); each parameter's state against `skewadam.state.state_spec`, by value too (a Python-number
     ``step`` of older checkpoints and other tools becomes a tensor, a flattened bank's state in the stacked layout
     of earlier versions is reshaped to its own, `skewadam.state.TierSpec.spec`); ``skipped_steps``, where present, a
     whole number >= 0. Returns ``(groups, state)`` to load; raises ValueError naming what does not fit, having

@@ -305,8 +305,8 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
         return n * 8 + units * state_dtype_for(dtype).itemsize
 
     return Arm(name, label, make, state, transient, master=False, tier_options=tier_options, options=options,
-               kernels=True, lr=lr, orthogonal=orthogonal, variant_of=variant_of, in_backward=bool(options.get("in_backward")),
-               reduced=reduced,
+               kernels=True, lr=lr, orthogonal=orthogonal, variant_of=variant_of,
+               in_backward=bool(options.get("in_backward")), reduced=reduced,
                temporaries="as its kernel backend counts them (`step_transient_bytes` of skewadam.kernels.BACKENDS) "
                "and, for orthogonal groups, skewadam.kernels.orthogonal (the stacked Newton-Schulz iterates): the "
                "larger of the two")

@@ -8,8 +8,8 @@ average whole intervals); a ratio is the median over rounds of the ratio of the 
 printed with its spread over the rounds (interquartile range and min..max); a time is the median over rounds. The
 forward and backward of one bench batch (``--batch-size`` sequences of the model's context, random tokens) is timed
 in the same rounds, so each optimizer's step is also given as a multiple of it and as its share of a training step
-(forward, backward and step). The defaults, 1 thread and the process's CPU time (``--clock cpu``), are the measure that stays
-steady on a machine shared with other work: with several threads a descheduled thread stalls the others at every
+(forward, backward and step). The defaults, 1 thread and the process's CPU time (``--clock cpu``), are the measure
+that stays steady on a machine shared with other work: with several threads a descheduled thread stalls the others at every
 parallel region, and wall time counts other processes' turns on the CPU.
 
 The report names SkewAdam's kernel backend (`skewadam.kernels.resolve`'s choice for ``--impl`` on CPU), the CPU and
@@ -175,7 +175,8 @@ def bench_step(
         for _ in range(warmup):
             opt.step()
         memory[name] = step_transient_bytes(opt)
-    tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size),
+                           generator=torch.Generator().manual_seed(seed))
 
     def forward_backward() -> None:  # the bench's training step without the optimizer (its model: the base copy)
         base.zero_grad(set_to_none=True)

@@ -33,6 +33,7 @@ Shape legend: ``N`` matrices stacked for one batched Newton-Schulz, ``E`` bank s
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence
@@ -46,8 +47,9 @@ from .quant import load_momentum, store_momentum_
 from .rounding import stochastic_round_bf16
 from .types import NS_STEPS, Group, ParamTensors, unit_dims
 
-__all__ = ["NS_COEFFICIENTS", "NS_EPS", "NS_SCHEDULES", "NS_DTYPES", "CHUNK_NUMEL", "ns_dtype",
-           "newton_schulz", "newton_schulz_", "check_options", "rms_scale", "check", "grad_stats", "step_", "nesterov_", "apply_", "step_transient_bytes"]
+__all__ = ["NS_COEFFICIENTS", "NS_EPS", "NS_SCHEDULES", "NS_DTYPES", "CHUNK_NUMEL", "BLOCK_NUMEL", "bf16_matmuls",
+           "ns_dtype", "check_options", "newton_schulz", "newton_schulz_", "rms_scale", "check", "grad_stats", "step_",
+           "nesterov_", "apply_", "step_transient_bytes"]
 
 #: Muon's quintic Newton-Schulz coefficients (KellerJordan/Muon; torch.optim.Muon's defaults) and eps; its 5 steps
 #: are `skewadam.kernels.types.NS_STEPS`.
@@ -84,14 +86,29 @@ NS_SCHEDULES: dict[str, tuple[tuple[float, float, float], ...]] = {
     "polar_express": _fold_input_scale([(a / _SAFE, b / _SAFE ** 3, c / _SAFE ** 5) for a, b, c in _POLAR_EXPRESS[:-1]]
                                        + [_POLAR_EXPRESS[-1]], _SAFE),
 }
-#: A group's ``ns_dtype``: Newton-Schulz in the parameter's `ns_dtype` (None), or in this dtype whatever the parameter's.
-NS_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}
+#: A group's ``ns_dtype``: the parameter's rule (None), that dtype whatever the parameter's, or ``"auto"``: bf16 where
+#: the device multiplies bf16 natively (`bf16_matmuls`), else the parameter's rule.
+NS_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "auto": None}
 
 
-def ns_dtype(param_dtype: torch.dtype, choice: Optional[str] = None) -> torch.dtype:
-    """The dtype Newton-Schulz runs in: ``choice`` (a group's ``ns_dtype``: `NS_DTYPES`) if given, else bf16 for
-    16-bit parameters (torch's choice) and the parameter's own otherwise."""
-    if choice is not None:
+@functools.lru_cache(maxsize=None)
+def bf16_matmuls(device_type: str) -> bool:
+    """Whether ``device_type`` multiplies bf16 matrices natively: CUDA (torch's Muon's choice there), a CPU with
+    AVX512-BF16 or AMX (on others bf16 matmuls are emulated and slower than fp32)."""
+    if device_type == "cuda":
+        return True
+    return device_type == "cpu" and any(getattr(torch.cpu, name, lambda: False)() for name in (
+        "_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def ns_dtype(param_dtype: torch.dtype, choice: Optional[str] = None, device: Optional[torch.device] = None
+             ) -> torch.dtype:
+    """The dtype Newton-Schulz runs in: ``choice`` (a group's ``ns_dtype``: `NS_DTYPES`) if it names one (``"auto"``
+    on ``device``: bf16 where `bf16_matmuls`), else bf16 for 16-bit parameters (torch's choice) and the parameter's
+    own otherwise."""
+    if choice == "auto" and device is not None and bf16_matmuls(torch.device(device).type):
+        return torch.bfloat16
+    if NS_DTYPES.get(choice) is not None:
         return NS_DTYPES[choice]
     return torch.bfloat16 if param_dtype in (torch.bfloat16, torch.float16) else param_dtype
 
@@ -263,7 +280,7 @@ def step_(
             for pt in pts]
     kinds: dict[tuple, list[int]] = defaultdict(list)
     for i, pt in enumerate(pts):
-        kinds[(tuple(pt.shape[-2:]), ns_dtype(pt.param.dtype, group.ns_dtype))].append(i)
+        kinds[(tuple(pt.shape[-2:]), ns_dtype(pt.param.dtype, group.ns_dtype, pt.param.device))].append(i)
     for (_, dtype), idx in kinds.items():
         for chunk in _pieces([pt.param.shape for pt in pts], [pt.bank for pt in pts], gathered, idx):
             # each piece's matrices as Newton-Schulz takes them: local ones, or a sharded tensor's gathered whole
@@ -397,8 +414,8 @@ def step_transient_bytes(shapes: Sequence[Sequence[int]], param_dtype: torch.dty
     the largest chunk of one matrix shape (`CHUNK_NUMEL` elements of whole matrices; a bigger matrix alone): during
     Newton-Schulz 3 of its stacks (the input, the old and the new iterate) and a Gram polynomial (``min(A, B)^2``
     per matrix) in the Newton-Schulz dtype (`ns_dtype` of ``param_dtype`` and each tensor's group's ``ns_dtype``,
-    ``choices``); then its result and 4 blocks (`BLOCK_NUMEL`) in the compute dtype (the result's block, decay,
-    update, mask).
+    ``choices``; ``"auto"`` as the parameter's rule: the larger, where the device is not known); then its result
+    and 4 blocks (`BLOCK_NUMEL`) in the compute dtype (the result's block, decay, update, mask).
     Measured on torch 2.13 CPU (tests/test_planner.py, tracked tensor bytes)."""
     compute = _compute_dtype(param_dtype).itemsize
     stacks: dict[tuple, int] = defaultdict(int)
