@@ -34,6 +34,7 @@ Shape legend: ``N`` matrices stacked for one batched Newton-Schulz, ``E`` bank s
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import defaultdict
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence
@@ -255,7 +256,7 @@ def step_(
     of the group's seed, the parameter's stream and its step count. With ``group.ns_interval`` k > 1 a unit (matrix,
     bank slice) is orthogonalised and its weights stepped only when its new step count is a multiple of k, by k
     steps' update at once (``p (1 - k lr wd) - k lr 0.2 sqrt(max(A, B)) NS(u)``); in between its momentum alone
-    moves. Which units are due is read on the host, once per chunk.
+    moves. Which units are due is read on the host, once per step.
     """
     pts = group.params
     if len(stats) != len(pts):
@@ -273,6 +274,10 @@ def step_(
         pt.step.add_(1 if active is None else active.view(-1) if pt.bank else active)
     every = group.ns_interval
     dues = actives if every == 1 else [_due(pt, active, every) for pt, active in zip(pts, actives)]
+    if every > 1:  # which units are due, on the host: one read per step (a device sync, where there is one)
+        flat = torch.cat([d.reshape(-1).to(dues[0].device) for d in dues]).tolist()
+        cuts = [0, *itertools.accumulate(d.numel() for d in dues)]
+        due_host = [flat[a:b] for a, b in zip(cuts, cuts[1:])]
     gathered = gathered or [False] * len(pts)
     lr = group.lr if isinstance(group.lr, Tensor) and group.lr.device.type != "cpu" else float(group.lr)
     lr = lr * every  # (an interval's steps at once)
@@ -298,9 +303,9 @@ def step_(
                     nesterov_(*args, beta=group.beta1, key=keys[i], offset=offset, out=x.view(shape))
             if every == 1:
                 o_NAB = newton_schulz_(x_NAB, group.ns_steps, group.ns_coefficients)  # (consumes the fresh buffer)
-            else:  # the due matrices alone (one host read of which are due): the others keep their update unused
-                due = torch.cat([_at(dues[i], rows).reshape(-1).expand(n) for (i, rows), n in zip(chunk, counts)])
-                due = due.tolist()
+            else:  # the due matrices alone: the others keep their update unused
+                due = [d for (i, rows), n in zip(chunk, counts)
+                       for d in (due_host[i][rows] if pts[i].bank else due_host[i] * n)]
                 if not any(due):
                     continue
                 sel = torch.tensor([j for j, d in enumerate(due) if d], device=x_NAB.device)
