@@ -291,28 +291,37 @@ def step_(
             # each piece's matrices as Newton-Schulz takes them: local ones, or a sharded tensor's gathered whole
             cut = [tuple(pts[i].shape) if gathered[i] else tuple(pts[i].param[rows].shape) for i, rows in chunk]
             counts = [math.prod(shape[:-2]) for shape in cut]
-            x_NAB = torch.empty(sum(counts), *cut[0][-2:], dtype=dtype, device=pts[chunk[0].index].param.device)
-            for (i, rows), x, shape in zip(chunk, x_NAB.split(counts), cut):
+            due = [True] * sum(counts) if every == 1 else [  # the matrices orthogonalised: all, but in an interval
+                d for (i, rows), n in zip(chunk, counts)
+                for d in (due_host[i][rows] if pts[i].bank else due_host[i] * n)]
+            ends = list(itertools.accumulate(counts))
+            wanted = [any(due[end - n:end]) for n, end in zip(counts, ends)]  # pieces whose update is needed
+            x_NAB = torch.empty(sum(counts), *cut[0][-2:], dtype=dtype, device=pts[chunk[0].index].param.device
+                                ) if any(wanted) else None
+            for j, ((i, rows), shape) in enumerate(zip(chunk, cut)):
                 pt = pts[i]
                 offset = (rows.start or 0) * math.prod(pt.param.shape[1:])
                 args = (pt.grad[rows], _at(pt.exp_avg, rows), _at(pt.exp_avg_scale, rows), _at(actives[i], rows))
-                if gathered[i]:  # the momentum of the local shard, then the full matrices
-                    x.copy_(gather(nesterov_(*args, beta=group.beta1, key=keys[i], offset=offset), i)  # type: ignore
-                            .reshape(x.shape))
+                if not wanted[j]:  # (the momentum alone; a gathered tensor's pieces agree on every rank)
+                    nesterov_(*args, beta=group.beta1, key=keys[i], offset=offset, update=False)
+                elif gathered[i]:  # the momentum of the local shard, then the full matrices
+                    x_NAB[ends[j] - counts[j]:ends[j]].copy_(gather(  # type: ignore
+                        nesterov_(*args, beta=group.beta1, key=keys[i], offset=offset), i).reshape(-1, *shape[-2:]))
                 else:
-                    nesterov_(*args, beta=group.beta1, key=keys[i], offset=offset, out=x.view(shape))
-            if every == 1:
+                    nesterov_(*args, beta=group.beta1, key=keys[i], offset=offset,
+                              out=x_NAB[ends[j] - counts[j]:ends[j]].view(shape))  # type: ignore[index]
+            if x_NAB is None:
+                continue
+            if all(due):
                 o_NAB = newton_schulz_(x_NAB, group.ns_steps, group.ns_coefficients)  # (consumes the fresh buffer)
-            else:  # the due matrices alone: the others keep their update unused
-                due = [d for (i, rows), n in zip(chunk, counts)
-                       for d in (due_host[i][rows] if pts[i].bank else due_host[i] * n)]
-                if not any(due):
-                    continue
+            else:  # the due matrices alone: the others' rows are left as they are, and not applied
                 sel = torch.tensor([j for j, d in enumerate(due) if d], device=x_NAB.device)
                 o_NAB = x_NAB.index_copy_(0, sel, newton_schulz_(x_NAB.index_select(0, sel), group.ns_steps,
                                                                  group.ns_coefficients))
             del x_NAB
-            for (i, rows), o, shape in zip(chunk, o_NAB.split(counts), cut):
+            for (i, rows), o, shape, want in zip(chunk, o_NAB.split(counts), cut, wanted):
+                if not want:
+                    continue
                 pt = pts[i]
                 o = o.reshape(shape)
                 if gathered[i]:
@@ -358,32 +367,39 @@ def _blocks(t: Tensor) -> Iterator[tuple[tuple, int]]:
 
 
 def _mask(active: Optional[Tensor], index: tuple) -> Optional[Tensor]:
-    """A bank's ``active`` ``[E, 1, 1]`` at a block's slices; a 0-d mask (a matrix's skip) or None as it is."""
-    return active[index[0]] if active is not None and active.ndim and index else active
+    """A bank's ``active`` ``[E, 1, 1]`` at a block's slices; a 0-d mask (a matrix's skip) as it is; None where there
+    is none, or where a CPU mask is all True (read there: no device sync), which changes nothing."""
+    mask = active[index[0]] if active is not None and active.ndim and index else active
+    return None if mask is None or (mask.device.type == "cpu" and bool(mask.all())) else mask
 
 
 def nesterov_(g: Tensor, m: Optional[Tensor], scale: Optional[Tensor], active: Optional[Tensor], *, beta: float,
-              key: int, offset: int = 0, out: Optional[Tensor] = None) -> Tensor:
+              key: int, offset: int = 0, out: Optional[Tensor] = None, update: bool = True) -> Optional[Tensor]:
     """Update the momentum in place (``m = lerp(m, g, 1 - beta)``, stored per its dtype, `skewadam.kernels.quant`;
     a bank's slices where ``active`` is False keep theirs) and return the Nesterov update ``u = lerp(g, m, beta)``,
     computed in the compute dtype from the stored momentum; ``u = g`` without momentum. ``key`` and ``offset`` (of
     ``g``'s first element in its tensor) seed a bf16 momentum's stochastic rounding. ``u`` is written into ``out``
-    (``g``'s shape, any float dtype: rounded to it) if given, else into a new tensor of the compute dtype. Block by
-    block (`_blocks`): the same values as whole tensors, with temporaries that stay in cache."""
+    (``g``'s shape, any float dtype: rounded to it) if given, else into a new tensor of the compute dtype; with
+    ``update=False`` only the momentum moves (None is returned). Block by block (`_blocks`): the same values as whole
+    tensors, with temporaries that stay in cache."""
     dtype = _compute_dtype(g.dtype)
-    u = torch.empty(g.shape, dtype=dtype, device=g.device) if out is None else out
+    u = None if not update else torch.empty(g.shape, dtype=dtype, device=g.device) if out is None else out
+    if m is None and u is None:
+        return None
     for index, start in _blocks(g):
         gb = g[index].to(dtype)
         if m is None:
-            u[index] = gb
+            if u is not None:
+                u[index] = gb
             continue
         mb, sb = m[index], None if scale is None else scale[index]
         m32 = load_momentum(mb, sb, dtype)
         new = m32.lerp(gb, 1.0 - beta)
-        if active is not None:
-            new = torch.where(_mask(active, index), new, m32)
+        if (mask := _mask(active, index)) is not None:
+            new = torch.where(mask, new, m32)
         store_momentum_(mb, sb, new, key, offset + start)
-        u[index] = gb.lerp(load_momentum(mb, sb, dtype), beta)
+        if u is not None:
+            u[index] = gb.lerp(load_momentum(mb, sb, dtype), beta)
     return u
 
 
@@ -406,8 +422,8 @@ def apply_(p: Tensor, o: Tensor, active: Optional[Tensor], *, shape: Sequence[in
             new = torch.add(p32 * decay, ob * alpha)
         else:
             new = torch.add(p32 * decay if decay != 1.0 else p32, ob, alpha=alpha)
-        if active is not None:
-            new = torch.where(_mask(active, index), new, p32)
+        if (mask := _mask(active, index)) is not None:
+            new = torch.where(mask, new, p32)
         if p.dtype == torch.bfloat16:
             new = stochastic_round_bf16(new, key, offset + start)
         pb.copy_(new)
