@@ -77,37 +77,16 @@ class _RefUnit:
         return p * (1 - lr * weight_decay) - step_size * u
 
 
-# Polar Express, arXiv 2505.16932, Algorithm 1, transcribed: its degree-5 coefficients (the last repeats), every one
-# but the last divided by the safety factor 1.01 (x by 1.01, x^3 by 1.01^3, x^5 by 1.01^5), X0 = G / (1.01 ||G||_F)
-# (the paper adds 1e-7 to the denominator; here, as skewadam does for both schedules, the norm is floored at 1e-7, as
-# Muon's iteration does: the two differ by 1e-7 / ||G||_F relative).
-_POLAR_EXPRESS = [(8.28721201814563, -23.595886519098837, 17.300387312530933),
-                  (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-                  (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-                  (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-                  (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-                  (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-                  (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-                  (1.875, -1.25, 0.375)]
-
-
-def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients: str = "muon") -> torch.Tensor:
+def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     """Muon's quintic Newton-Schulz iteration of one matrix, in float64, written out: on the wide orientation,
-    ``X <- a X + (b A + c A A) X`` with ``A = X X^T``, from ``X = g / ||g||_F``; ``coefficients="polar_express"``:
-    Polar Express's Algorithm 1 (its ``(a, b, c)`` per iteration and its scaling of ``g``)."""
+    ``X <- a X + (b A + c A A) X`` with ``A = X X^T``, from ``X = g / ||g||_F``."""
+    a, b, c = 3.4445, -4.7750, 2.0315
     x = g.to(torch.float64)
     transposed = x.shape[0] > x.shape[1]
     if transposed:
         x = x.t()
-    norm = float(torch.sqrt((x * x).sum()))
-    if coefficients == "muon":
-        schedule = [(3.4445, -4.7750, 2.0315)] * steps
-        x = x / max(norm, 1e-7)
-    else:
-        safe = [(a / 1.01, b / 1.01 ** 3, c / 1.01 ** 5) for a, b, c in _POLAR_EXPRESS[:-1]] + [_POLAR_EXPRESS[-1]]
-        schedule = safe[:steps] + [safe[-1]] * (steps - len(safe))
-        x = x / (1.01 * max(norm, 1e-7))
-    for a, b, c in schedule:
+    x = x / max(float(torch.sqrt((x * x).sum())), 1e-7)
+    for _ in range(steps):
         gram = x @ x.t()
         x = a * x + (b * gram + c * (gram @ gram)) @ x
     return x.t() if transposed else x
@@ -116,15 +95,14 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients: str = "muon") -
 class RefOrthogonal:
     """The orthogonal tier: ``p <- p (1 - lr wd) - lr 0.2 sqrt(max(A, B)) NS(u)`` with Nesterov momentum
     ``m <- mu m + (1 - mu) g``, ``u = (1 - mu) g + mu m`` (or ``u = g`` without momentum); a bank's slices are
-    separate matrices, and a slice whose gradient is all zero is left untouched. ``steps``, ``coefficients``:
-    `newton_schulz`'s; ``interval`` k: a matrix's weights move only at its steps t = k, 2k, ..., by
+    separate matrices, and a slice whose gradient is all zero is left untouched. ``steps``: `newton_schulz`'s;
+    ``interval`` k: a matrix's weights move only at its steps t = k, 2k, ..., by
     ``p <- p (1 - k lr wd) - k lr 0.2 sqrt(max(A, B)) NS(u)``, its momentum at every step."""
 
-    def __init__(self, value: torch.Tensor, *, momentum: bool, bank: bool, steps: int = 5, coefficients: str = "muon",
-                 interval: int = 1):
+    def __init__(self, value: torch.Tensor, *, momentum: bool, bank: bool, steps: int = 5, interval: int = 1):
         self.value = value.detach().to(torch.float64).clone()
         self.bank = bank
-        self.steps, self.coefficients, self.interval = steps, coefficients, interval
+        self.steps, self.interval = steps, interval
         n = self.value.shape[0] if bank else 1
         self.m = [torch.zeros(self.value.shape[1:] if bank else self.value.shape, dtype=torch.float64)
                   for _ in range(n)] if momentum else None
@@ -147,7 +125,7 @@ class RefOrthogonal:
             p = self.value[e] if self.bank else self.value
             k_lr = self.interval * lr
             new = p * (1 - k_lr * weight_decay) - k_lr * 0.2 * math.sqrt(max(g.shape)) * newton_schulz(
-                u, self.steps, self.coefficients)
+                u, self.steps)
             if self.bank:
                 self.value[e] = new
             else:

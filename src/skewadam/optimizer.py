@@ -165,9 +165,9 @@ class SkewAdam(Optimizer):
         impl: the kernel backend, ``"auto"`` or a name of `skewadam.kernels.BACKENDS` (`skewadam.kernels.resolve`:
             ``SKEWADAM_IMPL`` if set, else the preferred backend available on the parameters' device); same math.
         update: ``"adam"`` (the tiers' update) or ``"orthogonal"`` (above; matrices and banks of matrices only).
-        ns_steps, ns_coefficients, ns_dtype, ns_interval: the orthogonal update's Newton-Schulz iterations (5),
-            coefficients (``"muon"`` or ``"polar_express"``), dtype (None: the parameter's rule; ``"bf16"``, ``"auto"``:
-            bf16 where matmuls are) and interval (1: every step; k: each matrix every k of its steps, k steps at once).
+        ns_steps, ns_dtype, ns_interval: the orthogonal update's Newton-Schulz iterations (5), dtype (None: the
+            parameter's rule; ``"bf16"``; ``"auto"``: bf16 where the device multiplies it natively) and interval (1:
+            every step; k: each matrix orthogonalised every k of its steps, k steps' update at once).
         relative_step: Adafactor's option (off by default): the update term scaled by ``max(1e-3, rms(p))`` per unit.
         beta2_decay: Adafactor's option (off by default): ``beta2_t = 1 - t^beta2_decay`` (e.g. -0.8), uncorrected.
         in_backward: step each parameter inside backward as soon as its gradient is complete, and free it
@@ -197,14 +197,14 @@ class SkewAdam(Optimizer):
         impl: str = "auto",
         update: str = "adam",
         relative_step: bool = False, beta2_decay: Optional[float] = None,
-        ns_steps: int = NS_STEPS, ns_coefficients: str = "muon", ns_dtype: Optional[str] = None, ns_interval: int = 1,
+        ns_steps: int = NS_STEPS, ns_dtype: Optional[str] = None, ns_interval: int = 1,
         in_backward: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode, tier=tier,
             use_momentum=use_momentum, use_factored=use_factored, bank=bank, seed=seed, momentum_dtype=momentum_dtype,
             update=update, relative_step=relative_step, beta2_decay=beta2_decay, ns_steps=ns_steps,
-            ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, ns_interval=ns_interval)
+            ns_dtype=ns_dtype, ns_interval=ns_interval)
         if impl not in kernels.IMPLS:
             raise ValueError(f"Invalid impl: {impl!r} (expected one of {kernels.IMPLS})")
         self._impl = impl
@@ -351,7 +351,7 @@ class SkewAdam(Optimizer):
         b1, b2 = group["betas"]
         return params, Group(tensors, group["lr"], b1, b2, group["eps"], group["eps_mode"], group["weight_decay"],
                              group["seed"], group["relative_step"], group["beta2_decay"], group["ns_steps"],
-                             group["ns_coefficients"], group["ns_dtype"], group["ns_interval"])
+                             group["ns_dtype"], group["ns_interval"])
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:

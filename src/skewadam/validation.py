@@ -27,11 +27,10 @@ __all__ = ["EPS_DEFAULT", "GROUP_KEYS", "ADDED_KEYS", "FOREIGN_KEYS", "resolve_g
 EPS_DEFAULT = {"floor": 1e-8, "add": 1e-30}
 GROUP_KEYS = frozenset(
     {"params", "lr", "betas", "eps", "weight_decay", "eps_mode", "tier", "use_momentum", "use_factored", "bank", "seed",
-     "momentum_dtype", "experts", "update", "relative_step", "beta2_decay", "ns_steps", "ns_coefficients", "ns_dtype",
-     "ns_interval"}
+     "momentum_dtype", "experts", "update", "relative_step", "beta2_decay", "ns_steps", "ns_dtype", "ns_interval"}
 )
 #: Keys added after checkpoints were saved without them, with the value those checkpoints were trained with.
-ADDED_KEYS = {"ns_steps": NS_STEPS, "ns_coefficients": "muon", "ns_dtype": None, "ns_interval": 1}
+ADDED_KEYS = {"ns_steps": NS_STEPS, "ns_dtype": None, "ns_interval": 1}
 # Keys other torch APIs put into param groups: named parameters, LR schedulers' bookkeeping.
 FOREIGN_KEYS = frozenset({"param_names", "initial_lr"})
 # What every group SkewAdam.state_dict() saves holds (``experts`` only where the group has flattened banks).
@@ -66,8 +65,8 @@ def validate_group(group: dict, idx: int) -> TierSpec:
         raise ValueError(f"Invalid betas in {where}: {betas!r} (expected a pair (beta1, beta2))")
     eps = EPS_DEFAULT.get(group["eps_mode"], 1.0) if group["eps"] is None else group["eps"]
     record = Group((), group["lr"], betas[0], betas[1], eps, group["eps_mode"], group["weight_decay"], group["seed"],
-                   group["relative_step"], group["beta2_decay"], group["ns_steps"], group["ns_coefficients"],
-                   group["ns_dtype"], group["ns_interval"])
+                   group["relative_step"], group["beta2_decay"], group["ns_steps"], group["ns_dtype"],
+                   group["ns_interval"])
     check_group(record, where)
     orthogonal.check_options(record, where)
     lr = group["lr"]

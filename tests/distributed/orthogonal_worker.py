@@ -130,8 +130,7 @@ def main(out_dir: Path, impl: str) -> None:
             "fsdp2_experts_shard1_int8_expert_momentum": lambda: check_fsdp2(1, experts_shard1, "int8",
                                                                              expert_momentum=True),
             "fsdp2_experts_shard1_newton_schulz_options": lambda: check_fsdp2(
-                1, experts_shard1, "int8", expert_momentum=True, ns_steps=4, ns_coefficients="polar_express",
-                ns_interval=2),
+                1, experts_shard1, "int8", expert_momentum=True, ns_steps=4, ns_interval=2),
             "fsdp2_negative_control": lambda: check_fsdp2(3, gather=False),
             "ddp": check_ddp,
             "fsdp2_adafactor_options": check_adafactor_options,

@@ -363,12 +363,6 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
     _skewadam("skewadam-quality-bf16-ns4", "skewadam-quality-bf16, 4 Newton-Schulz steps",
               options={"momentum_dtype": "int8", "ns_dtype": "bf16", "ns_steps": 4}, orthogonal="experts",
               tier_options={"expert": {"use_momentum": True}}, lr=3e-2),
-    _skewadam("skewadam-quality-pe", "skewadam-quality-bf16, Polar Express coefficients",
-              options={"momentum_dtype": "int8", "ns_dtype": "bf16", "ns_coefficients": "polar_express"},
-              orthogonal="experts", tier_options={"expert": {"use_momentum": True}}, lr=3e-2),
-    _skewadam("skewadam-quality-pe3", "skewadam-quality-pe, 3 Newton-Schulz steps",
-              options={"momentum_dtype": "int8", "ns_dtype": "bf16", "ns_coefficients": "polar_express",
-                       "ns_steps": 3}, orthogonal="experts", tier_options={"expert": {"use_momentum": True}}, lr=3e-2),
     _skewadam("skewadam-quality-bf16-every2", "skewadam-quality-bf16, expert slices orthogonalised every 2nd step "
               "(2 steps' update at once)", options={"momentum_dtype": "int8", "ns_dtype": "bf16"}, orthogonal="experts",
               tier_options={"expert": {"use_momentum": True, "ns_interval": 2}}, lr=3e-2),

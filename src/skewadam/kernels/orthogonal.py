@@ -48,7 +48,7 @@ from .quant import load_momentum, store_momentum_
 from .rounding import stochastic_round_bf16
 from .types import NS_STEPS, Group, ParamTensors, unit_dims
 
-__all__ = ["NS_COEFFICIENTS", "NS_EPS", "NS_SCHEDULES", "NS_DTYPES", "CHUNK_NUMEL", "BLOCK_NUMEL", "bf16_matmuls",
+__all__ = ["NS_COEFFICIENTS", "NS_EPS", "NS_DTYPES", "CHUNK_NUMEL", "BLOCK_NUMEL", "bf16_matmuls",
            "ns_dtype", "check_options", "newton_schulz", "newton_schulz_", "rms_scale", "check", "grad_stats", "step_",
            "nesterov_", "apply_", "step_transient_bytes"]
 
@@ -59,34 +59,6 @@ NS_EPS = 1e-7
 CHUNK_NUMEL = 1 << 24  # elements of whole matrices orthogonalised at a time (64 MiB of fp32)
 BLOCK_NUMEL = 1 << 17  # elements per block of the momentum and weight passes (512 KiB of fp32: in cache)
 
-# Polar Express (arXiv 2505.16932, Algorithm 1): the minimax-optimal quintic of each iteration for singular values
-# in [1e-3, 1], as published; the algorithm divides every one but the last by a safety factor 1.01 (x, x^3, x^5
-# terms by 1.01, 1.01^3, 1.01^5) and its input by 1.01 * ||X||_F.
-_POLAR_EXPRESS = ((8.28721201814563, -23.595886519098837, 17.300387312530933),
-                  (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-                  (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-                  (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-                  (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-                  (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-                  (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-                  (1.875, -1.25, 0.375))
-_SAFE = 1.01
-
-
-def _fold_input_scale(schedule: Sequence[tuple[float, float, float]], s: float) -> tuple:
-    """``schedule`` with its input scaled by ``1/s`` folded into the first polynomial: ``p(x / s)``."""
-    (a, b, c), *rest = schedule
-    return ((a / s, b / s ** 3, c / s ** 5), *rest)
-
-
-#: Newton-Schulz coefficient schedules by name (a group's ``ns_coefficients``): ``(a, b, c)`` of iteration ``i``,
-#: the last one repeated. ``"muon"``: `NS_COEFFICIENTS` every iteration; ``"polar_express"``: Polar Express's, its
-#: safety factors applied and its input scaling folded into the first (the same polynomials, one normalisation).
-NS_SCHEDULES: dict[str, tuple[tuple[float, float, float], ...]] = {
-    "muon": (NS_COEFFICIENTS,),
-    "polar_express": _fold_input_scale([(a / _SAFE, b / _SAFE ** 3, c / _SAFE ** 5) for a, b, c in _POLAR_EXPRESS[:-1]]
-                                       + [_POLAR_EXPRESS[-1]], _SAFE),
-}
 #: A group's ``ns_dtype``: the parameter's rule (None), that dtype whatever the parameter's, or ``"auto"``: bf16 where
 #: the device multiplies bf16 natively (`bf16_matmuls`), else the parameter's rule.
 NS_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "auto": None}
@@ -116,14 +88,10 @@ def ns_dtype(param_dtype: torch.dtype, choice: Optional[str] = None, device: Opt
 
 def check_options(group: Group, where: str = "the param group") -> None:
     """Raise ValueError naming ``where`` unless ``group``'s Newton-Schulz settings are ones `step_` takes: ``ns_steps``
-    an int >= 1, ``ns_coefficients`` a name of `NS_SCHEDULES`, ``ns_dtype`` a key of `NS_DTYPES`, ``ns_interval`` an
-    int >= 1."""
-    steps, coefficients, dtype = group.ns_steps, group.ns_coefficients, group.ns_dtype
+    an int >= 1, ``ns_dtype`` a key of `NS_DTYPES`, ``ns_interval`` an int >= 1."""
+    steps, dtype = group.ns_steps, group.ns_dtype
     if type(steps) is not int or steps < 1:
         raise ValueError(f"Invalid ns_steps in {where}: {steps!r} (expected an int >= 1: Newton-Schulz iterations)")
-    if not isinstance(coefficients, str) or coefficients not in NS_SCHEDULES:
-        raise ValueError(f"Invalid ns_coefficients in {where}: {coefficients!r} (expected one of "
-                         f"{', '.join(map(repr, NS_SCHEDULES))})")
     if dtype is not None and (not isinstance(dtype, str) or dtype not in NS_DTYPES):
         raise ValueError(f"Invalid ns_dtype in {where}: {dtype!r} (expected None, the parameter's rule, or one of "
                          f"{', '.join(repr(k) for k in NS_DTYPES if k)})")
@@ -132,27 +100,25 @@ def check_options(group: Group, where: str = "the param group") -> None:
                          f"of its steps a matrix is orthogonalised)")
 
 
-def newton_schulz(x_NAB: Tensor, steps: int = NS_STEPS, coefficients: str = "muon") -> Tensor:
-    """``NS_steps(x)`` of each matrix of ``x_NAB`` (leading dims are batch dims), in ``x``'s dtype, with the
-    coefficient schedule ``coefficients`` (`NS_SCHEDULES`).
+def newton_schulz(x_NAB: Tensor, steps: int = NS_STEPS) -> Tensor:
+    """``NS_steps(x)`` of each matrix of ``x_NAB`` (leading dims are batch dims), in ``x``'s dtype.
 
     Example:
         >>> o = newton_schulz(torch.randn(4, 64, 32))  # singular values of each o[i] in about [0.7, 1.2]
     """
-    return newton_schulz_(x_NAB.clone(), steps, coefficients)
+    return newton_schulz_(x_NAB.clone(), steps)
 
 
-def newton_schulz_(x_NAB: Tensor, steps: int = NS_STEPS, coefficients: str = "muon") -> Tensor:
+def newton_schulz_(x_NAB: Tensor, steps: int = NS_STEPS) -> Tensor:
     """`newton_schulz`, using ``x_NAB`` (contiguous) as the first iterate: its values are lost."""
-    schedule = NS_SCHEDULES[coefficients]
+    a, b, c = NS_COEFFICIENTS
     wide = x_NAB.shape[-2] <= x_NAB.shape[-1]
     x = x_NAB if wide else x_NAB.mT
     x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp_(min=NS_EPS))
     shape = x.shape
     flat = x.reshape(-1, *shape[-2:])
     del x, x_NAB  # (the caller's reference keeps the input alive: 3 stacks and a Gram polynomial at most)
-    for i in range(steps):
-        a, b, c = schedule[min(i, len(schedule) - 1)]
+    for _ in range(steps):
         gram = torch.bmm(flat, flat.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b*G + c*G^2
         del gram
@@ -313,11 +279,10 @@ def step_(
             if x_NAB is None:
                 continue
             if all(due):
-                o_NAB = newton_schulz_(x_NAB, group.ns_steps, group.ns_coefficients)  # (consumes the fresh buffer)
+                o_NAB = newton_schulz_(x_NAB, group.ns_steps)  # (consumes the fresh buffer)
             else:  # the due matrices alone: the others' rows are left as they are, and not applied
                 sel = torch.tensor([j for j, d in enumerate(due) if d], device=x_NAB.device)
-                o_NAB = x_NAB.index_copy_(0, sel, newton_schulz_(x_NAB.index_select(0, sel), group.ns_steps,
-                                                                 group.ns_coefficients))
+                o_NAB = x_NAB.index_copy_(0, sel, newton_schulz_(x_NAB.index_select(0, sel), group.ns_steps))
             del x_NAB
             for (i, rows), o, shape, want in zip(chunk, o_NAB.split(counts), cut, wanted):
                 if not want:

@@ -114,8 +114,7 @@ class Group(NamedTuple):
     the update term (not the weight decay) by ``max(RELATIVE_STEP_EPS, rms(p))`` of the parameter before the step;
     ``beta2_decay`` (``d <= 0``) replaces ``beta2`` by ``1 - t**d`` at the unit's new step count ``t`` and drops the
     second moment's bias correction. The ``ns_*`` fields shape the orthogonal update's Newton-Schulz
-    (`skewadam.kernels.orthogonal`; the Adam-style kernels ignore them): its iterations, coefficient schedule, dtype
-    and interval (every how many of a matrix's steps it is orthogonalised).
+    (`skewadam.kernels.orthogonal`; the Adam-style kernels ignore them): its iterations, dtype and interval (every how many of a matrix's steps it is orthogonalised).
     """
 
     params: Sequence[ParamTensors]
@@ -129,7 +128,6 @@ class Group(NamedTuple):
     relative_step: bool = False
     beta2_decay: Optional[float] = None
     ns_steps: int = NS_STEPS
-    ns_coefficients: str = "muon"
     ns_dtype: Optional[str] = None
     ns_interval: int = 1
 

@@ -388,8 +388,7 @@ py::dict fields() {
                                                "row_var", "col_var", "shape", "bank", "stream", "name"};
   // (the ns_* fields shape the orthogonal update, which runs in Python: group_rec_of skips them)
   d["Group"] = std::vector<std::string>{"params", "lr", "beta1", "beta2", "eps", "eps_mode", "weight_decay", "seed",
-                                        "relative_step", "beta2_decay", "ns_steps", "ns_coefficients", "ns_dtype",
-                                        "ns_interval"};
+                                        "relative_step", "beta2_decay", "ns_steps", "ns_dtype", "ns_interval"};
   d["GradStats"] = std::vector<std::string>{"sumsq", "rc_sumsq", "row", "col", "row_var_sum", "p_sumsq", "absmax"};
   d["Moments"] = std::vector<std::string>{"u_sumsq", "corr", "rinv", "cinv", "active"};
   return d;
@@ -459,7 +458,7 @@ ParamRec param_rec_of(PyObject* r) {
 
 GroupRec group_rec_of(py::handle group) {
   PyObject* g = group.ptr();
-  constexpr Py_ssize_t kOrthogonalFields = 4;  // ns_steps, ns_coefficients, ns_dtype, ns_interval (fields())
+  constexpr Py_ssize_t kOrthogonalFields = 3;  // ns_steps, ns_dtype, ns_interval (fields())
   if (!PyTuple_Check(g) || PyTuple_GET_SIZE(g) != Py_ssize_t(std::tuple_size_v<GroupRec>) + kOrthogonalFields)
     wrong_type("groups");
   const auto at = [&](Py_ssize_t i) { return PyTuple_GET_ITEM(g, i); };
