@@ -369,6 +369,9 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
     _skewadam("skewadam-quality-bf16-every4", "skewadam-quality-bf16, expert slices orthogonalised every 4th step "
               "(4 steps' update at once)", options={"momentum_dtype": "int8", "ns_dtype": "bf16"}, orthogonal="experts",
               tier_options={"expert": {"use_momentum": True, "ns_interval": 4}}, lr=3e-2),
+    _skewadam("skewadam-quality-every4", "skewadam-quality, expert slices orthogonalised every 4th step (4 steps' "
+              "update at once), Newton-Schulz in the parameters' dtype", options={"momentum_dtype": "int8"},
+              orthogonal="experts", tier_options={"expert": {"use_momentum": True, "ns_interval": 4}}, lr=3e-2),
     _skewadam("skewadam-relative-step", "SkewAdam, update x max(1e-3, rms(p)) (Adafactor's relative step)",
               options={"relative_step": True}),
     # skewadam's math in another place (bench --optimizers all leaves it out: it trains only at --grad-clip 0)
