@@ -402,6 +402,210 @@ def test_triton_steps_inside_backward_with_no_host_read(monkeypatch):
     assert opt.state[net.bank]["step"].tolist() == [2, 0, 2] and opt.state[net.router]["step"].item() == 1
 
 
+# ------------------------------------------------------------------------- traps: each exact, or refused up front
+class Segmented(nn.Module):
+    """Reentrant checkpointing (``use_reentrant=True``: a nested backward per segment) over weights used every way:
+    ``emb`` before the segments and as the tied head after them, ``w`` in both segments and after them, ``u``
+    inside one segment only, ``v`` outside only."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        new = lambda *shape: nn.Parameter((torch.randn(*shape, generator=g) * 0.5).to(dtype))  # noqa: E731
+        self.emb, self.w, self.u, self.v = new(5, 6), new(6, 6), new(6, 6), new(6, 6)
+
+    def forward(self, x, segments: int = 2):
+        from torch.utils.checkpoint import checkpoint
+
+        h = x @ self.emb
+        h = checkpoint(lambda h: torch.tanh(h @ self.w) @ self.u, h, use_reentrant=True)
+        if segments == 2:
+            h = checkpoint(lambda h: torch.tanh(h @ self.w), h, use_reentrant=True)
+        h = torch.tanh(h @ self.v) @ self.w
+        return (h @ self.emb.T).pow(2).mean()
+
+
+def _segmented_run(impl, dtype, in_backward: bool, steps: int = 3):
+    net = Segmented(dtype)
+    opt = SkewAdam([{"params": [net.emb, net.v], "weight_decay": 0.1, "momentum_dtype": "int8"},
+                    {"params": [net.w, net.u], "tier": "router"}], lr=1e-2, impl=impl, in_backward=in_backward)
+    freed = []
+    for step in range(steps):
+        net(torch.randn(4, 5, generator=torch.Generator().manual_seed(step)).to(dtype)).backward()
+        freed.append(sorted(n for n, p in net.named_parameters() if p.grad is None))
+        opt.step()
+        opt.zero_grad()
+    return net, opt, freed
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reentrant_checkpointing_steps_a_weight_used_in_several_segments_once_with_its_summed_gradient(impl, dtype):
+    """A gradient that arrives inside a nested backward is left to accumulate, and step() steps the sum: weights and
+    state are the regular step's bits. The first backward holds every gradient (which weights the segments use is
+    learnt there); from the second on, the weights used only outside the segments are stepped and freed inside
+    backward."""
+    ref, ref_opt, _ = _segmented_run(impl, dtype, False)
+    net, opt, freed = _segmented_run(impl, dtype, True)
+    for (name, a), b in zip(ref.named_parameters(), net.parameters()):
+        assert torch.equal(a, b), name
+        assert all(torch.equal(x, y) for x, y in zip(ref_opt.state[a].values(), opt.state[b].values())), name
+    assert freed == [[], ["emb", "v"], ["emb", "v"]]
+    assert opt._backward.segmented == {id(net.w), id(net.u)}
+
+
+def test_a_weight_a_reentrant_segment_starts_using_after_the_first_backward_is_refused_naming_use_reentrant():
+    """The weights the segments use are learnt in the first backward that has segments; a segment that starts
+    using a weight already stepped in this backward (the model changed) raises, naming the fix."""
+    net = Segmented(torch.float32)
+    opt = SkewAdam(net.parameters(), lr=1e-2, in_backward=True)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    h = torch.tanh(x @ net.emb @ net.w)
+    (h @ net.emb.T).pow(2).mean().backward()  # no segment: everything stepped inside backward
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[1\] got a gradient inside a reentrant "
+                                           r"activation checkpoint .* Use use_reentrant=False"):
+        net(x, segments=1).backward()
+
+
+def _partly_reached(net: Net, step: int, dtype) -> torch.Tensor:
+    """Every third step reaches every tensor; the others leave the router, the bank and the flattened bank out."""
+    x = _inputs(step, dtype)
+    return net(x) if step % 3 == 0 else torch.tanh(x @ net.w + net.b).pow(2).mean()
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("dtype, momentum_dtype", CASES[:4], ids=[f"{str(d)[6:]}-{m}m" for d, m in CASES[:4]])
+def test_a_kept_zero_gradient_is_stepped_as_the_regular_step_steps_it(impl, dtype, momentum_dtype):
+    """``zero_grad(set_to_none=False)`` keeps a zero gradient for each tensor the hooks freed; a backward that does
+    not reach it leaves it zero, and ``step()`` steps it (momentum decays, weight decay applies; a bank's all-zero
+    slices stay untouched), bitwise as the regular step does, across tiers, banks and momentum formats."""
+    runs = []
+    for in_backward in (False, True):
+        net, opt = _build(impl, dtype, momentum_dtype, in_backward)
+        for step in range(4):
+            _partly_reached(net, step, dtype).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        runs.append(_snapshot(net, opt))
+        assert opt.state[net.router]["step"].item() == 4  # stepped with a zero gradient at steps 1 and 2
+    _assert_same(*runs)
+
+
+class _Raises(torch.autograd.Function):
+    """The identity whose backward raises (what an out-of-memory error or a bad batch does midway through)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("the backward failed here")
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_after_a_backward_that_raised_zero_grad_makes_the_optimizer_usable_and_drops_the_failed_batch(impl):
+    """The hooks that ran before the error stepped their parameters (the bias and the flattened bank, whose
+    gradients come before the failure point); ``zero_grad()`` starts a new record, so the next backward steps
+    every parameter once, and nothing of the failed batch is stepped later: the run equals a regular one whose
+    failed batch stepped those two tensors alone."""
+    runs = []
+    for in_backward in (False, True):
+        net, opt = _build(impl, torch.float32, in_backward=in_backward)
+        _train(net, opt, 1, torch.float32)
+        x = _inputs(1, torch.float32)
+        h = torch.tanh(_Raises.apply(x @ net.w) + net.b)
+        loss = h.sum() + torch.tanh(h.detach() @ net.flat.T).sum()
+        with pytest.raises(RuntimeError, match="the backward failed here"):
+            loss.backward()
+        if not in_backward:  # the regular twin steps what the hooks stepped before the error
+            opt.step()
+        else:
+            assert net.b.grad is None and net.flat.grad is None
+        opt.zero_grad()
+        assert all(p.grad is None for p in net.parameters())
+        _train(net, opt, 1, torch.float32)
+        runs.append(_snapshot(net, opt))
+        assert opt.state[net.b]["step"].item() == 3 and opt.state[net.w]["step"].item() == 2
+    _assert_same(*runs)
+
+
+@pytest.mark.parametrize("keep", [dict(retain_graph=True), dict(create_graph=True)], ids=["retain", "create"])
+def test_a_backward_that_keeps_its_graph_is_refused_before_anything_moves_naming_hold_gradients(keep):
+    """Stepping in place would change weights the kept graph saved (a second backward through it would fail with
+    torch's in-place error): refused at the first hook, nothing stepped. Under ``hold_gradients()`` the backwards
+    through one graph accumulate, and the last one steps their sum, as the regular step does."""
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    _train(net, opt, 1, torch.float32)
+    before = _snapshot(net, opt)
+    loss = net(_inputs(1, torch.float32))
+    with pytest.raises(RuntimeError, match=r"retain_graph=True or create_graph=True\) cannot step inside backward.*"
+                                           r"with optimizer.hold_gradients\(\)"):
+        loss.backward(**keep)
+    _assert_same(before, _snapshot(net, opt))
+    opt.zero_grad()
+    runs = []
+    for in_backward in (False, True):
+        net, opt = _build("auto", torch.float32, in_backward=in_backward)
+        loss = net(_inputs(0, torch.float32))
+        with opt.hold_gradients():
+            loss.backward(retain_graph=True)
+        loss.backward()
+        opt.step()
+        runs.append(_snapshot(net, opt))
+    _assert_same(*runs)
+
+
+def test_a_grad_scaler_is_refused_at_scaler_step_naming_bf16_and_the_regular_step_keeps_it():
+    """The hooks step during backward, before GradScaler meets the optimizer (it scales the loss, not the
+    optimizer): ``scaler.step(optimizer)`` raises, naming bf16 and ``in_backward=False``, instead of torch's "No inf
+    checks were recorded"; the optimizer is left without GradScaler's attributes. The regular step keeps
+    GradScaler's own unscaling (``_step_supports_amp_scaling`` is off there)."""
+    for in_backward in (True, False):
+        net, opt = _build("auto", torch.float32, in_backward=in_backward)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        scaler.scale(net(_inputs(0, torch.float32))).backward()
+        if in_backward:
+            with pytest.raises(RuntimeError, match=r"GradScaler cannot scale the loss of in_backward=True.*"
+                                                   r"Train in bf16.*or use in_backward=False"):
+                scaler.step(opt)
+            assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+        else:
+            scaler.step(opt)
+            scaler.update()
+            assert opt.state[net.w]["exp_avg"].abs().max() < 1.0  # unscaled gradients were stepped
+
+
+def test_turning_in_backward_off_between_backward_and_step_keeps_the_skip_counts():
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    (net(_inputs(0, torch.float32)) + (net.router * float("nan")).sum()).backward()
+    opt.in_backward = False
+    opt.step()
+    assert opt.skipped_tensors == 1 and opt.skipped_steps == 1
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_deepcopy_has_every_public_attribute_of_the_original(in_backward):
+    """PyTorch's optimizer contract: every public attribute (``dir``) of the original exists on the copy, with an
+    equal value for every plain one (numbers, strings, flags); param groups and state are copies of the same
+    shape."""
+    net, opt = _build("auto", torch.float32, in_backward=in_backward)
+    _train(net, opt, 1, torch.float32)
+    (net(_inputs(1, torch.float32)) + (net.router * float("nan")).sum()).backward()
+    opt.step()
+    copied = copy.deepcopy(opt) if not in_backward else copy.deepcopy((net, opt))[1]
+    public = [a for a in dir(opt) if not a.startswith("_")]
+    assert public == [a for a in dir(copied) if not a.startswith("_")]
+    plain = [a for a in public if isinstance(getattr(opt, a), (bool, int, float, str))]
+    assert {"skipped_steps", "skipped_tensors", "skip_nonfinite", "in_backward"} <= set(plain)
+    assert {a: getattr(copied, a) for a in plain} == {a: getattr(opt, a) for a in plain}
+    assert opt.skipped_tensors == in_backward and opt.skipped_steps == 1
+    assert [len(g["params"]) for g in copied.param_groups] == [len(g["params"]) for g in opt.param_groups]
+    assert len(copied.state) == len(opt.state)
+
+
 # ---------------------------------------------------------------------------------------------- bench and planner
 def test_the_bench_arm_trains_the_curve_of_skewadam_at_grad_clip_0_and_refuses_a_global_clip():
     from skewadam.bench.config import RunConfig

@@ -12,14 +12,23 @@ on every rank, so the reducer's collectives inside them line up.
 
 ``optimizer.step()`` then does the bookkeeping: the step hooks and LR schedulers run as usual (a scheduler's ``lr``
 is read by the next backward's hooks), the non-finite skips are counted, and any gradient that backward did not step
-(set by hand, accumulated under `BackwardSteps.hold`, or of a parameter without a hook) is stepped there by the
-regular step. What cannot run inside backward is refused rather than silently done wrong:
+(set by hand, accumulated under `BackwardSteps.hold`, deferred, or of a parameter without a hook) is stepped there by
+the regular step. What cannot run inside backward is refused before anything moves, or done as the regular step
+does it (docs/guide/in-backward.md lists both):
 
 - a second backward before ``step()`` (gradient accumulation) raises at the first parameter it would step twice;
   accumulate micro-batches under ``with optimizer.hold_gradients():`` (the hooks then leave the gradients to
   accumulate, holding them as the regular step does), or with FSDP2's ``set_requires_gradient_sync(False)``;
+- a backward that keeps its graph (``retain_graph=True``, ``create_graph=True``) raises at its first hook: stepping
+  in place would change weights the kept graph saved;
+- reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``) runs a nested backward
+  per segment, so a weight a segment uses can get its gradient in several pieces: a gradient that arrives inside a
+  nested backward is left to accumulate, and so is, in later backwards, an outer gradient of a weight segments use
+  (all of them in the first backward that has segments); ``step()`` steps their sums;
+- ``zero_grad(set_to_none=False)`` keeps a zero gradient for every parameter the hooks freed: one the next backward
+  does not reach is stepped by ``step()`` with that zero gradient, as the regular step does;
 - a gradient set again after its parameter was stepped in backward (DDP all-reducing after the hooks) raises at
-  ``step()`` naming the parameter;
+  ``step()`` naming the parameter; ``torch.amp.GradScaler`` raises at ``scaler.step(optimizer)``;
 - a non-finite gradient skips that tensor's update alone (its gradient is dropped): ``skipped_tensors`` counts them,
   ``skipped_steps`` the steps in which any was skipped; the regular step skips the whole step instead.
 
@@ -35,17 +44,23 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 import weakref
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, ContextManager, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import BackwardCFunction
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["BackwardSteps", "InBackward", "check_trainer", "stacked"]
+__all__ = ["BackwardMode", "BackwardSteps", "Counter", "check_trainer", "stacked"]
 
 #: Each parameter's `BackwardSteps`: a parameter is stepped in backward by one optimizer at most.
 _OWNERS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+#: The Python frames that bracket a reentrant backward: torch's engine call, and a custom Function's backward.
+_ENGINE = torch.autograd.graph._engine_run_backward.__code__
+_NODE = BackwardCFunction.apply.__code__
 
 _TWICE = ("{name} got a second gradient before optimizer.step(): with in_backward=True each gradient is stepped as "
           "soon as backward completes it, so a second backward (gradient accumulation) would step the micro-batches "
@@ -56,6 +71,19 @@ _REGROWN = ("{name} has a gradient again after it was stepped in backward: somet
             "(DistributedDataParallel all-reduces gradients after the hooks, so they stepped this rank's own "
             "gradients). Under DDP use in_backward=False, or shard with FSDP2 (fully_shard), whose hooks run after "
             "its reduce-scatter")
+_RETAINED = ("a backward that keeps its graph (retain_graph=True or create_graph=True) cannot step inside backward: "
+             "the step changes weights in place that the kept graph saved, so a second backward through it would "
+             "fail. Run the backwards that share a graph under `with optimizer.hold_gradients():` (the last one, "
+             "outside it and without retain_graph, steps their sum), or use in_backward=False; nothing was stepped")
+_SEGMENT = ("{name} got a gradient inside a reentrant activation checkpoint (torch.utils.checkpoint(..., "
+            "use_reentrant=True)) after it was stepped in this backward: it is used inside a checkpointed segment "
+            "and after it, which the first backward did not show (the model changed since). Use "
+            "use_reentrant=False, or rebuild the optimizer after changing the model; this step used part of its "
+            "gradient, so resume from a checkpoint")
+_SCALED = ("torch.amp.GradScaler cannot scale the loss of in_backward=True: the hooks step each gradient during "
+           "backward, before scaler.step() unscales anything, so the backward before this call stepped scaled "
+           "gradients (resume from a checkpoint). Train in bf16 (torch.autocast(..., dtype=torch.bfloat16) needs "
+           "no scaler), or use in_backward=False")
 
 
 class BackwardSteps:
@@ -65,9 +93,15 @@ class BackwardSteps:
     (``optimizer.in_backward = False``), and never step a parameter the optimizer no longer holds.
 
     Attributes:
-        stepped: ids of the parameters stepped in backward since the last ``step()``.
+        stepped: ids of the parameters stepped in backward since the last ``step()`` or ``zero_grad()``.
         skipped: each of those updates' skip flag (0-d bool tensors on the parameters' devices: no host sync).
         held: inside `hold`: the hooks leave the gradients to accumulate.
+        freed: ids of the parameters whose gradient a hook freed since the last ``zero_grad(set_to_none=True)``:
+            the regular step would still hold a gradient tensor for each.
+        zeroed: ids of those whose gradient ``zero_grad(set_to_none=False)`` kept as zeros and no backward has
+            reached since: ``step()`` steps them with a zero gradient.
+        segmented: ids of the parameters whose gradient arrived inside a reentrant backward (a checkpointed
+            segment's): their gradients are left to accumulate for ``step()``.
 
     Example:
         >>> steps = BackwardSteps(optimizer)   # what SkewAdam(..., in_backward=True) does
@@ -81,6 +115,12 @@ class BackwardSteps:
         self.stepped: set[int] = set()
         self.skipped: list[Tensor] = []
         self.held = False
+        self.freed: set[int] = set()
+        self.zeroed: set[int] = set()
+        self.segmented: set[int] = set()
+        self._task: tuple[int, str] = (-2, "")  # the running backward's graph task id and what it is (`_kind`)
+        self._probed = False  # whether a backward was searched for reentrant segments (`_kind`)
+        self._deferred = -2  # the graph task of the first backward, if it has reentrant segments
         weakref.finalize(optimizer, _remove_all, self._handles)
         try:
             for group in optimizer.param_groups:
@@ -123,13 +163,30 @@ class BackwardSteps:
         finally:
             self.held = held
 
+    def zero_grad(self, set_to_none: bool) -> None:
+        """After the optimizer's ``zero_grad``: a new record (after a backward that raised midway too: what its hooks
+        stepped stays stepped, its other gradients are gone), and with ``set_to_none=False`` each gradient a hook
+        freed is a kept zero gradient (`zeroed`)."""
+        self.stepped.clear()
+        if set_to_none:
+            self.freed.clear()
+        self.zeroed = set() if set_to_none else set(self.freed)
+
     def finish(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
-        """At ``step()``: refuse a gradient that came back after its parameter was stepped in backward, then return
-        the skip flags of the updates done in backward and start the next step's record."""
+        """At ``step()``: refuse a GradScaler and a gradient that came back after its parameter was stepped in
+        backward, give each kept zero gradient no backward reached its zeros, then return the skip flags of the
+        updates done in backward and start the next step's record."""
+        if "found_inf" in optimizer.__dict__:  # torch.amp.GradScaler.step() hands its inf checks to the step
+            del optimizer.grad_scale, optimizer.found_inf
+            raise RuntimeError(_SCALED)
         for index, group in enumerate(optimizer.param_groups):
             for i, p in enumerate(group["params"]):
                 if p.grad is not None and id(p) in self.stepped:
                     raise RuntimeError(_REGROWN.format(name=_name(group, index, i)))
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None and id(p) in self.zeroed and id(p) not in self.stepped:
+                    p.grad = torch.zeros_like(p)
         skipped, self.skipped = self.skipped, []
         self.stepped.clear()
         return skipped
@@ -144,6 +201,24 @@ class BackwardSteps:
         self._where = {id(q): (index, i) for index, g in enumerate(groups) for i, q in enumerate(g["params"])}
         return self._where.get(id(p))
 
+    def _kind(self) -> str:
+        """What the running backward is, decided at its first hook: ``"retained"`` (it keeps its graph),
+        ``"nested"`` (a reentrant backward, `_reentrant`), ``"defer"`` (the first backward this optimizer meets, and
+        it has reentrant segments: which weights they use is not known yet), else ``"outer"``."""
+        task = torch._C._current_graph_task_id()
+        if task != self._task[0]:
+            kind = "outer"
+            if task >= 0 and torch._C._autograd._get_current_graph_task_keep_graph():
+                kind = "retained"
+            elif task >= 0 and _reentrant():
+                kind = "nested"
+            elif task >= 0 and not self._probed:
+                self._probed = True
+                if self.segmented or _has_reentrant_segment():
+                    self._deferred = task
+            self._task = (task, "defer" if task == self._deferred else kind)
+        return self._task[1]
+
     def _hook(self, p: Tensor) -> None:
         optimizer = self._optimizer()
         if optimizer is None or self.held or p.grad is None:
@@ -151,16 +226,56 @@ class BackwardSteps:
         where = self._locate(optimizer, p)
         if where is None:
             return
+        kind = self._kind()
+        if kind == "retained":
+            raise RuntimeError(_RETAINED)
+        if kind == "nested":
+            if id(p) in self.stepped:
+                raise RuntimeError(_SEGMENT.format(name=_name(optimizer.param_groups[where[0]], *where)))
+            self.segmented.add(id(p))
+        if kind != "outer" or id(p) in self.segmented:
+            return  # its gradient may come in several pieces: step() steps their sum
         if id(p) in self.stepped:
             raise RuntimeError(_TWICE.format(name=_name(optimizer.param_groups[where[0]], *where)))
         self.skipped.append(optimizer._step(only=where))
         self.stepped.add(id(p))
+        self.freed.add(id(p))
+        self.zeroed.discard(id(p))
         p.grad = None
 
 
-class InBackward:
+class Counter:
+    """A count of skipped updates (``SkewAdam.skipped_steps``, ``skipped_tensors``): counted on the device as steps
+    run (`add`: no host sync), the device count added in when read (one host sync on GPU, only when asked);
+    settable (`SkewAdam.load_state_dict` restores ``skipped_steps``)."""
+
+    def __init__(self, name: str, pending: str, doc: str) -> None:
+        self.name, self.pending, self.__doc__ = name, pending, doc
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        pending = obj.__dict__.pop(self.pending, None)
+        if pending is not None:
+            obj.__dict__[self.name] = obj.__dict__.get(self.name, 0) + int(pending)
+        return obj.__dict__.get(self.name, 0)
+
+    def __set__(self, obj: Any, value: int) -> None:
+        obj.__dict__.pop(self.pending, None)
+        obj.__dict__[self.name] = int(value)
+
+    @staticmethod
+    def add(obj: Any, name: str, count: Tensor) -> None:
+        """Add the 0-d ``count`` to the count ``name`` of ``obj``, on its device."""
+        key = getattr(type(obj), name).pending
+        pending, count = obj.__dict__.get(key), count.to(torch.int64)
+        obj.__dict__[key] = count if pending is None else pending + count
+
+
+class _InBackward:
     """``SkewAdam.in_backward``: whether each parameter is stepped inside backward; setting it adds or removes the
-    gradient hooks (a `BackwardSteps` in the optimizer's ``_backward``)."""
+    gradient hooks (a `BackwardSteps` in the optimizer's ``_backward``). Turned off between a backward and
+    ``step()``, the skips of that backward are counted then."""
 
     def __get__(self, obj: Any, owner: Any = None) -> Any:
         return self if obj is None else obj.__dict__.get("_backward") is not None
@@ -170,7 +285,36 @@ class InBackward:
         if bool(value) != (current is not None):
             if current is not None:
                 current.remove()
+                if current.skipped:
+                    Counter.add(obj, "skipped_tensors", stacked(current.skipped).sum())
+                    Counter.add(obj, "skipped_steps", stacked(current.skipped).any())
             obj._backward = BackwardSteps(obj) if value else None
+
+
+class BackwardMode:
+    """What `SkewAdam` has for the step inside backward: the ``in_backward`` switch, `hold_gradients`, and a
+    ``zero_grad`` that tells the hooks."""
+
+    _backward: Optional[BackwardSteps]
+    in_backward = _InBackward()
+    skipped_tensors = Counter("skipped_tensors", "_skipped_tensors_pending", "With ``in_backward``: the tensor "
+                              "updates skipped inside backward for a non-finite gradient, counted at ``step()``.")
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # inside backward, torch.amp.GradScaler finds no gradient to unscale: it then hands its inf checks to
+        # step(), which refuses it (`BackwardSteps.finish`)
+        return self._backward is not None
+
+    def hold_gradients(self) -> ContextManager[None]:
+        """With ``in_backward``: backwards inside keep their gradients, and the next backward (or ``step()``) steps
+        their sum: ``with opt.hold_gradients(): loss_1.backward()``, then ``loss_2.backward(); opt.step()``."""
+        return self._backward.hold() if self._backward is not None else contextlib.nullcontext()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        if self._backward is not None:
+            self._backward.zero_grad(set_to_none)
 
 
 def check_trainer(model: Any) -> None:
@@ -207,6 +351,54 @@ def stacked(flags: list[Tensor]) -> Tensor:
     """The 0-d bool ``flags`` as one 1-d tensor on the first one's device (no host sync)."""
     first = flags[0].device
     return torch.stack([f.to(first) for f in flags])
+
+
+def _reentrant() -> bool:
+    """Whether the backward running this hook was started inside a node of another backward (a reentrant one: what
+    ``torch.utils.checkpoint(..., use_reentrant=True)`` runs per segment): on this thread's Python stack, a custom
+    Function's backward below (outside) the engine call the hook runs under. FSDP2's hooks run inside such a
+    backward too, but with no engine call between it and them."""
+    frame, engine = sys._getframe(1), False
+    while frame is not None:
+        if frame.f_code is _ENGINE:
+            engine = True
+        elif engine and frame.f_code is _NODE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _has_reentrant_segment() -> bool:
+    """Whether the running backward's graph holds a reentrant checkpoint (a node of a ``CheckpointFunction``:
+    torch's, DeepSpeed's, Megatron's): searched from its roots, the outermost engine call's ``t_outputs`` on this
+    thread or, when a device thread runs the hooks, on the one thread waiting in the engine; False if not found.
+    One search per optimizer (its first backward): it visits every node of the graph."""
+    here = _outermost_engine_call(sys._getframe(1))
+    calls = [here] if here is not None else [call for t, f in sys._current_frames().items()
+                                             if t != threading.get_ident() and (call := _outermost_engine_call(f))]
+    if len(calls) != 1:
+        return False
+    roots = calls[0].f_locals.get("t_outputs", ())
+    todo = [r.grad_fn if isinstance(r, Tensor) else getattr(r, "node", None) for r in roots]
+    seen = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CheckpointFunction" in type(node).__name__:
+            return True
+        todo += [n for n, _ in node.next_functions]
+    return False
+
+
+def _outermost_engine_call(frame: Any) -> Any:
+    """The outermost frame of torch's engine call on the stack that ``frame`` tops, or None."""
+    outer = None
+    while frame is not None:
+        outer = frame if frame.f_code is _ENGINE else outer
+        frame = frame.f_back
+    return outer
 
 
 def _name(group: dict, index: int, i: int) -> str:
