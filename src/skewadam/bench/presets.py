@@ -215,7 +215,8 @@ def _hf_model(raw: dict[str, Any], device: Union[str, torch.device], overrides: 
             except ValueError:
                 continue
             except (TypeError, StrictDataclassError) as e:
-                raise ValueError(f"{origin}: {' '.join(str(e).split())}") from None
+                raise ValueError(f"{origin}: building the model failed ({' '.join(str(e).split())}): a config value "
+                                 f"of the wrong type?") from None
     raise ValueError(f"{origin}: Transformers has no model class for model_type {model_type!r}")
 
 
