@@ -4,6 +4,7 @@ optional packages found once before any run, the C++ kernel built before the fir
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -118,6 +119,30 @@ def test_missing_optional_packages_are_found_once_before_any_run(monkeypatch, tm
     assert "--no-progress" in message and "--no-plots" in message and "adamw8bit-torchao arm" in message
     assert not (tmp_path / "out").exists()
     preflight(_smoke(), progress=False, plots=False)  # what it does not need, it does not ask for
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32), ("cuda", torch.bfloat16)])
+def test_the_preflight_builds_the_model_on_the_runs_device_in_their_dtype(monkeypatch, device, dtype):
+    """One model, built where and as the runs train it (a CUDA bench needs no host copy of it), one batch of one
+    window through it. Without a GPU here, the CUDA bench's model is built on the CPU in its dtype (bf16), and
+    its forward and backward run there."""
+    from skewadam.bench import presets
+
+    built, checked, real = [], [], (presets.bench_model, presets.check_trains)
+
+    def bench_model(*args, device, dtype, **kwargs):
+        built.append((device, dtype))
+        return real[0](*args, device="cpu", dtype=dtype, **kwargs)
+
+    def check_trains(model, origin):
+        real[1](model, origin)
+        checked.append({p.dtype for p in model.model.parameters()})
+
+    monkeypatch.setattr(presets, "bench_model", bench_model)
+    monkeypatch.setattr(presets, "check_trains", check_trains)
+    base = dataclasses.replace(get_preset("smoke").base, device=device)
+    preflight(BenchConfig(base=base, optimizers=("adamw",)), progress=False, plots=False)
+    assert built == [(device, dtype)] and checked == [{dtype}]
 
 
 def test_missing_packages_are_one_line_from_the_command(monkeypatch, tmp_path, capsys):

@@ -344,7 +344,7 @@ def test_a_config_that_passes_every_key_check_but_cannot_step_is_refused_by_the_
 
     monkeypatch.setattr(models.MoETransformer, "forward", broken)
     line = _one_line_error(["bench", "--preset", "smoke", "--out", str(tmp_path / "out")], capsys)
-    assert line == ("skewadam bench: tiny: builds, but one forward and backward of a 32-token window on the CPU failed "
+    assert line == ("skewadam bench: tiny: builds, but one forward and backward of a 32-token window on CPU failed "
                     "(RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x32 and 33x32)): change the sizes it "
                     "names")
     assert not (tmp_path / "out").exists()

@@ -86,6 +86,13 @@ class RunConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 
     @property
+    def param_dtype(self) -> Any:
+        """The runs' weight dtype (a ``torch.dtype``): bf16 on CUDA (SkewAdam rounds it stochastically), else fp32."""
+        import torch
+
+        return torch.bfloat16 if self.device == "cuda" else torch.float32
+
+    @property
     def resolved_lr(self) -> float:
         return arms.ARMS[self.optimizer].lr if self.lr is None else self.lr
 

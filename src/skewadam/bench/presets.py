@@ -313,20 +313,23 @@ def bench_model(spec: Union[str, os.PathLike], overrides: Optional[dict[str, Any
 
 
 def check_trains(built: BenchModel, origin: str) -> None:
-    """One forward and backward of one window through ``built`` (a `bench_model` on the CPU): a config that builds
-    but cannot train, in a way no check of its keys sees, is refused here in one line (ValueError), not in each run.
+    """One forward and backward of one window through ``built`` (a `bench_model`, on its parameters' device): a
+    config that builds but cannot train, in a way no check of its keys sees, is refused here in one line
+    (ValueError), not in each run.
 
     Example:
         >>> check_trains(bench_model("tiny", vocab_size=256), "tiny")
     """
+    device = next(built.model.parameters()).device
     x_BT = torch.randint(0, built.config["vocab_size"], (1, built.block_size),
-                         generator=torch.Generator().manual_seed(0))
+                         generator=torch.Generator().manual_seed(0)).to(device)
     try:
         lm_losses(built.model, x_BT, x_BT).loss.backward()
     except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
         first = (str(e).strip().splitlines() or [""])[0]
-        raise ValueError(f"{origin}: builds, but one forward and backward of a {built.block_size}-token window on the "
-                         f"CPU failed ({type(e).__name__}: {first}): change the sizes it names") from None
+        raise ValueError(f"{origin}: builds, but one forward and backward of a {built.block_size}-token window on "
+                         f"{device.type.upper()} failed ({type(e).__name__}: {first}): change the sizes it names"
+                         ) from None
     finally:
         built.model.zero_grad(set_to_none=True)
 

@@ -103,8 +103,8 @@ def _check_resume(out: Path, bench: BenchConfig) -> list[str]:
 def preflight(bench: BenchConfig, *, tensorboard: Optional[str] = None, progress: bool = True,
               plots: bool = True) -> list[str]:
     """Everything the runs need, checked once before the first: the optional packages (one BenchError naming all
-    that are missing and the install that brings them), the model (built on the CPU, and one forward and backward
-    of one window: `skewadam.bench.presets.check_trains`) and, for a user's text or block size, the text's length.
+    that are missing and the install that brings them), the model (built on the runs' device in their dtype, and one
+    forward and backward of one window: `skewadam.bench.presets.check_trains`) and, for a user's text or block size, the text's length.
     Returns what to tell the user before the runs: the model's tier census (`skewadam.groups.describe`: what SkewAdam
     keeps per tier), and a user's corpus in one line (`skewadam.bench.data.Corpus.describe`: documents, tokens,
     files skipped)."""
@@ -129,13 +129,17 @@ def preflight(bench: BenchConfig, *, tensorboard: Optional[str] = None, progress
     from .data import VOCAB_SIZE
     from .presets import bench_model, check_trains
 
-    # the model as each run builds it (in fp32 on the CPU), and one step of it: a config, a --set key or a window it
-    # cannot take fails here, not in every run
+    # the model as the runs train it (on their device, in their dtype: a CUDA bench needs no host copy of it), and one
+    # step of it: a config, a --set key or a window it cannot take fails here, not in every run
     built = bench_model(bench.base.model, bench.base.overrides, vocab_size=VOCAB_SIZE,
-                        block_size=bench.base.block_size, device="cpu")
+                        block_size=bench.base.block_size, device=bench.base.device, dtype=bench.base.param_dtype)
     check_trains(built, bench.base.model)
     block, lines = built.block_size, [_census(built.model)]
     del built
+    if bench.base.device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()  # the runs are other processes: hand them the memory back
     if bench.base.data is not None or bench.base.block_size is not None:
         from .data import eval_batches, get_batch, load_corpus
 
