@@ -11,10 +11,11 @@ at a time inside backward: equal to rounding there.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import json
 import gc
 import io
+import json
 import re
 
 import pytest
@@ -287,14 +288,45 @@ def test_a_non_finite_gradient_skips_that_tensors_update_alone_and_is_counted():
     assert opt.skipped_tensors == 1 and opt.skipped_steps == 1  # a finite step counts nothing
 
 
-def test_a_second_backward_before_step_raises_and_steps_nothing_of_it():
+_RESETS = {"none": lambda net, opt: None, "optimizer.zero_grad": lambda net, opt: opt.zero_grad(),
+           "model.zero_grad": lambda net, opt: net.zero_grad()}
+
+
+@pytest.mark.parametrize("reset", _RESETS)
+def test_a_second_backward_before_step_is_refused_at_its_first_hook_whichever_zero_grad_ran(reset):
+    """Gradient accumulation, or a backward after a ``zero_grad()`` (which cannot undo the steps the first backward
+    took, where the regular step would drop its gradients): refused at the second backward's first hook, nothing
+    of it stepped; ``step()`` then ends the first backward's record and the next backward steps as usual."""
     net, opt = _build("auto", torch.float32, in_backward=True)
     net(_inputs(0, torch.float32)).backward()
     after_first = _snapshot(net, opt)
-    with pytest.raises(RuntimeError, match=re.escape("got a second gradient before optimizer.step()") + ".*"
-                       + re.escape("with optimizer.hold_gradients()")):
+    _RESETS[reset](net, opt)
+    with pytest.raises(RuntimeError, match=r"param_groups\[\d\]\['params'\]\[0\] got a gradient from a second backward "
+                                           r"before optimizer.step\(\).*zero_grad\(\), which cannot undo.*"
+                                           r"with optimizer.hold_gradients\(\)"):
         net(_inputs(1, torch.float32)).backward()
-    assert torch.equal(after_first[0]["w"], net.w) and opt.state[net.w]["step"].item() == 1
+    _assert_same(after_first, _snapshot(net, opt))
+    opt.zero_grad()
+    opt.step()
+    _train(net, opt, 1, torch.float32)
+    assert opt.state[net.w]["step"].item() == 2
+
+
+def test_hooks_run_by_hand_outside_any_backward_refuse_a_second_gradient():
+    """FSDP2 runs the post-accumulate-grad hooks itself; run outside any backward (no graph task to tell the
+    backwards apart), a parameter stepped since ``step()`` is refused by name."""
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    for attempt in range(2):
+        net.b.grad = torch.ones_like(net.b)
+        if attempt:
+            with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[1\] got a gradient from a second"):
+                for hook in net.b._post_accumulate_grad_hooks.values():
+                    hook(net.b)
+        else:
+            for hook in net.b._post_accumulate_grad_hooks.values():
+                hook(net.b)
+            assert net.b.grad is None and opt.state[net.b]["step"].item() == 1
+    assert opt.state[net.b]["step"].item() == 1 and torch.equal(net.b.grad, torch.ones_like(net.b))
 
 
 @pytest.mark.parametrize("impl", KERNELS)
@@ -414,13 +446,15 @@ class Segmented(nn.Module):
         new = lambda *shape: nn.Parameter((torch.randn(*shape, generator=g) * 0.5).to(dtype))  # noqa: E731
         self.emb, self.w, self.u, self.v = new(5, 6), new(6, 6), new(6, 6), new(6, 6)
 
-    def forward(self, x, segments: int = 2):
+    def forward(self, x, segments: int = 2, fail: bool = False):
         from torch.utils.checkpoint import checkpoint
 
         h = x @ self.emb
         h = checkpoint(lambda h: torch.tanh(h @ self.w) @ self.u, h, use_reentrant=True)
         if segments == 2:
             h = checkpoint(lambda h: torch.tanh(h @ self.w), h, use_reentrant=True)
+        if fail:  # the backward raises after the weights used after the segments got their gradients
+            h = _Raises.apply(h)
         h = torch.tanh(h @ self.v) @ self.w
         return (h @ self.emb.T).pow(2).mean()
 
@@ -469,6 +503,26 @@ def test_a_weight_a_reentrant_segment_starts_using_after_the_first_backward_is_r
         net(x, segments=1).backward()
 
 
+def test_a_first_backward_with_reentrant_segments_that_raised_leaves_the_next_one_to_learn_them():
+    """The first backward with segments holds every gradient while it learns which weights the segments use; one
+    that raised before its segments ran learnt nothing, so the next backward holds and learns again (rather than
+    stepping a weight inside backward whose segment's gradient comes after): bitwise the regular run."""
+    runs = []
+    for in_backward in (False, True):
+        net = Segmented(torch.float32)
+        opt = SkewAdam(net.parameters(), lr=1e-2, in_backward=in_backward)
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+        with pytest.raises(RuntimeError, match="the backward failed here"):
+            net(x, fail=True).backward()
+        opt.zero_grad()
+        for step in range(2):
+            net(x + step).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def _partly_reached(net: Net, step: int, dtype) -> torch.Tensor:
     """Every third step reaches every tensor; the others leave the router, the bank and the flattened bank out."""
     x = _inputs(step, dtype)
@@ -506,11 +560,14 @@ class _Raises(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("impl", KERNELS)
-def test_after_a_backward_that_raised_zero_grad_makes_the_optimizer_usable_and_drops_the_failed_batch(impl):
+@pytest.mark.parametrize("reset", _RESETS)
+def test_after_a_backward_that_raised_the_next_backward_steps_every_parameter_once_whichever_zero_grad_ran(impl,
+                                                                                                          reset):
     """The hooks that ran before the error stepped their parameters (the bias and the flattened bank, whose
-    gradients come before the failure point); ``zero_grad()`` starts a new record, so the next backward steps
-    every parameter once, and nothing of the failed batch is stepped later: the run equals a regular one whose
-    failed batch stepped those two tensors alone."""
+    gradients come before the failure point) and freed their gradients; the failed backward never completed (its
+    final callback never ran), so the next backward starts a new record, after ``optimizer.zero_grad()``,
+    ``model.zero_grad()`` (the HF Trainer's) or none: the run equals a regular one whose failed batch stepped those
+    two tensors alone."""
     runs = []
     for in_backward in (False, True):
         net, opt = _build(impl, torch.float32, in_backward=in_backward)
@@ -522,10 +579,10 @@ def test_after_a_backward_that_raised_zero_grad_makes_the_optimizer_usable_and_d
             loss.backward()
         if not in_backward:  # the regular twin steps what the hooks stepped before the error
             opt.step()
+            opt.zero_grad()
         else:
-            assert net.b.grad is None and net.flat.grad is None
-        opt.zero_grad()
-        assert all(p.grad is None for p in net.parameters())
+            assert all(p.grad is None for p in net.parameters())
+            _RESETS[reset](net, opt)
         _train(net, opt, 1, torch.float32)
         runs.append(_snapshot(net, opt))
         assert opt.state[net.b]["step"].item() == 3 and opt.state[net.w]["step"].item() == 2
@@ -558,24 +615,83 @@ def test_a_backward_that_keeps_its_graph_is_refused_before_anything_moves_naming
     _assert_same(*runs)
 
 
-def test_a_grad_scaler_is_refused_at_scaler_step_naming_bf16_and_the_regular_step_keeps_it():
-    """The hooks step during backward, before GradScaler meets the optimizer (it scales the loss, not the
-    optimizer): ``scaler.step(optimizer)`` raises, naming bf16 and ``in_backward=False``, instead of torch's "No inf
-    checks were recorded"; the optimizer is left without GradScaler's attributes. The regular step keeps
-    GradScaler's own unscaling (``_step_supports_amp_scaling`` is off there)."""
-    for in_backward in (True, False):
+def _scaled_run(impl, in_backward: bool):
+    """4 steps with a GradScaler (fp32 weights, scale 2**16): the third's gradients overflow (the step is skipped and
+    the scale halved), the fourth accumulates two scaled micro-batches, unscales and clips them before
+    ``scaler.step`` (torch's recipe)."""
+    net, opt = _build(impl, torch.float32, in_backward=in_backward)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    scales, held = [], []
+    for step in range(4):
+        for micro in range(1 + (step == 3)):
+            loss = net(_inputs(2 * step + micro, torch.float32))
+            if step == 2:
+                loss = loss + 1e35 * net.w.sum()  # finite, but its gradient times the scale overflows
+            scaler.scale(loss).backward()
+            held.append(all(p.grad is not None for n, p in net.named_parameters() if n != "unused"))
+        if step == 3:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        opt.zero_grad()
+    return _snapshot(net, opt), scales, held
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_a_grad_scaler_backward_holds_its_gradients_and_scaler_step_is_bitwise_the_regular_step(impl):
+    """``scaler.scale(loss).backward()``: a loss scaled by a live GradScaler holds the backward's gradients, so
+    ``scaler.step(optimizer)`` runs torch's own path (unscale, inf check, ``step()`` of the held gradients, a skipped
+    step on overflow) and ``scaler.update()`` moves the scale: weights, state and scales are the regular step's bits,
+    a global clip after ``unscale_`` included."""
+    regular, in_backward = _scaled_run(impl, False), _scaled_run(impl, True)
+    _assert_same(regular[0], in_backward[0])
+    assert regular[1] == in_backward[1] == [2.0 ** 16, 2.0 ** 16, 2.0 ** 15, 2.0 ** 15]
+    assert all(in_backward[2])  # held: the memory the mode does not save under GradScaler
+
+
+def test_a_product_loss_without_a_grad_scaler_is_stepped_inside_backward():
+    """``loss * torch.tensor(2.0)`` has a scaled loss's graph; without a live GradScaler that has scaled a loss
+    (one that never scaled anything, or a disabled one, is no scaler) its gradients are stepped inside backward."""
+    gc.collect()
+    idle, disabled = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu", enabled=False)
+    disabled.scale(torch.ones(()))
+    runs = []
+    for in_backward in (False, True):
+        net, opt = _build("auto", torch.float32, in_backward=in_backward)
+        for step in range(2):
+            (net(_inputs(step, torch.float32)) * torch.tensor(2.0)).backward()
+            assert all(p.grad is None for p in net.parameters()) is in_backward
+            opt.step()
+            opt.zero_grad()
+        runs.append(_snapshot(net, opt))
+    _assert_same(*runs)
+    assert idle._scale is None
+
+
+def test_a_scaled_loss_changed_after_scaling_is_refused_at_scaler_step_naming_the_fix():
+    """``scaler.scale(loss) / 2`` is not recognised as scaled (its root is a division): the hooks step scaled
+    gradients, and ``scaler.step(optimizer)`` raises, naming ``scaler.scale(loss).backward()`` on the final loss and
+    ``hold_gradients()``, instead of torch's "No inf checks were recorded"; GradScaler's attributes are removed.
+    Under ``hold_gradients()`` the same loop is the regular step's."""
+    runs = []
+    for in_backward, hold in ((False, False), (True, True), (True, False)):
         net, opt = _build("auto", torch.float32, in_backward=in_backward)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
-        scaler.scale(net(_inputs(0, torch.float32))).backward()
-        if in_backward:
-            with pytest.raises(RuntimeError, match=r"GradScaler cannot scale the loss of in_backward=True.*"
-                                                   r"Train in bf16.*or use in_backward=False"):
+        with opt.hold_gradients() if hold else contextlib.nullcontext():
+            (scaler.scale(net(_inputs(0, torch.float32))) / 2).backward()
+        if in_backward and not hold:
+            with pytest.raises(RuntimeError, match=r"its loss was not recognised as scaled.*Call "
+                                                   r"scaler.scale\(loss\).backward\(\) on the final loss.*"
+                                                   r"optimizer.hold_gradients\(\)"):
                 scaler.step(opt)
             assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
         else:
             scaler.step(opt)
             scaler.update()
-            assert opt.state[net.w]["exp_avg"].abs().max() < 1.0  # unscaled gradients were stepped
+            runs.append(_snapshot(net, opt))
+    _assert_same(*runs)
 
 
 def test_turning_in_backward_off_between_backward_and_step_keeps_the_skip_counts():

@@ -16,9 +16,11 @@ is read by the next backward's hooks), the non-finite skips are counted, and any
 the regular step. What cannot run inside backward is refused before anything moves, or done as the regular step
 does it (docs/guide/in-backward.md lists both):
 
-- a second backward before ``step()`` (gradient accumulation) raises at the first parameter it would step twice;
-  accumulate micro-batches under ``with optimizer.hold_gradients():`` (the hooks then leave the gradients to
-  accumulate, holding them as the regular step does), or with FSDP2's ``set_requires_gradient_sync(False)``;
+- a second backward before ``step()`` (gradient accumulation, or a backward after a ``zero_grad()``, which cannot
+  undo the steps already taken) raises at its first hook, nothing of it stepped; accumulate micro-batches under
+  ``with optimizer.hold_gradients():`` (the hooks then leave the gradients to accumulate, holding them as the
+  regular step does), or with FSDP2's ``set_requires_gradient_sync(False)``. A backward that raised midway (its
+  final callback never ran) is no second backward: the next one starts a new record, whichever ``zero_grad`` ran;
 - a backward that keeps its graph (``retain_graph=True``, ``create_graph=True``) raises at its first hook: stepping
   in place would change weights the kept graph saved;
 - reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``) runs a nested backward
@@ -27,8 +29,12 @@ does it (docs/guide/in-backward.md lists both):
   (all of them in the first backward that has segments); ``step()`` steps their sums;
 - ``zero_grad(set_to_none=False)`` keeps a zero gradient for every parameter the hooks freed: one the next backward
   does not reach is stepped by ``step()`` with that zero gradient, as the regular step does;
+- a backward of a loss that a ``torch.amp.GradScaler`` scaled (``scaler.scale(loss).backward()``: its root is a
+  product with a constant while an enabled GradScaler is alive, `_scaled`) holds its gradients, so
+  ``scaler.step(optimizer)`` takes torch's own path (unscale, inf check, ``step()`` of the held gradients); a
+  scaled loss it cannot recognise (changed after scaling) raises at ``scaler.step``;
 - a gradient set again after its parameter was stepped in backward (DDP all-reducing after the hooks) raises at
-  ``step()`` naming the parameter; ``torch.amp.GradScaler`` raises at ``scaler.step(optimizer)``;
+  ``step()`` naming the parameter;
 - a non-finite gradient skips that tensor's update alone (its gradient is dropped): ``skipped_tensors`` counts them,
   ``skipped_steps`` the steps in which any was skipped; the regular step skips the whole step instead.
 
@@ -44,6 +50,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import threading
 import weakref
@@ -62,11 +69,13 @@ _OWNERS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 _ENGINE = torch.autograd.graph._engine_run_backward.__code__
 _NODE = BackwardCFunction.apply.__code__
 
-_TWICE = ("{name} got a second gradient before optimizer.step(): with in_backward=True each gradient is stepped as "
-          "soon as backward completes it, so a second backward (gradient accumulation) would step the micro-batches "
-          "apart. Call optimizer.step() after every backward, or accumulate under `with optimizer.hold_gradients():` "
-          "(the backwards inside it keep their gradients; the first backward after it steps their sum; under FSDP2, "
-          "model.set_requires_gradient_sync(False) does the same), or use in_backward=False")
+_TWICE = ("{name} got a gradient from a second backward before optimizer.step(): with in_backward=True each "
+          "gradient is stepped as soon as backward completes it, and the last backward's were, so a second one "
+          "(gradient accumulation, or a backward after zero_grad(), which cannot undo those steps) would step the "
+          "batches apart. Call optimizer.step() after every backward, or accumulate under `with "
+          "optimizer.hold_gradients():` (the backwards inside it keep their gradients; the first backward after it "
+          "steps their sum; under FSDP2, model.set_requires_gradient_sync(False) does the same), or use "
+          "in_backward=False")
 _REGROWN = ("{name} has a gradient again after it was stepped in backward: something wrote it after SkewAdam's hook "
             "(DistributedDataParallel all-reduces gradients after the hooks, so they stepped this rank's own "
             "gradients). Under DDP use in_backward=False, or shard with FSDP2 (fully_shard), whose hooks run after "
@@ -80,10 +89,12 @@ _SEGMENT = ("{name} got a gradient inside a reentrant activation checkpoint (tor
             "and after it, which the first backward did not show (the model changed since). Use "
             "use_reentrant=False, or rebuild the optimizer after changing the model; this step used part of its "
             "gradient, so resume from a checkpoint")
-_SCALED = ("torch.amp.GradScaler cannot scale the loss of in_backward=True: the hooks step each gradient during "
-           "backward, before scaler.step() unscales anything, so the backward before this call stepped scaled "
-           "gradients (resume from a checkpoint). Train in bf16 (torch.autocast(..., dtype=torch.bfloat16) needs "
-           "no scaler), or use in_backward=False")
+_SCALED = ("torch.amp.GradScaler steps an optimizer whose hooks stepped the backward before this call: its loss was "
+           "not recognised as scaled (it was changed after scaler.scale(), e.g. divided, or several scaled losses "
+           "were summed or scaled as one list), so scaled gradients were stepped (resume from a checkpoint). "
+           "Call scaler.scale(loss).backward() on the final loss (SkewAdam then holds that backward's gradients "
+           "for scaler.step), or run the backward under `with optimizer.hold_gradients():`, or train in bf16 "
+           "(torch.autocast(..., dtype=torch.bfloat16) needs no scaler), or use in_backward=False")
 
 
 class BackwardSteps:
@@ -93,7 +104,8 @@ class BackwardSteps:
     (``optimizer.in_backward = False``), and never step a parameter the optimizer no longer holds.
 
     Attributes:
-        stepped: ids of the parameters stepped in backward since the last ``step()`` or ``zero_grad()``.
+        stepped: ids of the parameters stepped in backward since the last ``step()`` (or since the backward that
+            raised before the running one started).
         skipped: each of those updates' skip flag (0-d bool tensors on the parameters' devices: no host sync).
         held: inside `hold`: the hooks leave the gradients to accumulate.
         freed: ids of the parameters whose gradient a hook freed since the last ``zero_grad(set_to_none=True)``:
@@ -119,8 +131,9 @@ class BackwardSteps:
         self.zeroed: set[int] = set()
         self.segmented: set[int] = set()
         self._task: tuple[int, str] = (-2, "")  # the running backward's graph task id and what it is (`_kind`)
-        self._probed = False  # whether a backward was searched for reentrant segments (`_kind`)
-        self._deferred = -2  # the graph task of the first backward, if it has reentrant segments
+        self._outer: tuple[int, str] = (-2, "")  # the same of the last outermost backward a hook ran in
+        self._done = True  # whether that backward completed (the engine ran its final callback)
+        self._probed = False  # whether a backward was searched for reentrant segments (`_classify`)
         weakref.finalize(optimizer, _remove_all, self._handles)
         try:
             for group in optimizer.param_groups:
@@ -164,18 +177,17 @@ class BackwardSteps:
             self.held = held
 
     def zero_grad(self, set_to_none: bool) -> None:
-        """After the optimizer's ``zero_grad``: a new record (after a backward that raised midway too: what its hooks
-        stepped stays stepped, its other gradients are gone), and with ``set_to_none=False`` each gradient a hook
-        freed is a kept zero gradient (`zeroed`)."""
-        self.stepped.clear()
+        """After the optimizer's ``zero_grad``: with ``set_to_none=False`` each gradient a hook freed is a kept zero
+        gradient (`zeroed`). The record of what was stepped is not reset: that is ``step()``'s, and, after a
+        backward that raised, the next backward's."""
         if set_to_none:
             self.freed.clear()
         self.zeroed = set() if set_to_none else set(self.freed)
 
     def finish(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
-        """At ``step()``: refuse a GradScaler and a gradient that came back after its parameter was stepped in
-        backward, give each kept zero gradient no backward reached its zeros, then return the skip flags of the
-        updates done in backward and start the next step's record."""
+        """At ``step()``: refuse a GradScaler after a backward whose hooks stepped, and a gradient that came back
+        after its parameter was stepped in backward, give each kept zero gradient no backward reached its zeros,
+        then return the skip flags of the updates done in backward and start the next step's record."""
         if "found_inf" in optimizer.__dict__:  # torch.amp.GradScaler.step() hands its inf checks to the step
             del optimizer.grad_scale, optimizer.found_inf
             raise RuntimeError(_SCALED)
@@ -202,22 +214,44 @@ class BackwardSteps:
         return self._where.get(id(p))
 
     def _kind(self) -> str:
-        """What the running backward is, decided at its first hook: ``"retained"`` (it keeps its graph),
-        ``"nested"`` (a reentrant backward, `_reentrant`), ``"defer"`` (the first backward this optimizer meets, and
-        it has reentrant segments: which weights they use is not known yet), else ``"outer"``."""
+        """What the running backward is (`_classify`), decided at its first hook."""
         task = torch._C._current_graph_task_id()
         if task != self._task[0]:
-            kind = "outer"
-            if task >= 0 and torch._C._autograd._get_current_graph_task_keep_graph():
-                kind = "retained"
-            elif task >= 0 and _reentrant():
-                kind = "nested"
-            elif task >= 0 and not self._probed:
-                self._probed = True
-                if self.segmented or _has_reentrant_segment():
-                    self._deferred = task
-            self._task = (task, "defer" if task == self._deferred else kind)
+            self._task = (task, self._classify(task))
         return self._task[1]
+
+    def _classify(self, task: int) -> str:
+        """``"retained"`` (the backward keeps its graph), ``"nested"`` (a reentrant backward: `_engine_call`),
+        ``"second"`` (an outermost backward after one that completed and stepped, before ``step()``), ``"scaled"``
+        (its loss was scaled by a GradScaler: `_scaled`), ``"defer"`` (the first backward this optimizer meets, and
+        it has reentrant segments: which weights they use is not known yet), else ``"outer"``. An outermost
+        backward after one that raised (the engine never ran the callback queued here at its end) starts a new
+        record. One walk of the Python stack per backward; no graph walk but the first backward's."""
+        if task < 0:
+            return "outer"  # a hook run by hand, outside any backward
+        if torch._C._autograd._get_current_graph_task_keep_graph():
+            return "retained"
+        nested, engine = _engine_call(sys._getframe())
+        if nested:
+            return "nested"
+        if task == self._outer[0]:
+            return self._outer[1]  # back from a nested backward
+        if self._done and self.stepped:
+            return "second"  # (no record: each backward until step() is refused)
+        if not self._done:  # the last backward raised: a new record, and a new search if it was to search
+            self.stepped.clear()
+            self._probed = self._probed and self._outer[1] != "defer"
+        roots = _roots(engine)
+        kind = "scaled" if _scaled(roots) else "outer"
+        if kind == "outer" and not self._probed:
+            self._probed = True
+            kind = "defer" if self.segmented or _has_reentrant_segment(roots) else kind
+        self._outer, self._done = (task, kind), False
+        torch.autograd.Variable._execution_engine.queue_callback(self._complete)
+        return kind
+
+    def _complete(self) -> None:
+        self._done = True
 
     def _hook(self, p: Tensor) -> None:
         optimizer = self._optimizer()
@@ -233,10 +267,10 @@ class BackwardSteps:
             if id(p) in self.stepped:
                 raise RuntimeError(_SEGMENT.format(name=_name(optimizer.param_groups[where[0]], *where)))
             self.segmented.add(id(p))
-        if kind != "outer" or id(p) in self.segmented:
-            return  # its gradient may come in several pieces: step() steps their sum
-        if id(p) in self.stepped:
+        if kind == "second" or (kind == "outer" and id(p) in self.stepped):  # (the latter: hooks run by hand)
             raise RuntimeError(_TWICE.format(name=_name(optimizer.param_groups[where[0]], *where)))
+        if kind != "outer" or id(p) in self.segmented:
+            return  # held: its gradient may come in several pieces, or be scaled; step() steps it
         self.skipped.append(optimizer._step(only=where))
         self.stepped.add(id(p))
         self.freed.add(id(p))
@@ -302,9 +336,10 @@ class BackwardMode:
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
-        # inside backward, torch.amp.GradScaler finds no gradient to unscale: it then hands its inf checks to
-        # step(), which refuses it (`BackwardSteps.finish`)
-        return self._backward is not None
+        # read by torch.amp.GradScaler.step() alone: after a backward whose hooks stepped (a scaled loss not
+        # recognised) it then hands its inf checks to step(), which refuses it (`BackwardSteps.finish`), instead
+        # of finding no gradient; after a scaled backward (held) it unscales and steps as for any optimizer
+        return self._backward is not None and bool(self._backward.stepped)
 
     def hold_gradients(self) -> ContextManager[None]:
         """With ``in_backward``: backwards inside keep their gradients, and the next backward (or ``step()``) steps
@@ -320,8 +355,9 @@ class BackwardMode:
 def check_trainer(model: Any) -> None:
     """Refuse the settings of a trainer attached to ``model`` (a Lightning ``LightningModule``'s, in
     ``configure_optimizers``) that cannot run inside backward: global gradient clipping (``gradient_clip_val``: it
-    would see no gradient), gradient accumulation, fp16 loss scaling (the hooks would step scaled gradients), DDP
-    (it all-reduces after the hooks); ValueError naming each fix. A model without a trainer passes.
+    would see no gradient), gradient accumulation, fp16 loss scaling (under a GradScaler every gradient is held to
+    the step: nothing saved), DDP (it all-reduces after the hooks); ValueError naming each fix. A model without a
+    trainer passes.
 
     Example:
         >>> check_trainer(lightning_module)   # SkewAdam.from_model(module, in_backward=True) calls it
@@ -337,8 +373,8 @@ def check_trainer(model: Any) -> None:
         fixes.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}: each backward's gradients are "
                      f"stepped at once; use 1 with a larger batch")
     if str(getattr(trainer, "precision", "")).startswith("16"):
-        fixes.append(f"precision={trainer.precision!r} scales the loss and the hooks would step scaled gradients; "
-                     f"use 'bf16-mixed'")
+        fixes.append(f"precision={trainer.precision!r} scales the loss: under a GradScaler SkewAdam holds every "
+                     f"gradient to the step (nothing saved); use 'bf16-mixed'")
     if "DDP" in type(getattr(trainer, "strategy", None)).__name__ and getattr(trainer, "world_size", 1) > 1:
         fixes.append("DDP all-reduces gradients after the hooks have stepped them; shard with FSDP2 "
                      "(ModelParallelStrategy)")
@@ -353,32 +389,72 @@ def stacked(flags: list[Tensor]) -> Tensor:
     return torch.stack([f.to(first) for f in flags])
 
 
-def _reentrant() -> bool:
-    """Whether the backward running this hook was started inside a node of another backward (a reentrant one: what
-    ``torch.utils.checkpoint(..., use_reentrant=True)`` runs per segment): on this thread's Python stack, a custom
-    Function's backward below (outside) the engine call the hook runs under. FSDP2's hooks run inside such a
-    backward too, but with no engine call between it and them."""
-    frame, engine = sys._getframe(1), False
+def _engine_call(frame: Any) -> tuple[bool, Any]:
+    """Of the Python stack ``frame`` tops: whether it runs a reentrant backward (one started inside a node of another:
+    a custom Function's backward below (outside) an engine call, what ``torch.utils.checkpoint(...,
+    use_reentrant=True)`` runs per segment; FSDP2's hooks run inside a custom Function's backward too, but with no
+    engine call between it and them), and the outermost engine call's frame (None on a device thread)."""
+    nested, outer = False, None
     while frame is not None:
         if frame.f_code is _ENGINE:
-            engine = True
-        elif engine and frame.f_code is _NODE:
-            return True
+            outer = frame
+        elif outer is not None and frame.f_code is _NODE:
+            nested = True
         frame = frame.f_back
-    return False
+    return nested, outer
 
 
-def _has_reentrant_segment() -> bool:
-    """Whether the running backward's graph holds a reentrant checkpoint (a node of a ``CheckpointFunction``:
-    torch's, DeepSpeed's, Megatron's): searched from its roots, the outermost engine call's ``t_outputs`` on this
-    thread or, when a device thread runs the hooks, on the one thread waiting in the engine; False if not found.
-    One search per optimizer (its first backward): it visits every node of the graph."""
-    here = _outermost_engine_call(sys._getframe(1))
-    calls = [here] if here is not None else [call for t, f in sys._current_frames().items()
-                                             if t != threading.get_ident() and (call := _outermost_engine_call(f))]
-    if len(calls) != 1:
+def _roots(engine: Any) -> tuple:
+    """The running outermost backward's roots: its engine call's ``t_outputs`` (``engine``: that call's frame on this
+    thread, or None when a device thread runs the hooks: then the one other thread waiting in the engine's); ()
+    if not found."""
+    if engine is None:
+        calls = [call for t, f in sys._current_frames().items()
+                 if t != threading.get_ident() and (call := _engine_call(f)[1]) is not None]
+        if len(calls) != 1:
+            return ()
+        engine = calls[0]
+    return tuple(engine.f_locals.get("t_outputs", ()))
+
+
+def _scaled(roots: tuple) -> bool:
+    """Whether a root is a loss a ``torch.amp.GradScaler`` scaled: ``scaler.scale(loss)`` is ``loss * scaler._scale``
+    (a MulBackward0 one of whose operands needs no gradient). Which tensor it multiplied cannot be read here: the
+    root's node runs first and frees what it saved before any parameter's hook runs; so: such a product while an
+    enabled GradScaler that has scaled a loss is alive (`_scalers`). Holding a backward that was not scaled costs
+    memory, never exactness."""
+    if not any(type(getattr(r, "grad_fn", None)).__name__ == "MulBackward0"
+               and any(node is None for node, _ in r.grad_fn.next_functions) for r in roots):
         return False
-    roots = calls[0].f_locals.get("t_outputs", ())
+    return any(s.is_enabled() and s._scale is not None for s in _scalers())
+
+
+#: The live GradScalers found so far, and what `_scalers` compares to know whether to search again.
+_SCALERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_SCALER_REFS: list[tuple[int, ...]] = [()]
+
+
+def _scalers() -> "weakref.WeakSet[Any]":
+    """Every live ``torch.amp.GradScaler`` (subclasses too). An instance holds a reference to its class, so the heap
+    is searched (``gc.get_referrers``: ~0.1 s) only when a class's reference count, less its instances found so far,
+    moved since the last search."""
+    classes, todo = [], [torch.amp.GradScaler]
+    while todo:
+        classes.append(todo.pop())
+        todo += classes[-1].__subclasses__()
+
+    def refs() -> tuple[int, ...]:
+        return tuple(sys.getrefcount(c) - sum(type(s) is c for s in _SCALERS) for c in classes)
+
+    if refs() != _SCALER_REFS[0]:
+        _SCALERS.update(o for o in gc.get_referrers(*classes) if isinstance(o, torch.amp.GradScaler))
+        _SCALER_REFS[0] = refs()
+    return _SCALERS
+
+
+def _has_reentrant_segment(roots: tuple) -> bool:
+    """Whether the graph below ``roots`` (`_roots`) holds a reentrant checkpoint (a node of a ``CheckpointFunction``:
+    torch's, DeepSpeed's, Megatron's). One search per optimizer (its first backward): it visits every node."""
     todo = [r.grad_fn if isinstance(r, Tensor) else getattr(r, "node", None) for r in roots]
     seen = set()
     while todo:
@@ -390,15 +466,6 @@ def _has_reentrant_segment() -> bool:
             return True
         todo += [n for n, _ in node.next_functions]
     return False
-
-
-def _outermost_engine_call(frame: Any) -> Any:
-    """The outermost frame of torch's engine call on the stack that ``frame`` tops, or None."""
-    outer = None
-    while frame is not None:
-        outer = frame if frame.f_code is _ENGINE else outer
-        frame = frame.f_back
-    return outer
 
 
 def _name(group: dict, index: int, i: int) -> str:
