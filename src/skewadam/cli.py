@@ -471,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"skewadam {args.command}: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line, as a shell reports it
+        print(f"\nskewadam {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

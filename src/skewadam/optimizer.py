@@ -8,16 +8,15 @@ its parameters keep. This class holds the param groups, checks them (`skewadam.v
 
 from __future__ import annotations
 
-import contextlib
 from itertools import chain
-from typing import Any, Callable, ContextManager, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from . import kernels
-from .backward import BackwardSteps, InBackward, check_trainer, stacked
+from .backward import BackwardMode, BackwardSteps, Counter, check_trainer, stacked
 from .functional import Reducer, StepGroup, skewadam_
 from .kernels.types import Group, ParamTensors
 from .state import StateBytes, flat_bank_merged, is_bank, measure_state, state_flags
@@ -45,34 +44,6 @@ def _local(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.to_local() if _is_dtensor(t) else t
 
 
-class _Counter:
-    """A count of skipped updates (``SkewAdam.skipped_steps``, ``skipped_tensors``): counted on the device as steps
-    run (`add`: no host sync), the device count added in when read (one host sync on GPU, only when asked);
-    settable (`SkewAdam.load_state_dict` restores ``skipped_steps``)."""
-
-    def __init__(self, name: str, pending: str, doc: str) -> None:
-        self.name, self.pending, self.__doc__ = name, pending, doc
-
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        pending = obj.__dict__.pop(self.pending, None)
-        if pending is not None:
-            obj.__dict__[self.name] = obj.__dict__.get(self.name, 0) + int(pending)
-        return obj.__dict__.get(self.name, 0)
-
-    def __set__(self, obj: Any, value: int) -> None:
-        obj.__dict__.pop(self.pending, None)
-        obj.__dict__[self.name] = int(value)
-
-    @staticmethod
-    def add(obj: Any, name: str, count: Tensor) -> None:
-        """Add the 0-d ``count`` to the count ``name`` of ``obj``, on its device."""
-        key = type(obj).__dict__[name].pending
-        pending, count = obj.__dict__.get(key), count.to(torch.int64)
-        obj.__dict__[key] = count if pending is None else pending + count
-
-
 def _rounding_stream(p: Tensor, index: int, momentum_dtype: str, row: int = 0) -> int:
     """The key index of ``p``'s stochastic rounding (from local row ``row`` on: a flattened bank's piece); a shard's
     own stream for DTensor shards that round (bf16 weights or bf16 momentum)."""
@@ -98,7 +69,7 @@ def _describe(self: "SkewAdam") -> str:
     return "\n".join(lines)
 
 
-class SkewAdam(Optimizer):
+class SkewAdam(BackwardMode, Optimizer):
     r"""Adam with state allocated by tier: factored second moments, momentum only where it pays.
 
     Per parameter (per bank slice, for stacked experts) with gradient :math:`g`, step :math:`t`:
@@ -254,13 +225,6 @@ class SkewAdam(Optimizer):
         if getattr(self, "_backward", None) is not None:
             self._backward.add(self.param_groups[-1]["params"])
 
-    in_backward = InBackward()
-
-    def hold_gradients(self) -> ContextManager[None]:
-        """With ``in_backward``: backwards inside keep their gradients, and the next backward (or ``step()``) steps
-        their sum: ``with opt.hold_gradients(): loss_1.backward()``, then ``loss_2.backward(); opt.step()``."""
-        return self._backward.hold() if self._backward is not None else contextlib.nullcontext()
-
     # ------------------------------------------------------------------ state dict
     def __getstate__(self) -> dict[str, Any]:  # torch's keeps only defaults/state/param_groups (deepcopy, pickle)
         return {**super().__getstate__(), "skip_nonfinite": self.skip_nonfinite, "skipped_steps": self.skipped_steps,
@@ -305,10 +269,8 @@ class SkewAdam(Optimizer):
             for p in group["params"]:
                 _state_of(self.state[p], p, group)
 
-    skipped_steps = _Counter("skipped_steps", "_skipped_pending", "Steps skipped for a non-finite gradient (with "
-                             "``in_backward``: steps that skipped any tensor's update).")
-    skipped_tensors = _Counter("skipped_tensors", "_skipped_tensors_pending", "With ``in_backward``: the tensor "
-                               "updates skipped inside backward for a non-finite gradient, counted at ``step()``.")
+    skipped_steps = Counter("skipped_steps", "_skipped_pending", "Steps skipped for a non-finite gradient (with "
+                            "``in_backward``: steps that skipped any tensor's update).")
 
     def _init_group(self, group: dict, index: int, first_id: int, device_steps: bool = False,
                     fresh: Optional[list] = None, only: Optional[int] = None) -> Optional[tuple[list[Tensor], Group]]:
@@ -365,11 +327,11 @@ class SkewAdam(Optimizer):
                 loss = closure()
         flags = self._backward.finish(self) if self._backward is not None else []
         if flags:
-            _Counter.add(self, "skipped_tensors", stacked(flags).sum())
+            Counter.add(self, "skipped_tensors", stacked(flags).sum())
         if any(p.grad is not None for group in self.param_groups for p in group["params"]):
             flags.append(self._step())
         if flags:
-            _Counter.add(self, "skipped_steps", stacked(flags).any())
+            Counter.add(self, "skipped_steps", stacked(flags).any())
         return loss
 
     def _step(self, only: Optional[tuple[int, int]] = None) -> Tensor:

@@ -145,7 +145,7 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) ->
                          f"skipped for a non-finite gradient)")
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(param_groups):
-        raise ValueError("loaded state dict has a different number of parameter groups")
+        raise ValueError(_other_groups(saved_groups, param_groups))
     groups = []
     for idx, (saved, group) in enumerate(zip(saved_groups, param_groups)):
         if set(saved) - GROUP_KEYS - FOREIGN_KEYS:
@@ -156,8 +156,7 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) ->
                              f"saves holds them (nothing is filled in from the constructor's values); load an "
                              f"unedited checkpoint, or add the key(s) with the values it was trained with")
         if len(saved["params"]) != len(group["params"]):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
-                             "optimizer's group")
+            raise ValueError(_other_groups(saved_groups, param_groups))
         resolved = resolve_group(saved, {}, idx)
         for key in IDENTITY_KEYS:
             if resolved.get(key) != group.get(key):
@@ -185,3 +184,19 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) ->
                         f"{idx} (tier {saved['tier']!r})")
             states[saved_id] = state
     return groups, states
+
+
+def _other_groups(saved: list[dict], groups: list[dict]) -> str:
+    """The error refusing a checkpoint whose param groups are not the optimizer's: both, each group in a few words
+    (index, tier, update, size)."""
+    def words(groups: list[dict]) -> str:
+        out = []
+        for i, g in enumerate(groups):
+            n = len(g.get("params", ()))
+            out.append(f"[{i}] {g.get('tier', 'no tier')}{' orthogonal' if g.get('update') == 'orthogonal' else ''} "
+                       f"({n} tensor{'s' * (n != 1)})")
+        return ", ".join(out)
+
+    return (f"the state dict's param groups are not this optimizer's: saved {words(saved)}; this optimizer "
+            f"{words(groups)}. It was saved by an optimizer built with other tiers or another recipe (or over "
+            f"another model): build the optimizer as the checkpoint's was built")

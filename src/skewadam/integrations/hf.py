@@ -24,7 +24,7 @@ Stepping inside backward (``optimizer_kwargs={"in_backward": True}``, `skewadam.
 soon as backward completes its gradient, and the gradient freed. What Trainer would do after backward is handled
 before training: its global clipping (``max_grad_norm``, on by default at 1.0) would see no gradient, so it is turned
 off with a warning (SkewAdam RMS-clips each update unit at 1.0 anyway); ``gradient_accumulation_steps > 1``, fp16
-loss scaling (``fp16=True``: the hooks would step scaled gradients) and DDP (``world_size > 1`` without FSDP: it
+loss scaling (``fp16=True``: under its GradScaler every gradient is held to the step, nothing saved) and DDP (``world_size > 1`` without FSDP: it
 all-reduces after the hooks) are refused naming the fix. `SkewAdamFactory`, which sees no `TrainingArguments`, refuses
 ``in_backward``.
 
@@ -121,7 +121,8 @@ def check_in_backward(args: Any) -> None:
                      f"stepped at once, so micro-batches cannot be summed first; use gradient_accumulation_steps=1 "
                      f"with a larger per_device_train_batch_size")
     if args.fp16:
-        fixes.append("fp16=True scales the loss, and the hooks would step scaled gradients; use bf16=True")
+        fixes.append("fp16=True scales the loss: under a GradScaler SkewAdam holds every gradient to the step (nothing "
+                     "saved); use bf16=True")
     if args.world_size > 1 and not args.fsdp:
         fixes.append(f"world_size={args.world_size} without FSDP is DDP, which all-reduces gradients after the hooks "
                      f"have stepped them; shard with FSDP2 (fsdp_version 2), whose hooks run after the reduce-scatter")
