@@ -66,7 +66,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .kernels.rounding import mix32
+from .kernels.rounding import part_stream
 from .state import StateTensor, flat_bank_merged, spanned_dims
 
 __all__ = ["state_placements", "new_state_dtensor", "check_layout", "check_grad", "rounding_stream", "Piece",
@@ -183,7 +183,7 @@ def rounding_stream(param: DTensor, index: int, row: int = 0) -> int:
     ``index`` itself for the part starting at global element 0, so that one process draws what it always drew, else
     ``index`` mixed with the global index of the part's first element."""
     first = _first_element(param.shape, param.device_mesh, tuple(param.placements)) + row * math.prod(param.shape[1:])
-    return index if first == 0 else index ^ mix32(mix32(first) ^ (first >> 32))
+    return part_stream(index, first)
 
 
 class Piece(NamedTuple):

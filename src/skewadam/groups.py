@@ -25,7 +25,7 @@ from .state import format_bytes, spec_nbytes, state_flags
 from .tiers import Tier
 
 __all__ = ["describe", "param_groups", "split_kwargs", "orthogonal_names", "orthogonal_flops", "group_settings",
-           "Census", "TierCensus", "ORTHOGONAL_MOMENTUM", "warn_untiered_experts"]
+           "Census", "TierCensus", "ORTHOGONAL_MOMENTUM", "warn_untiered_experts", "describe_optimizer"]
 
 logger = logging.getLogger("skewadam")
 Orthogonal = Union[bool, str, Sequence[str]]
@@ -375,3 +375,18 @@ def warn_untiered_experts(params: Sequence[Any], idx: int) -> bool:
         f"each group a tier ('expert' for banks, 'router' for the gate, 'backbone' for the rest)",
         UserWarning, stacklevel=level)
     return True
+
+
+def describe_optimizer(self: Any) -> str:
+    """``repr(optimizer)`` of `skewadam.SkewAdam`: each group's tier, size and settings, and the skip counts."""
+    lines = [self.__class__.__name__ + " ("]
+    for i, group in enumerate(self.param_groups):
+        n = sum(p.numel() for p in group["params"])
+        lines.append(f"Parameter Group {i} [{group['tier']}: {len(group['params'])} tensors, {n:,} parameters]")
+        for key in sorted(k for k in group if k not in ("params", "param_names")):
+            lines.append(f"    {key}: {group[key]}")
+    lines.append(f"skip_nonfinite: {self.skip_nonfinite} (skipped_steps: {self.skipped_steps})")
+    if self.in_backward:
+        lines.append(f"in_backward: True (skipped_tensors: {self.skipped_tensors})")
+    lines.append(")")
+    return "\n".join(lines)

@@ -15,13 +15,16 @@ from typing import Any, Callable, ContextManager, Iterable, Optional
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import kernels
 from .backward import BackwardSteps, InBackward, check_trainer, stacked
 from .functional import Reducer, StepGroup, skewadam_
+from .groups import describe_optimizer
 from .kernels.types import Group, ParamTensors
 from .state import StateBytes, flat_bank_merged, is_bank, measure_state, state_flags
 from .validation import check_state_dict, resolve_group, validate_params
+from .zero import partition_of
 
 try:  # DTensor (FSDP2, tensor/expert parallelism); absent on builds without torch.distributed
     from torch.distributed.tensor import DTensor
@@ -81,21 +84,6 @@ def _rounding_stream(p: Tensor, index: int, momentum_dtype: str, row: int = 0) -
 
         return rounding_stream(p, index, row)
     return index
-
-
-def _describe(self: "SkewAdam") -> str:
-    """``repr(optimizer)``: each group's tier, size and settings, and the skip counts."""
-    lines = [self.__class__.__name__ + " ("]
-    for i, group in enumerate(self.param_groups):
-        n = sum(p.numel() for p in group["params"])
-        lines.append(f"Parameter Group {i} [{group['tier']}: {len(group['params'])} tensors, {n:,} parameters]")
-        for key in sorted(k for k in group if k not in ("params", "param_names")):
-            lines.append(f"    {key}: {group[key]}")
-    lines.append(f"skip_nonfinite: {self.skip_nonfinite} (skipped_steps: {self.skipped_steps})")
-    if self.in_backward:
-        lines.append(f"in_backward: True (skipped_tensors: {self.skipped_tensors})")
-    lines.append(")")
-    return "\n".join(lines)
 
 
 class SkewAdam(Optimizer):
@@ -235,7 +223,7 @@ class SkewAdam(Optimizer):
 
     def state_bytes(self) -> StateBytes:
         """Bytes actually held in this optimizer's state, in total and per tier (`skewadam.state.StateBytes`)."""
-        return measure_state(self)
+        return measure_state(self, getattr(self.__dict__.get("_zero"), "tiers", None))
 
     # ------------------------------------------------------------------ groups and validation
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -251,14 +239,14 @@ class SkewAdam(Optimizer):
 
             self._hinted = warn_untiered_experts(params, len(self.param_groups))
         super().add_param_group(group)
+        self.__dict__.setdefault("_known", WeakIdKeyDictionary()).update(dict.fromkeys(self.param_groups[-1]["params"]))
         if getattr(self, "_backward", None) is not None:
             self._backward.add(self.param_groups[-1]["params"])
 
     in_backward = InBackward()
 
     def hold_gradients(self) -> ContextManager[None]:
-        """With ``in_backward``: backwards inside keep their gradients, and the next backward (or ``step()``) steps
-        their sum: ``with opt.hold_gradients(): loss_1.backward()``, then ``loss_2.backward(); opt.step()``."""
+        """With ``in_backward``: ``with opt.hold_gradients(): loss_1.backward()``, then ``loss_2.backward()`` steps the sum."""
         return self._backward.hold() if self._backward is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ state dict
@@ -284,12 +272,9 @@ class SkewAdam(Optimizer):
         nothing is changed. Unlike torch, each state tensor keeps its saved dtype (torch casts it to the
         parameter's: fp32 statistics of a bf16 parameter would silently become bf16), and is made contiguous."""
         groups, states = check_state_dict(state_dict, self.param_groups)
-        state_dict = dict(state_dict)
-        skipped = state_dict.pop("skipped_steps", 0)
-        state_dict.update(param_groups=groups, state=states)
-        super().load_state_dict(state_dict)
+        super().load_state_dict({**state_dict, "param_groups": groups, "state": states})  # (torch reads these two)
         _restore_saved_dtypes(self, groups, states)
-        self.skipped_steps = int(skipped)
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -301,9 +286,7 @@ class SkewAdam(Optimizer):
         Example:
             >>> opt.init_state(); dcp.load({"optim": opt.state_dict()}, checkpoint_id=path)
         """
-        for group in self.param_groups:
-            for p in group["params"]:
-                _state_of(self.state[p], p, group)
+        _init_state(self)
 
     skipped_steps = _Counter("skipped_steps", "_skipped_pending", "Steps skipped for a non-finite gradient (with "
                              "``in_backward``: steps that skipped any tensor's update).")
@@ -321,8 +304,10 @@ class SkewAdam(Optimizer):
         key = (id(group["params"]), len(group["params"]), first_id, id(group.get("param_names")), tier, group["bank"],
                group["momentum_dtype"], experts)
         cached = self.__dict__.setdefault("_records", {}).get(index)  # what a record takes from p and its group
-        if cached is None or cached[0] != key:
-            cached = self._records[index] = (key, [None] * len(group["params"]))
+        if cached is None or cached[0] != key:  # new params: those add_param_group saw, or a ZeRO partition
+            cached = self._records[index] = (key, [None] * len(group["params"]), partition_of(self, group, index))
+        if cached[2] is not None:
+            return cached[2].step_records(self, group, index, device_steps, fresh)
         states, make = self.state, ParamTensors._make  # _make: the record without NamedTuple.__new__'s Python call
         for i, p in enumerate(group["params"]) if only is None else ((only, group["params"][only]),):
             grad = p.grad
@@ -359,10 +344,8 @@ class SkewAdam(Optimizer):
         was given. A step that raises has changed nothing: no parameter, state tensor or step count, and no state
         is left allocated by it. With ``in_backward``: count what backward stepped, and step the gradients it did
         not."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         flags = self._backward.finish(self) if self._backward is not None else []
         if flags:
             _Counter.add(self, "skipped_tensors", stacked(flags).sum())
@@ -387,6 +370,9 @@ class SkewAdam(Optimizer):
                     if w is not None:
                         work.append(StepGroup(w[1], w[0], group["update"], f"param group {index}"))
                 first_id += len(group["params"])
+            if (step := _zero_step(self, fresh)) is not None:  # ZeRO partitions: each rank calls each seam
+                return step.run(lambda: skewadam_(work + [StepGroup(*step.empty)], backend=backend,
+                                                  reducer=step.reducer, skip_nonfinite=self.skip_nonfinite))
             if self._reducer is None and any(_is_dtensor(p) for g in work for p in g.params):
                 from .distributed import DTensorReducer
 
@@ -397,7 +383,24 @@ class SkewAdam(Optimizer):
                 del self.state[p]
             raise
 
-    __repr__ = _describe
+    __repr__ = describe_optimizer
+
+
+def _init_state(opt: "SkewAdam") -> None:
+    """`SkewAdam.init_state`: every parameter's state (a ZeRO partition's: its pieces'), allocated as a first step
+    allocates it."""
+    for index, group in enumerate(opt.param_groups):
+        if (part := partition_of(opt, group, index)) is not None:
+            part.allocate(opt.state[part.flat], group, kernels.resolve(opt._impl, part.flat.device).device_steps)
+        for p in group["params"] if part is None else ():
+            _state_of(opt.state[p], p, group)
+
+
+def _zero_step(opt: "SkewAdam", fresh: list):
+    """The ZeRO partitions the step of ``fresh`` (`SkewAdam._step`'s list) records, as a `skewadam.zero.ZeroStep`;
+    None without any."""
+    zero = opt.__dict__.get("_zero")
+    return zero.take(fresh) if zero is not None else None
 
 
 def _restore_saved_dtypes(opt: "SkewAdam", groups: list[dict], states: dict) -> None:

@@ -1,0 +1,176 @@
+"""DeepSpeed: SkewAdam's own math under ZeRO stages 1, 2 and 3 (`initialize`, a drop-in for ``deepspeed.initialize``).
+
+ZeRO hands the client optimizer one flat 1-D fp32 partition per param group (stages 1 and 2, and the BF16 optimizer
+of ``"bf16": {"enabled": true}``) or per sub-group (stage 3): runs of elements that cut tensors anywhere. `initialize`
+calls ``deepspeed.initialize`` with the same arguments and return, then registers each partition with the SkewAdam
+it was given (`attach`), read from DeepSpeed's own bookkeeping: which tensors each rank's partition holds, from which
+element. SkewAdam then steps every partition as pieces of those tensors (`skewadam.zero`, `skewadam.pieces`): the
+factored statistics, per-expert sums, idle experts and RMS clip of one process, with the sums that pieces share
+added over the data-parallel group, and the state kept in each tensor's own layout.
+
+Plain ``deepspeed.initialize`` with a SkewAdam raises at the first step, naming `initialize` (nothing is stepped).
+The step inside backward (``in_backward=True``) is refused: ZeRO reduces gradients into partitions after backward,
+so no rank holds a whole gradient inside it.
+
+DeepSpeed is an optional dependency (``pip install deepspeed``; on CPU ``DS_BUILD_OPS=0``); ``import skewadam`` never
+imports it.
+
+Example:
+    >>> from skewadam.integrations.deepspeed import initialize
+    >>> opt = SkewAdam.from_model(model, lr=3e-3, weight_decay=0.1)
+    >>> engine, opt, _, _ = initialize(model=model, optimizer=opt, config={"train_micro_batch_size_per_gpu": 4,
+    ...                                                                     "zero_optimization": {"stage": 2}})
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+try:
+    import deepspeed
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("skewadam.integrations.deepspeed needs DeepSpeed: pip install deepspeed (on a CPU-only "
+                      "machine: DS_BUILD_OPS=0 pip install deepspeed)") from e
+
+from ..optimizer import SkewAdam
+from ..pieces import Layout, TensorLayout
+from ..state import state_flags
+from ..zero import Partition, ZeroSteps
+
+__all__ = ["initialize", "attach"]
+
+#: Settings `initialize` adds to a config that does not set them: SkewAdam is a ZeRO client optimizer DeepSpeed has
+#: not tested, and one that steps ZeRO-Offload's CPU partitions itself (its C++ kernel), not DeepSpeedCPUAdam.
+CONFIG_DEFAULTS = {"zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+
+
+def initialize(*args: Any, **kwargs: Any) -> tuple:
+    """``deepspeed.initialize(*args, **kwargs)`` (the same arguments and return), with a SkewAdam ``optimizer``
+    stepping ZeRO's partitions as pieces of its tensors (`attach`). The config (a dict or a JSON file, as ``config``
+    or ``config_params``) gets `CONFIG_DEFAULTS` where it does not set them. Raises ValueError for a SkewAdam with
+    ``in_backward=True``, before DeepSpeed starts.
+
+    Example:
+        >>> engine, opt, _, _ = initialize(model=model, optimizer=SkewAdam.from_model(model), config=ds_config)
+    """
+    bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs)
+    optimizer = bound.arguments.get("optimizer")
+    if not isinstance(optimizer, SkewAdam):
+        return deepspeed.initialize(*args, **kwargs)
+    if optimizer.in_backward:
+        raise ValueError("SkewAdam(in_backward=True) under DeepSpeed: ZeRO reduces each gradient into partitions "
+                         "after backward, so no rank holds a whole gradient inside it, and stage 0 all-reduces after "
+                         "the hooks would have stepped; build the optimizer with in_backward=False")
+    for key in ("config", "config_params"):
+        if bound.arguments.get(key) is not None:
+            bound.arguments[key] = _with_defaults(bound.arguments[key])
+    out = deepspeed.initialize(*bound.args, **bound.kwargs)
+    attach(optimizer, out[0].optimizer)
+    return out
+
+
+def _with_defaults(config: Any) -> Any:
+    if isinstance(config, (str, Path)):
+        config = json.loads(Path(config).read_text())
+    return {**CONFIG_DEFAULTS, **config} if isinstance(config, dict) else config
+
+
+def attach(optimizer: SkewAdam, zero_optimizer: Any) -> None:
+    """Register the flat partitions ``zero_optimizer`` (``engine.optimizer``: DeepSpeed's ZeRO stage 1/2 or 3
+    optimizer, or its BF16 optimizer) hands ``optimizer``, so that SkewAdam steps each as pieces of its tensors; for
+    engines built by plain ``deepspeed.initialize`` (Accelerate, Transformers' Trainer). Nothing to do when
+    ``zero_optimizer`` is ``optimizer`` itself (ZeRO stage 0 in fp32).
+
+    Example:
+        >>> engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config); attach(opt, engine.optimizer)
+    """
+    if zero_optimizer is optimizer:
+        return
+    zero = optimizer.__dict__.get("_zero") or ZeroSteps()
+    for flat, group, params, ranges, pg, first_id in _partitions(optimizer, zero_optimizer):
+        spec = state_flags(group)
+        tensors = [TensorLayout.for_spec(tuple(getattr(p, "ds_shape", p.shape)), spec) for p in params]
+        world = len(ranges)
+        rank = dist.get_rank(group=pg) if world > 1 else 0
+        names = group.get("param_names") or []
+        names = [repr(n) for n in names] if len(names) == len(params) else [f"tensor {k}" for k in range(len(params))]
+        zero.add(Partition(flat, Layout(tensors, ranges), rank, pg, first_id, names), group["tier"])
+    optimizer._zero = zero
+
+
+def _partitions(optimizer: SkewAdam, zo: Any):
+    """``(flat partition, param group, its tensors, every rank's runs, process group, first stream id)`` of each
+    partition ``zo`` steps, from DeepSpeed's bookkeeping (checked against its own mapping of this rank's pieces)."""
+    kind = type(zo).__name__
+    if kind in ("DeepSpeedZeroOptimizer", "BF16_Optimizer"):  # stages 1 and 2; bf16 under stage 1
+        lp = zo.bit16_groups if kind == "DeepSpeedZeroOptimizer" else zo.bf16_groups
+        flats = zo.bit16_groups_flat if kind == "DeepSpeedZeroOptimizer" else zo.bf16_groups_flat
+        parts = zo.single_partition_of_fp32_groups if kind == "DeepSpeedZeroOptimizer" else \
+            zo.fp32_groups_flat_partition
+        first = 0
+        for i, group in enumerate(optimizer.param_groups):
+            params, pg, flat = lp[i], zo.real_dp_process_group[i], flats[i]
+            world = dist.get_world_size(group=pg)
+            # where each parameter lives in the flat buffer (round_robin_gradients reorders them), then the runs
+            offsets = [(p.data_ptr() - flat.data_ptr()) // flat.element_size() for p in params]
+            ranges = _flat_ranges(params, offsets, flat.numel() // world, world)
+            if kind == "BF16_Optimizer" or not zo.round_robin_gradients:  # (DeepSpeed's own map ignores the order)
+                _check_mapping(params, ranges[dist.get_rank(group=pg)])
+            yield parts[i], group, params, ranges, pg, first
+            first += len(params)
+    elif kind == "DeepSpeedZeroOptimizer_Stage3":
+        for j, params in enumerate(zo.fp16_groups):
+            gi = zo.sub_group_to_group_id[j]
+            pg = zo._get_sub_group_process_group(j)
+            world = dist.get_world_size(group=pg)
+            ranges: list[list] = [[] for _ in range(world)]
+            at = 0
+            for k, p in enumerate(params):
+                part = p.ds_tensor.ds_numel
+                for r in range(world):
+                    a, b = min(p.ds_numel, r * part), min(p.ds_numel, (r + 1) * part)
+                    if a < b:
+                        ranges[r].append((k, a, b, at))
+                at += part
+            flat = zo.fp32_partitioned_groups_flat[j]
+            if flat.numel() != at:
+                raise RuntimeError(f"DeepSpeed's stage-3 sub-group {j} holds {flat.numel()} elements, its "
+                                   f"parameters' partitions {at}: this DeepSpeed version partitions otherwise than "
+                                   f"skewadam.integrations.deepspeed reads it")
+            first = sum(len(ps) for s, ps in enumerate(zo.fp16_groups)  # tensors of earlier groups and sub-groups
+                        if (zo.sub_group_to_group_id[s], s) < (gi, j))
+            yield flat, optimizer.param_groups[gi], params, ranges, pg, first
+    else:
+        raise TypeError(f"skewadam.integrations.deepspeed does not know DeepSpeed's {kind} (engine.optimizer): "
+                        f"SkewAdam steps the partitions of ZeRO stages 1-3 and of the BF16 optimizer")
+
+
+def _flat_ranges(params: list, offsets: list[int], part: int, world: int) -> list[list[tuple]]:
+    """Every rank's runs ``(tensor, start, stop, offset in its partition)`` of tensors at ``offsets`` in a flat buffer
+    cut into ``world`` partitions of ``part`` elements."""
+    out: list[list[tuple]] = [[] for _ in range(world)]
+    for k, (p, o) in enumerate(zip(params, offsets)):
+        for r in range(world):
+            a, b = max(o, r * part), min(o + p.numel(), (r + 1) * part)
+            if a < b:
+                out[r].append((k, a - o, b - o, a - r * part))
+    return out
+
+
+def _check_mapping(params: list, runs: list[tuple]) -> None:
+    """This rank's runs as DeepSpeed maps them itself (``_hp_mapping``: the fragment of each parameter it holds)."""
+    mine = {k: (a, b, off) for k, a, b, off in runs}
+    for k, p in enumerate(params):
+        m = getattr(p, "_hp_mapping", None)
+        got = None if m is None else (m.lp_fragment_address.start, m.lp_fragment_address.start
+                                      + m.lp_fragment_address.numel, m.hp_fragment_address.start)
+        if got != mine.get(k):
+            raise RuntimeError(f"DeepSpeed maps parameter {k} {tuple(p.shape)} of this rank's partition to {got}, "
+                               f"skewadam read {mine.get(k)} from its offsets: this DeepSpeed version partitions "
+                               f"otherwise than skewadam.integrations.deepspeed reads it")

@@ -1,0 +1,124 @@
+"""SkewAdam under DeepSpeed ZeRO on 2 ranks (`skewadam.integrations.deepspeed`): every stage trains as one process on
+the global batch does, as exactly as DeepSpeed's own AdamW does, on every kernel that runs on CPU; the partitions cut
+rows, experts and banks; the state over both ranks stays within 1.25x one process's; plain ``deepspeed.initialize``
+and the step inside backward are refused.
+
+The checks run in ``deepspeed_worker.py`` under ``torchrun --standalone --nproc_per_node=2`` (CPU, gloo,
+``DS_ACCELERATOR=cpu``), once per kernel, and are asserted here one rule per test.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from skewadam import kernels
+
+import test_distributed
+
+pytest.importorskip("deepspeed")
+
+WORKER = Path(__file__).with_name("deepspeed_worker.py")
+#: check -> its yardstick: DeepSpeed's AdamW on the same stage against one-process AdamW
+EXACT = {"stage1": "adamw_stage1", "stage2": "adamw_stage2", "stage3": "adamw_stage3", "stage2_int8": "adamw_stage2",
+         "stage3_int8": "adamw_stage3", "stage3_adafactor": "adamw_stage3", "stage2_orthogonal": "adamw_stage2",
+         "stage3_orthogonal": "adamw_stage3", "stage2_round_robin": "adamw_stage2_round_robin"}
+BF16 = {f"stage{s}_bf16": f"adamw_stage{s}_bf16" for s in (1, 2, 3)}
+
+
+@pytest.fixture(scope="module", params=kernels.impls())
+def results(request, tmp_path_factory) -> dict:
+    """Every check's figures on both ranks, with every SkewAdam on one kernel (one torchrun launch per kernel)."""
+    with mock.patch.dict("os.environ", {"DS_ACCELERATOR": "cpu"}):
+        return test_distributed.worker_results(WORKER, tmp_path_factory.mktemp(f"deepspeed-{request.param}"),
+                                               request.param)
+
+
+def _get(results: dict, check: str) -> list[dict]:
+    return test_distributed._get(results, check)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("check", EXACT)
+def test_every_zero_stage_trains_as_one_process_within_ten_times_deepspeed_s_own_adamw(results, check):
+    """After 10 steps every weight is within 10x of the distance DeepSpeed's AdamW keeps from one-process AdamW
+    (fp32 rounding of the gradients' reduction), and within 1e-6."""
+    yardstick = _get(results, EXACT[check])[0]["max_diff"]
+    for fig in _get(results, check):
+        assert fig["max_diff"] <= min(10 * yardstick, 1e-6), (fig, yardstick)
+        assert fig["finite"], fig
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("check", BF16)
+def test_bf16_mixed_precision_is_as_close_to_one_process_as_deepspeed_s_adamw_is(results, check):
+    """``"bf16": {"enabled": true}``: bf16 forward and backward, fp32 masters (DeepSpeed's BF16 optimizer under stage
+    1): against one process running the same recipe, no further than 10x AdamW's distance under it."""
+    yardstick = _get(results, BF16[check])[0]["max_diff"]
+    for fig in _get(results, check):
+        assert fig["max_diff"] <= 10 * yardstick, (fig, yardstick)
+        assert fig["zero_optimizer"] == ("BF16_Optimizer" if check == "stage1_bf16" else fig["zero_optimizer"])
+
+
+@pytest.mark.distributed
+def test_bf16_momentum_is_as_close_to_one_process_as_another_rounding_seed(results):
+    """Each piece rounds its momentum with its own bits (as shards do), so the run can be as far from one process
+    as one process with another seed, and no further."""
+    for fig in _get(results, "stage2_bf16_momentum"):
+        assert 0 < fig["max_diff"] <= fig["seed_diff"], fig
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage, group, cut", [
+    ("stage2", "inp.weight", [["inp.weight", 20, 25, 0]]),  # row 4 of [7, 5]: 2 elements on rank 0, 3 on rank 1
+    ("stage3", "inp.weight", [["inp.weight", 15, 20, 0], ["head.weight", 0, 7, 0]]),
+    ("stage2", "w1", [["w1", 50, 55, 0]]),  # expert 1, row 3 of the bank [3, 7, 5]
+    ("stage2", "w2", [["w2", 49, 56, 0]]),  # expert 1, row 2 of the bank [3, 5, 7]
+    ("stage2", "router.weight", [["router.weight", 7, 14, 0]]),
+    ("stage2_orthogonal", "w1", [["w1", 35, 70, 0]]),  # the orthogonal tier owns whole experts
+])
+def test_the_partitions_cut_rows_and_experts_and_their_owner_steps_them_whole(results, stage, group, cut):
+    for fig in _get(results, stage):
+        assert fig["pieces"][group]["cut"] == cut, fig["pieces"][group]
+
+
+@pytest.mark.distributed
+def test_experts_banks_1d_tensors_and_the_router_that_both_ranks_hold_share_their_sums(results):
+    """The cut expert 1 of each bank, ``norm`` (1-D) and the router are summed over both ranks; under stage 3 a rank
+    holds part of ``head.weight`` but owns none of it, and nothing of ``head.bias``."""
+    for check in ("stage2", "stage3"):
+        for fig in _get(results, check):
+            shared = {name: units for p in fig["pieces"].values() for name, units in p["shared"].items()}
+            assert {"w1": [1], "w2": [1], "norm": [0], "router.weight": [0]}.items() <= shared.items(), shared
+    rank0, rank1 = _get(results, "stage3")
+    assert rank1["pieces"]["inp.weight"]["owns_none"] == ["head.weight"]
+    assert rank1["pieces"]["inp.bias"]["holds_none"] == ["head.bias"] and not rank0["pieces"]["inp.bias"]["holds_none"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("check", [*EXACT, "stage2_bf16_momentum", *BF16])
+def test_the_state_over_both_ranks_is_at_most_1_25_times_one_process_s(results, check):
+    rank0, rank1 = _get(results, check)
+    assert rank0["state_bytes"] + rank1["state_bytes"] <= 1.25 * rank0["one_process_state_bytes"], (rank0, rank1)
+
+
+@pytest.mark.distributed
+def test_without_the_reductions_the_equivalence_check_fails(results):
+    yardstick = _get(results, "adamw_stage2")[0]["max_diff"]
+    for fig in _get(results, "negative_control"):
+        assert fig["max_diff"] > 1e4 * yardstick, fig
+
+
+@pytest.mark.distributed
+def test_plain_deepspeed_initialize_raises_at_the_first_step_naming_the_drop_in_before_anything_moves(results):
+    for fig in _get(results, "plain_initialize"):
+        assert "skewadam.integrations.deepspeed.initialize" in fig["message"], fig
+        assert not fig["moved"] and fig["state"] == 0, fig
+
+
+@pytest.mark.distributed
+def test_the_step_inside_backward_is_refused_naming_why(results):
+    for fig in _get(results, "in_backward"):
+        assert "in_backward" in fig["message"] and "whole gradient" in fig["message"], fig
