@@ -1,6 +1,6 @@
 """SkewAdam stepping a flat partition as pieces of its tensors (`skewadam.zero`), in one process, on every kernel: a
-group's tensors flattened into one buffer (one rank holding them all, as DeepSpeed's BF16 optimizer under ZeRO stage 0
-keeps them) step bitwise as the tensors do; a group whose parameters were swapped behind the optimizer's back is
+group's tensors flattened into one buffer (one rank holding them all, as DeepSpeed's bf16 master weights under ZeRO
+stage 0) step bitwise as the tensors do; a group whose parameters were swapped behind the optimizer's back is
 refused at the first step, with nothing changed. The partitions of several ranks are tested on 2 ranks
 (tests/distributed/test_deepspeed_distributed.py)."""
 

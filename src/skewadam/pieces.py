@@ -42,7 +42,7 @@ from typing import Mapping, NamedTuple, Sequence
 
 from .state import StateTensor, TierSpec
 
-__all__ = ["TensorLayout", "Box", "CutBlock", "Layout", "Traffic", "zero_ranges"]
+__all__ = ["TensorLayout", "Box", "CutBlock", "Layout", "Traffic", "zero_ranges", "partition_numel"]
 
 
 class TensorLayout(NamedTuple):
@@ -295,15 +295,14 @@ def zero_ranges(sizes: Sequence[int], world: int, *, stage: int, alignment: int 
     if stage == 3:
         offsets = [0] * world
         for i, n in enumerate(sizes):
-            part = -(-n // world)
+            part = partition_numel([n], world, stage=3)
             for r in range(world):
                 a, b = min(n, r * part), min(n, (r + 1) * part)
                 if a < b:
                     out[r].append((i, a, b, offsets[r]))
                 offsets[r] += part
         return out
-    total = sum(sizes)
-    part = -(-total // (alignment * world)) * alignment
+    part = partition_numel(sizes, world, stage=stage, alignment=alignment)
     start = 0
     for i, n in enumerate(sizes):
         for r in range(world):
@@ -312,3 +311,11 @@ def zero_ranges(sizes: Sequence[int], world: int, *, stage: int, alignment: int 
                 out[r].append((i, a - start, b - start, a - r * part))
         start += n
     return out
+
+
+def partition_numel(sizes: Sequence[int], world: int, *, stage: int, alignment: int = 2) -> int:
+    """Elements of each rank's partition of tensors of ``sizes`` as DeepSpeed 0.19 cuts them (`zero_ranges`),
+    padding included."""
+    if stage == 3:
+        return sum(-(-n // world) for n in sizes)
+    return -(-sum(sizes) // (alignment * world)) * alignment

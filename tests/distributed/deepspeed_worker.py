@@ -18,8 +18,8 @@ cuts each tensor at half its size, rounded up):
 - the expert banks ``w1 [3, 7, 5]`` and ``w2 [3, 5, 7]``, a group each: cut inside expert 1, inside a row.
 - the router ``[3, 7]`` (full second moment): cut inside row 1.
 
-Checks: every stage in fp32 (the tiers' defaults), int8 and bf16 momentum, Adafactor's options, the orthogonal tier,
-``round_robin_gradients``, DeepSpeed's bf16 mixed precision (its BF16 optimizer under stage 1), the AdamW yardsticks of
+Checks: every stage (0 to 3) in fp32 (the tiers' defaults), int8 and bf16 momentum, Adafactor's options, the orthogonal tier,
+``round_robin_gradients``, DeepSpeed's bf16 mixed precision (its BF16 optimizer under stage 1; refused under stage 0), the AdamW yardsticks of
 each, a negative control (no reductions), and plain ``deepspeed.initialize`` with a SkewAdam (refused at the first
 step). Each reports the largest difference of any weight from one process after ``STEPS`` steps, the pieces the
 partitions hold, the state each rank keeps and what crossed ranks.
@@ -42,7 +42,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from checks import run_checks  # noqa: E402
-from skewadam import SkewAdam  # noqa: E402
+from skewadam import SkewAdam, plan  # noqa: E402
 from skewadam.integrations.deepspeed import initialize  # noqa: E402
 
 W = 2
@@ -112,6 +112,8 @@ def build(seed: int = 0) -> ZeroMoE:
 def make_optimizer(model, client: str, options: dict, seed: int = 0):
     if client == "adamw":
         return torch.optim.AdamW(adamw_groups(model), lr=LR)
+    if client == "from_model":  # SkewAdam's own groups (what the planner plans)
+        return SkewAdam.from_model(model, lr=LR, log=False)
     return SkewAdam(groups(model, options), lr=LR, seed=seed)
 
 
@@ -121,12 +123,14 @@ def config(stage: int, bf16: bool = False, **zero) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": BATCH // W, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": stage, **zero}}
     if bf16:
-        cfg.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"})
+        cfg["bf16"] = {"enabled": True}
+    if bf16:
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
 
 
 def full_params(engine, stage: int, bf16: bool = False) -> dict:
-    """The fp32 master weights by name, whole: the module's own under stages 1 and 2 in fp32 (DeepSpeed's map of a
+    """The fp32 master weights by name, whole: the module's own under stages 0-2 in fp32 (DeepSpeed's map of a
     parameter to its master, which ``safe_get_full_fp32_param`` reads, ignores ``round_robin_gradients``)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -140,8 +144,8 @@ def train_engine(client: str, stage: int, options: dict, bf16: bool = False, **z
     model = build()
     opt = make_optimizer(model, client, options)
     cfg = config(stage, bf16, **zero)
-    init = initialize if client == "skewadam" else deepspeed.initialize
-    if client != "skewadam":
+    init = deepspeed.initialize if client == "adamw" else initialize
+    if client == "adamw":
         cfg["zero_allow_untested_optimizer"] = True
     engine, *_ = init(model=model, optimizer=opt, config=cfg)
     rows = slice(dist.get_rank() * BATCH // W, (dist.get_rank() + 1) * BATCH // W)
@@ -210,10 +214,12 @@ def check(stage: int, options: dict | None = None, bf16: bool = False, seed_yard
         if disable_reducer:
             zero_module.ZeroReducer.__call__, zero_module.ZeroReducer.all_finite = saved
     ref, ref_opt = one_process("skewadam", options, bf16)
-    out = {"max_diff": max_diff(ref, got), "pieces": pieces(opt), "finite": all(bool(v.isfinite().all())
-                                                                                 for v in got.values()),
+    zero_steps = opt.__dict__.get("_zero")  # (none under stage 0 in fp32: DeepSpeed steps the parameters whole)
+    out = {"max_diff": max_diff(ref, got), "pieces": pieces(opt) if zero_steps else {},
+           "finite": all(bool(v.isfinite().all()) for v in got.values()),
            "state_bytes": opt.state_bytes().total, "one_process_state_bytes": ref_opt.state_bytes().total,
-           "collectives_per_step": opt._zero.collectives / STEPS, "bytes_per_step": opt._zero.bytes / STEPS,
+           "collectives_per_step": zero_steps.collectives / STEPS if zero_steps else 0,
+           "bytes_per_step": zero_steps.bytes / STEPS if zero_steps else 0,
            "zero_optimizer": type(engine.optimizer).__name__}
     if seed_yardstick:  # stochastic rounding: as close as one process with another seed, no closer needed
         out["seed_diff"] = max_diff(ref, one_process("skewadam", options, bf16, seed=1)[0])
@@ -224,6 +230,16 @@ def check_adamw(stage: int, bf16: bool = False, **zero) -> dict:
     """DeepSpeed's own AdamW on 2 ranks against one-process AdamW: the yardstick of fp32 (bf16) rounding."""
     _, _, got = train_engine("adamw", stage, {}, bf16, **zero)
     return {"max_diff": max_diff(one_process("adamw", {}, bf16)[0], got)}
+
+
+def check_planned(stage: int) -> dict:
+    """`SkewAdam.from_model`'s groups under ``stage``: the state this rank keeps and what it sends per step, beside
+    what ``skewadam.plan(..., zero=stage, shards=2)`` plans."""
+    _, opt, _ = train_engine("from_model", stage, {})
+    planned = plan(build(), optimizers=["skewadam"], shards=W, zero=stage)["skewadam"].zero
+    return {"state_bytes": opt.state_bytes().total, "bytes_per_step": opt._zero.bytes / STEPS,
+            "master_bytes": sum(p.flat.numel() * p.flat.element_size() for p in opt._zero.partitions.values()),
+            "collectives_per_step": opt._zero.collectives / STEPS, "planned": planned.to_dict()}
 
 
 def check_plain_initialize() -> dict:
@@ -239,6 +255,16 @@ def check_plain_initialize() -> dict:
         engine.step()
     except TypeError as e:
         return {"message": str(e), "moved": max_diff(before, full_params(engine, 2)) > 0, "state": len(opt.state)}
+    return {"message": "accepted"}
+
+
+def check_stage0_bf16() -> dict:
+    """``initialize`` with bf16 under ZeRO stage 0: its error."""
+    model = build()
+    try:
+        initialize(model=model, optimizer=SkewAdam(groups(model, {}), lr=LR), config=config(0, bf16=True))
+    except ValueError as e:
+        return {"message": str(e)}
     return {"message": "accepted"}
 
 
@@ -259,8 +285,8 @@ ADAFACTOR = {"backbone": {"relative_step": True}, "expert": {"beta2_decay": -0.8
 
 def named_checks() -> dict:
     return {
-        **{f"stage{s}": (lambda s=s: check(s)) for s in (1, 2, 3)},
-        **{f"adamw_stage{s}": (lambda s=s: check_adamw(s)) for s in (1, 2, 3)},
+        **{f"stage{s}": (lambda s=s: check(s)) for s in (0, 1, 2, 3)},
+        **{f"adamw_stage{s}": (lambda s=s: check_adamw(s)) for s in (0, 1, 2, 3)},
         "stage2_int8": lambda: check(2, MOMENTUM),
         "stage3_int8": lambda: check(3, MOMENTUM),
         "stage2_bf16_momentum": lambda: check(2, BF16_MOMENTUM, seed_yardstick=True),
@@ -271,7 +297,9 @@ def named_checks() -> dict:
         "adamw_stage2_round_robin": lambda: check_adamw(2, round_robin_gradients=True),
         **{f"stage{s}_bf16": (lambda s=s: check(s, bf16=True)) for s in (1, 2, 3)},
         **{f"adamw_stage{s}_bf16": (lambda s=s: check_adamw(s, bf16=True)) for s in (1, 2, 3)},
+        "stage0_bf16": check_stage0_bf16,
         "negative_control": lambda: check(2, disable_reducer=True),
+        **{f"planned_stage{s}": (lambda s=s: check_planned(s)) for s in (1, 2, 3)},
         "plain_initialize": check_plain_initialize,
         "in_backward": check_in_backward,
     }

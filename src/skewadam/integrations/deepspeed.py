@@ -53,8 +53,8 @@ CONFIG_DEFAULTS = {"zero_allow_untested_optimizer": True, "zero_force_ds_cpu_opt
 def initialize(*args: Any, **kwargs: Any) -> tuple:
     """``deepspeed.initialize(*args, **kwargs)`` (the same arguments and return), with a SkewAdam ``optimizer``
     stepping ZeRO's partitions as pieces of its tensors (`attach`). The config (a dict or a JSON file, as ``config``
-    or ``config_params``) gets `CONFIG_DEFAULTS` where it does not set them. Raises ValueError for a SkewAdam with
-    ``in_backward=True``, before DeepSpeed starts.
+    or ``config_params``) gets `CONFIG_DEFAULTS` where it does not set them. Raises ValueError, before DeepSpeed
+    starts, for a SkewAdam with ``in_backward=True`` and for bf16 or fp16 under ZeRO stage 0.
 
     Example:
         >>> engine, opt, _, _ = initialize(model=model, optimizer=SkewAdam.from_model(model), config=ds_config)
@@ -69,7 +69,12 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
                          "the hooks would have stepped; build the optimizer with in_backward=False")
     for key in ("config", "config_params"):
         if bound.arguments.get(key) is not None:
-            bound.arguments[key] = _with_defaults(bound.arguments[key])
+            bound.arguments[key] = config = _with_defaults(bound.arguments[key])
+            stage = config.get("zero_optimization", {}).get("stage", 0) if isinstance(config, dict) else None
+            if stage == 0 and any(config.get(k, {}).get("enabled") for k in ("bf16", "fp16")):
+                raise ValueError("ZeRO stage 0 with bf16 or fp16: DeepSpeed's mixed-precision wrapper for a client "
+                                 "optimizer steps it once with zero gradients when it is built, which would count a "
+                                 "step and decay every second moment; use ZeRO stage 1, 2 or 3, or fp32")
     out = deepspeed.initialize(*bound.args, **bound.kwargs)
     attach(optimizer, out[0].optimizer)
     return out
