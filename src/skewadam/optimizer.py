@@ -24,7 +24,7 @@ from .groups import describe_optimizer
 from .kernels.types import Group, ParamTensors
 from .state import StateBytes, flat_bank_merged, is_bank, measure_state, state_flags
 from .validation import check_state_dict, resolve_group, validate_params
-from .zero import partition_of
+from .zero import partition_of, zero_layouts
 
 try:  # DTensor (FSDP2, tensor/expert parallelism); absent on builds without torch.distributed
     from torch.distributed.tensor import DTensor
@@ -264,14 +264,14 @@ class SkewAdam(Optimizer):
             self.in_backward = in_backward
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "skipped_steps": self.skipped_steps}
+        return {**super().state_dict(), "skipped_steps": self.skipped_steps, **zero_layouts(self)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load like torch, after checking everything (`skewadam.validation.check_state_dict`: each saved group with
         the constructor's own checks, each parameter's state against `skewadam.state.state_spec`); on an error
         nothing is changed. Unlike torch, each state tensor keeps its saved dtype (torch casts it to the
         parameter's: fp32 statistics of a bf16 parameter would silently become bf16), and is made contiguous."""
-        groups, states = check_state_dict(state_dict, self.param_groups)
+        groups, states = check_state_dict(state_dict, self.param_groups, self.__dict__.get("_zero"))
         super().load_state_dict({**state_dict, "param_groups": groups, "state": states})  # (torch reads these two)
         _restore_saved_dtypes(self, groups, states)
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
@@ -409,13 +409,17 @@ def _restore_saved_dtypes(opt: "SkewAdam", groups: list[dict], states: dict) -> 
     for saved_id, p in zip(chain.from_iterable(g["params"] for g in groups),
                            chain.from_iterable(g["params"] for g in opt.param_groups)):
         state = opt.state[p]
-        for key, value in states.get(saved_id, {}).items():
-            if state[key].dtype != value.dtype:
-                state[key] = value.to(device=state[key].device, copy=True)
-            if not state[key].is_contiguous():  # as the kernels' own state is (some index it so)
-                state[key] = state[key].contiguous()
+        _restore(state, states.get(saved_id, {}))
         if "step" in state and p.device.type != "cpu" and kernels.resolve(opt._impl, p.device).device_steps:
             state["step"] = state["step"].to(_local(p).device)  # torch's load leaves a step count on the host
+
+
+def _restore(state: dict, saved: dict) -> None:
+    for key, value in saved.items():  # (a ZeRO partition's state is a dict per tensor: skewadam.zero)
+        if isinstance(value, dict):
+            _restore(state[key], value)
+        elif state[key].dtype != value.dtype or not state[key].is_contiguous():  # contiguous, as the kernels' own
+            state[key] = value.to(device=state[key].device, copy=True).contiguous()
 
 
 def _fixed(p: Tensor, group: dict, index: int, i: int, first_id: int) -> tuple:

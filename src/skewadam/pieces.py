@@ -210,6 +210,14 @@ class Layout:
         g = self.tensors[tensor].block
         return -(-a // g) * g, -(-b // g) * g
 
+    def rows(self, rank: int, tensor: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The rows ``[r0, r1)`` (elements, of a 1-D tensor) and matrices ``[m0, m1)`` of ``tensor`` that ``rank``
+        keeps state of: those of the blocks it owns."""
+        lo, hi = self.owned(rank, tensor)
+        t = self.tensors[tensor]
+        rows = (lo // t.cols, hi // t.cols)
+        return rows, (rows[0] // t.rows_per_matrix, -(-rows[1] // t.rows_per_matrix))
+
     def _rank_boxes(self, rank: int) -> list[Box]:
         out = []
         for i in sorted(self.spans[rank]):
@@ -255,9 +263,7 @@ class Layout:
         if lo >= hi:
             return {}
         t = self.tensors[tensor]
-        c, r = t.cols, t.rows_per_matrix
-        rows = (lo // c, hi // c)
-        mats = (rows[0] // r, -(-rows[1] // r))
+        rows, mats = self.rows(rank, tensor)
         out = {}
         for key, st in spec.items():
             if key == "step":
@@ -265,7 +271,7 @@ class Layout:
             elif len(t.view) < 2:
                 shape = (hi - lo,) if t.view else ()
             elif key == "col_var":
-                shape = (mats[1] - mats[0], 1, c)
+                shape = (mats[1] - mats[0], 1, t.cols)
             else:  # spans the rows: momentum, full second moment, row_var, int8 scales
                 shape = (rows[1] - rows[0], st.shape[-1])
             out[key] = StateTensor(shape, st.dtype)

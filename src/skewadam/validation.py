@@ -126,14 +126,16 @@ def validate_param(p: Tensor, group: dict, idx: int) -> None:
         )
 
 
-def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) -> tuple[list[dict], dict]:
+def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict],
+                     zero: Any = None) -> tuple[list[dict], dict]:
     """The param groups and state of ``state_dict`` (an optimizer's), checked for loading
     into an optimizer holding ``param_groups``: each saved group whole (every key SkewAdam saves, none another
     optimizer's; nothing is filled in), with the constructor's checks, and the group it replaces (the same tier and
     flattened banks); each parameter's state against `skewadam.state.state_spec`, by value too (a Python-number
     ``step`` of older checkpoints and other tools becomes a tensor, a flattened bank's state in the stacked layout
-    of earlier versions is reshaped to its own, `skewadam.state.TierSpec.spec`); ``skipped_steps``, where present, a
-    whole number >= 0. Returns ``(groups, state)`` to load; raises ValueError naming what does not fit, having
+    of earlier versions is reshaped to its own, `skewadam.state.TierSpec.spec`); a ZeRO partition's (registered in
+    ``zero``, `skewadam.zero.ZeroSteps`) against its pieces (`skewadam.zero.Partition.check_state`);
+    ``skipped_steps``, where present, a whole number >= 0. Returns ``(groups, state)`` to load; raises ValueError naming what does not fit, having
     changed nothing."""
     missing = [key for key in ("state", "param_groups") if key not in state_dict]
     if missing:
@@ -172,6 +174,9 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) ->
         for i, (saved_id, p, name) in enumerate(zip(saved["params"], group["params"], names)):
             state = states.get(saved_id)
             if not state:
+                continue
+            if zero is not None and (part := zero.of([p])) is not None:
+                part.check_state(state, saved, f"param group {idx} (tier {saved['tier']!r})")
                 continue
             want = spec.spec(p.shape, p.dtype)
             state = dict(state)

@@ -37,10 +37,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .kernels.rounding import part_stream
 from .kernels.types import Group, ParamTensors
-from .pieces import Box, Layout
-from .state import state_dtype_for, state_flags
+from .pieces import Box, Layout, TensorLayout
+from .state import check_state, state_dtype_for, state_flags
 
-__all__ = ["PieceRef", "Partition", "ZeroReducer", "ZeroSteps", "ZeroStep", "partition_of"]
+__all__ = ["PieceRef", "Partition", "ZeroReducer", "ZeroSteps", "ZeroStep", "partition_of", "zero_layouts",
+           "merge_pieces"]
 
 _ROWS = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "row_var")  # state that spans rows, kept as [rows, ...]
 
@@ -63,7 +64,7 @@ class Partition:
         rank: this rank's index in ``layout`` (its rank in ``group``).
         group: the data-parallel process group (None: the default group).
         first_id: the optimizer-wide index of the group's first tensor (its rounding streams).
-        names: how errors name each tensor.
+        names: each tensor's name (the model's, as DeepSpeed names it): errors and checkpoints use it.
     """
 
     def __init__(self, flat: Tensor, layout: Layout, rank: int, group: Any, first_id: int, names: Sequence[str]):
@@ -86,6 +87,7 @@ class Partition:
         self.unit_kinds = 1  # per-unit float64 sums before the moments: sum g^2 (and sum p^2 with relative_step)
         self.held: Optional[Tensor] = None  # this step's cut blocks: gradients [0] and master weights [1]
         self.counts: Any = None  # the `ZeroSteps` that counts its collectives (set by `ZeroSteps.add`)
+        self.param_group: dict = {}  # the optimizer's param group it is a partition of (set by `ZeroSteps.add`)
 
     # ------------------------------------------------------------------------------------------------ state
     def allocate(self, state: dict, group: dict, device_steps: bool) -> None:
@@ -106,9 +108,7 @@ class Partition:
         matrix's ``col_var`` and step (``copy_*``) copied where an earlier record of this rank steps them."""
         t = self.layout.tensors[box.tensor]
         shape = t.box_shape(box)
-        lo, _ = self.layout.owned(self.rank, box.tensor)
-        row0 = lo // t.cols
-        m0 = row0 // t.rows_per_matrix
+        (row0, _), (m0, _) = self.layout.rows(self.rank, box.tensor)
         first = box.matrix * t.rows_per_matrix + box.row - row0
         out = []
         for key in ("step", "exp_avg", "exp_avg_scale", "exp_avg_sq", "row_var", "col_var"):
@@ -128,6 +128,47 @@ class Partition:
                 v = v[first:first + box.rows]
             out.append(v)
         return out
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def describe(self) -> dict:
+        """Where this partition's pieces lie (plain data, saved beside its state: `zero_layouts`, `merge_pieces`)."""
+        lay = self.layout
+        return {"rank": self.rank, "first": self.first_id, "names": self.names,
+                "tensors": [tuple(t) for t in lay.tensors],
+                "ranges": [[(i, *run) for i, run in spans.items()] for spans in lay.spans]}
+
+    def check_state(self, state: dict, group: dict, where: str) -> None:
+        """Raise ValueError unless ``state`` (loaded for this partition) holds, per tensor this rank owns blocks of,
+        the state `allocate` gives it (shapes, dtypes, values: `skewadam.state.check_state`)."""
+        spec = state_flags(group)
+        owned = [i for i in range(len(self.names)) if (span := self.layout.owned(self.rank, i))[0] < span[1]]
+        if sorted(state) != owned:
+            raise ValueError(f"{where}: a ZeRO partition's state of tensors {sorted(state)}, this rank owns pieces of "
+                             f"tensors {owned}: a checkpoint of another world size or partitioning; merge it with "
+                             f"skewadam.integrations.deepspeed.consolidate and load it with load_consolidated")
+        for i in owned:
+            t = self.layout.tensors[i]
+            want = self.layout.state_shapes(self.rank, i, spec.spec(t.shape, self.flat.dtype))
+            check_state(state[i], want, f"{where}: {self.names[i]}'s piece on rank {self.rank}")
+
+    def load_full(self, state: dict, weights: dict, whole: dict) -> None:
+        """Copy this rank's pieces from one process's: ``weights`` (master weights by name), ``whole`` (state by
+        name, each tensor's as one process keeps it), into the partition and ``state`` (its allocated state)."""
+        lay = self.layout
+        with torch.no_grad():
+            for i, (a, b, off) in lay.spans[self.rank].items():
+                self.flat[off:off + b - a] = weights[self.names[i]].reshape(-1)[a:b]
+            for i, pieces in state.items():
+                t = lay.tensors[i]
+                rows, mats = lay.rows(self.rank, i)
+                for key, v in pieces.items():
+                    full = whole[self.names[i]][key]
+                    if key == "col_var" or (key == "step" and t.bank):
+                        v.copy_(full.reshape(-1, *v.shape[1:])[mats[0]:mats[1]])
+                    elif v.ndim and key != "step":
+                        v.copy_(full.reshape(-1, *v.shape[1:])[rows[0]:rows[1]])
+                    else:
+                        v.copy_(full)
 
     # ----------------------------------------------------------------------------------------------- records
     def step_records(self, opt: Any, group: dict, index: int, device_steps: bool,
@@ -207,6 +248,46 @@ class Partition:
             for at, o, n in self._held_parts():
                 self.flat[o:o + n] = out[at:at + n]
         self.held = None
+
+
+def zero_layouts(opt: Any) -> dict:
+    """What `skewadam.SkewAdam.state_dict` adds under ZeRO: ``{"zero": {saved param index: where that partition's
+    pieces lie}}`` (`Partition.describe`), so that the ranks' checkpoints merge into one process's (`merge_pieces`)."""
+    zero = opt.__dict__.get("_zero")
+    if zero is None:
+        return {}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    out = {k: part.describe() for k, p in enumerate(params) if (part := zero.of([p])) is not None}
+    return {"zero": out} if out else {}
+
+
+def merge_pieces(described: Sequence[dict], states: Sequence[dict], flats: Sequence[Tensor],
+                 specs: Sequence[dict]) -> tuple[dict, dict]:
+    """One partition's pieces on every rank merged into one process's: ``({name: master weight}, {name: state})``,
+    from each rank's `Partition.describe`, its saved state (`Partition.allocate`'s) and its master partition
+    (``flats``); ``specs``: each tensor's state as one process keeps it (`skewadam.state.TierSpec.spec`)."""
+    first = described[0]
+    tensors = [TensorLayout(*t) for t in first["tensors"]]
+    lay = Layout(tensors, first["ranges"])
+    weights = {n: torch.zeros(t.shape, dtype=flats[0].dtype) for n, t in zip(first["names"], tensors)}
+    whole = {n: {k: torch.zeros(st.shape, dtype=st.dtype) for k, st in spec.items()}
+             for n, spec in zip(first["names"], specs)}
+    for d, state, flat in zip(described, states, flats):
+        rank = d["rank"]
+        for i, (a, b, off) in lay.spans[rank].items():
+            weights[d["names"][i]].view(-1)[a:b] = flat[off:off + b - a]
+        for i, pieces in state.items():
+            t, name = tensors[i], d["names"][i]
+            rows, mats = lay.rows(rank, i)
+            for key, v in pieces.items():
+                full = whole[name][key]
+                if key == "col_var" or (key == "step" and t.bank):
+                    full.view(-1, *v.shape[1:])[mats[0]:mats[1]] = v
+                elif v.ndim and key != "step":
+                    full.view(-1, *v.shape[1:])[rows[0]:rows[1]] = v
+                else:
+                    full.copy_(v)
+    return weights, whole
 
 
 def _all_reduce(t: Tensor, part: Partition, op=None) -> None:
@@ -316,7 +397,6 @@ class ZeroSteps:
 
     def __init__(self) -> None:
         self.partitions: dict[int, Partition] = {}
-        self.tiers: dict[int, str] = {}  # id(flat partition) -> its group's tier (`skewadam.state.measure_state`)
         self._pending: tuple[Optional[list], list[Partition]] = (None, [])
         self.collectives = self.bytes = 0
 
@@ -327,10 +407,15 @@ class ZeroSteps:
             self._pending = (step, [])
         return self._pending[1]
 
-    def add(self, part: Partition, tier: str) -> None:
-        part.counts = self
+    def add(self, part: Partition, group: dict) -> None:
+        """Register ``part``, a partition of param group ``group``."""
+        part.counts, part.param_group = self, group
         self.partitions[id(part.flat)] = part
-        self.tiers[id(part.flat)] = tier
+
+    @property
+    def tiers(self) -> dict[int, str]:
+        """``id(flat partition)`` -> its group's tier (`skewadam.state.measure_state`)."""
+        return {i: p.param_group["tier"] for i, p in self.partitions.items()}
 
     def of(self, params: Sequence[Tensor]) -> Optional[Partition]:
         """The partition of a group whose params are ``params`` (DeepSpeed's ``[flat partition]``), else None."""

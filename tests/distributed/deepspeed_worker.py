@@ -139,29 +139,43 @@ def full_params(engine, stage: int, bf16: bool = False) -> dict:
     return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
 
 
-def train_engine(client: str, stage: int, options: dict, bf16: bool = False, **zero):
-    """``STEPS`` steps on 2 ranks (each its rows of the global batch); the engine, the client optimizer, weights."""
-    model = build()
+def make_engine(client: str, stage: int, options: dict, bf16: bool = False, seed: int = 0, **zero):
+    model = build(seed)
     opt = make_optimizer(model, client, options)
     cfg = config(stage, bf16, **zero)
     init = deepspeed.initialize if client == "adamw" else initialize
     if client == "adamw":
         cfg["zero_allow_untested_optimizer"] = True
     engine, *_ = init(model=model, optimizer=opt, config=cfg)
+    return engine, opt
+
+
+def run(engine, steps: range, bf16: bool = False) -> None:
+    """Steps ``steps`` of `data`, each rank its rows of the global batch."""
     rows = slice(dist.get_rank() * BATCH // W, (dist.get_rank() + 1) * BATCH // W)
-    for t, (x, y) in enumerate(data(torch.bfloat16 if bf16 else torch.float32)):
+    batches = data(torch.bfloat16 if bf16 else torch.float32)
+    for t in steps:
+        x, y = batches[t]
         engine.backward(engine(x[rows], y[rows], idle=IDLE if t % 2 else -1))
         engine.step()
+
+
+def train_engine(client: str, stage: int, options: dict, bf16: bool = False, **zero):
+    """``STEPS`` steps on 2 ranks; the engine, the client optimizer, the weights."""
+    engine, opt = make_engine(client, stage, options, bf16, **zero)
+    run(engine, range(STEPS), bf16)
     return engine, opt, full_params(engine, stage, bf16)
 
 
-def one_process(client: str, options: dict, bf16: bool = False, seed: int = 0) -> tuple[dict, object]:
+def one_process(client: str, options: dict, bf16: bool = False, seed: int = 0, steps: range = range(STEPS),
+                master: nn.Module | None = None, opt=None) -> tuple[dict, object]:
     """The same steps on one process and the global batch: fp32, or (``bf16``) DeepSpeed's recipe: a bf16 copy
-    runs forward and backward, fp32 masters are stepped and rounded into it."""
-    master = build()
-    opt = make_optimizer(master, client, options, seed)
+    runs forward and backward, fp32 masters are stepped and rounded into it (``master``, ``opt``: resume them)."""
+    master = build() if master is None else master
+    opt = make_optimizer(master, client, options, seed) if opt is None else opt
     lp = copy.deepcopy(master).to(torch.bfloat16) if bf16 else master
-    for t, (x, y) in enumerate(data(torch.bfloat16 if bf16 else torch.float32)):
+    batches = data(torch.bfloat16 if bf16 else torch.float32)
+    for t, (x, y) in ((t, batches[t]) for t in steps):
         lp(x, y, idle=IDLE if t % 2 else -1).backward()
         if bf16:
             for p, q in zip(master.parameters(), lp.parameters()):
@@ -242,6 +256,53 @@ def check_planned(stage: int) -> dict:
             "collectives_per_step": opt._zero.collectives / STEPS, "planned": planned.to_dict()}
 
 
+BEFORE = 5  # checkpoints: saved after this many steps, resumed for the rest
+
+
+def pieces_state(opt: SkewAdam) -> dict:
+    """This rank's state pieces by (partition, tensor, key)."""
+    return {(k, i, key): v.clone() for k, part in enumerate(opt._zero.partitions.values())
+            for i, st in opt.state[part.flat].items() for key, v in st.items()}
+
+
+def bitwise(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def check_resume(stage: int, out_dir: Path) -> dict:
+    """``engine.save_checkpoint`` after `BEFORE` steps (``OUT_DIR/ckpt{stage}``, the weights beside it for the
+    pytest side), then the rest; an engine built afresh (other weights) loads it and steps the rest: bitwise the
+    same weights and state."""
+    engine, opt = make_engine("from_model", stage, {})
+    run(engine, range(BEFORE))
+    engine.save_checkpoint(str(out_dir / f"ckpt{stage}"), tag="resume")
+    weights = full_params(engine, stage)  # (a collective under stage 3)
+    if dist.get_rank() == 0:
+        torch.save(weights, out_dir / f"ckpt{stage}_weights.pt")
+    run(engine, range(BEFORE, STEPS))
+    resumed, resumed_opt = make_engine("from_model", stage, {}, seed=5)
+    resumed.load_checkpoint(str(out_dir / f"ckpt{stage}"), tag="resume")
+    run(resumed, range(BEFORE, STEPS))
+    return {"weights_bitwise": bitwise(full_params(engine, stage), full_params(resumed, stage)),
+            "state_bitwise": bitwise(pieces_state(opt), pieces_state(resumed_opt)),
+            "skipped_steps": resumed_opt.skipped_steps}
+
+
+def check_from_one_process(stage: int, out_dir: Path) -> dict:
+    """One process's checkpoint after `BEFORE` steps (``OUT_DIR/one_process.pt``, saved by the pytest side) loaded
+    into 2 ranks (`load_consolidated`): the weights bitwise; then the rest of the steps, against one process."""
+    from skewadam.integrations.deepspeed import load_consolidated
+
+    full = torch.load(out_dir / "one_process.pt", weights_only=False)
+    engine, opt = make_engine("from_model", stage, {}, seed=5)
+    load_consolidated(engine, opt, full)
+    loaded = full_params(engine, stage)
+    run(engine, range(BEFORE, STEPS))
+    ref, _ = one_process("from_model", {})
+    return {"bitwise": bitwise(loaded, {n: w for n, w in full["module"].items()}),
+            "max_diff": max_diff(ref, full_params(engine, stage))}
+
+
 def check_plain_initialize() -> dict:
     """Plain ``deepspeed.initialize`` with a SkewAdam: the first step's error, and whether any weight moved."""
     model = build()
@@ -283,7 +344,7 @@ BF16_MOMENTUM = {"backbone": {"momentum_dtype": "bf16"}, "expert": {"use_momentu
 ADAFACTOR = {"backbone": {"relative_step": True}, "expert": {"beta2_decay": -0.8}}
 
 
-def named_checks() -> dict:
+def named_checks(out_dir: Path) -> dict:
     return {
         **{f"stage{s}": (lambda s=s: check(s)) for s in (0, 1, 2, 3)},
         **{f"adamw_stage{s}": (lambda s=s: check_adamw(s)) for s in (0, 1, 2, 3)},
@@ -300,6 +361,8 @@ def named_checks() -> dict:
         "stage0_bf16": check_stage0_bf16,
         "negative_control": lambda: check(2, disable_reducer=True),
         **{f"planned_stage{s}": (lambda s=s: check_planned(s)) for s in (1, 2, 3)},
+        **{f"resume_stage{s}": (lambda s=s: check_resume(s, out_dir)) for s in (2, 3)},
+        **{f"from_one_process_stage{s}": (lambda s=s: check_from_one_process(s, out_dir)) for s in (2, 3)},
         "plain_initialize": check_plain_initialize,
         "in_backward": check_in_backward,
     }
@@ -307,7 +370,7 @@ def named_checks() -> dict:
 
 def main(out_dir: Path, impl: str) -> None:
     os.environ["SKEWADAM_IMPL"] = impl  # every SkewAdam below, the one-process references too
-    run_checks(named_checks, out_dir, only=sys.argv[3:], timeout=timedelta(seconds=300))
+    run_checks(lambda: named_checks(out_dir), out_dir, only=sys.argv[3:], timeout=timedelta(seconds=300))
 
 
 if __name__ == "__main__":

@@ -13,12 +13,14 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch
 
 from skewadam import kernels
 
 import test_distributed
 
 pytest.importorskip("deepspeed")
+import deepspeed_worker as dw  # noqa: E402  (it imports deepspeed)
 
 WORKER = Path(__file__).with_name("deepspeed_worker.py")
 #: check -> its yardstick: DeepSpeed's AdamW on the same stage against one-process AdamW
@@ -31,9 +33,15 @@ BF16 = {f"stage{s}_bf16": f"adamw_stage{s}_bf16" for s in (1, 2, 3)}
 @pytest.fixture(scope="module", params=kernels.impls())
 def results(request, tmp_path_factory) -> dict:
     """Every check's figures on both ranks, with every SkewAdam on one kernel (one torchrun launch per kernel)."""
-    with mock.patch.dict("os.environ", {"DS_ACCELERATOR": "cpu"}):
-        return test_distributed.worker_results(WORKER, tmp_path_factory.mktemp(f"deepspeed-{request.param}"),
-                                               request.param)
+    out = tmp_path_factory.mktemp(f"deepspeed-{request.param}")
+    with mock.patch.dict("os.environ", {"DS_ACCELERATOR": "cpu", "SKEWADAM_IMPL": request.param}):
+        model = dw.build()
+        opt = dw.make_optimizer(model, "from_model", {})
+        dw.one_process("from_model", {}, steps=range(dw.BEFORE), master=model, opt=opt)
+        torch.save({"module": {n: p.detach().clone() for n, p in model.named_parameters()},
+                    "optimizer": opt.state_dict()}, out / "one_process.pt")  # what check_from_one_process loads
+        figures = test_distributed.worker_results(WORKER, out, request.param)
+    return {"out": out, "impl": request.param, **figures}
 
 
 def _get(results: dict, check: str) -> list[dict]:
@@ -144,3 +152,43 @@ def test_the_planner_s_zero_figures_are_the_state_and_traffic_measured_on_two_ra
     assert planned["master"] == rank0["master_bytes"] == rank1["master_bytes"], (planned, rank0)
     for fig in (rank0, rank1):
         assert (planned["sent"], planned["collectives"]) == (fig["bytes_per_step"], fig["collectives_per_step"]), fig
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [2, 3])
+def test_engine_checkpoints_resume_bitwise(results, stage):
+    """``engine.save_checkpoint`` after 5 steps, ``load_checkpoint`` into an engine built from other weights: the 5
+    steps after it end with the weights and state pieces of the uninterrupted run, bit for bit."""
+    for fig in _get(results, f"resume_stage{stage}"):
+        assert fig["weights_bitwise"] and fig["state_bitwise"] and fig["skipped_steps"] == 0, fig
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_two_rank_checkpoint_consolidates_and_resumes_on_one_process(results, stage):
+    """`consolidate` merges the 2 ranks' checkpoint into one process's: the master weights bitwise, SkewAdam's state
+    in the tensors' layout, loaded by a plain one-process SkewAdam that trains on as one process does."""
+    from skewadam.integrations.deepspeed import consolidate
+
+    out, yardstick = results["out"], _get(results, "adamw_stage2")[0]["max_diff"]
+    full = consolidate(out / f"ckpt{stage}", tag="resume")
+    saved = torch.load(out / f"ckpt{stage}_weights.pt")
+    assert full["module"].keys() == saved.keys() and all(torch.equal(full["module"][n], saved[n]) for n in saved)
+    with mock.patch.dict("os.environ", {"SKEWADAM_IMPL": results["impl"]}):
+        model = dw.build(seed=5)
+        opt = dw.make_optimizer(model, "from_model", {})
+        model.load_state_dict(full["module"])
+        opt.load_state_dict(full["optimizer"])
+        got, _ = dw.one_process("from_model", {}, steps=range(dw.BEFORE, dw.STEPS), master=model, opt=opt)
+        ref, _ = dw.one_process("from_model", {})
+    assert dw.max_diff(ref, got) <= min(10 * yardstick, 1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_one_process_checkpoint_loads_on_two_ranks_bitwise_and_trains_on(results, stage):
+    """`load_consolidated`: one process's ``{"module", "optimizer"}`` after 5 steps into 2 ranks: the weights
+    bitwise, and the 5 steps after it as one process takes them."""
+    yardstick = _get(results, "adamw_stage2")[0]["max_diff"]
+    for fig in _get(results, f"from_one_process_stage{stage}"):
+        assert fig["bitwise"] and fig["max_diff"] <= min(10 * yardstick, 1e-6), fig

@@ -8,6 +8,11 @@ element. SkewAdam then steps every partition as pieces of those tensors (`skewad
 factored statistics, per-expert sums, idle experts and RMS clip of one process, with the sums that pieces share
 added over the data-parallel group, and the state kept in each tensor's own layout.
 
+Checkpoints: ``engine.save_checkpoint``/``load_checkpoint`` resume bitwise at the world size they were saved at; each
+rank's optimizer state is its pieces in the tensors' layout, saved with where they lie, so `consolidate` merges a
+checkpoint directory into one process's ``{"module": master weights, "optimizer": SkewAdam.state_dict()}`` (what one
+process resumes from, or saves) and `load_consolidated` loads that into an engine of any world size.
+
 Plain ``deepspeed.initialize`` with a SkewAdam raises at the first step, naming `initialize` (nothing is stepped).
 The step inside backward (``in_backward=True``) is refused: ZeRO reduces gradients into partitions after backward,
 so no rank holds a whole gradient inside it.
@@ -38,12 +43,14 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("skewadam.integrations.deepspeed needs DeepSpeed: pip install deepspeed (on a CPU-only "
                       "machine: DS_BUILD_OPS=0 pip install deepspeed)") from e
 
+from .. import kernels
 from ..optimizer import SkewAdam
 from ..pieces import Layout, TensorLayout
-from ..state import state_flags
-from ..zero import Partition, ZeroSteps
+from ..state import check_state, state_flags
+from ..validation import resolve_group
+from ..zero import Partition, ZeroSteps, merge_pieces
 
-__all__ = ["initialize", "attach"]
+__all__ = ["initialize", "attach", "consolidate", "load_consolidated"]
 
 #: Settings `initialize` adds to a config that does not set them: SkewAdam is a ZeRO client optimizer DeepSpeed has
 #: not tested, and one that steps ZeRO-Offload's CPU partitions itself (its C++ kernel), not DeepSpeedCPUAdam.
@@ -103,9 +110,8 @@ def attach(optimizer: SkewAdam, zero_optimizer: Any) -> None:
         tensors = [TensorLayout.for_spec(tuple(getattr(p, "ds_shape", p.shape)), spec) for p in params]
         world = len(ranges)
         rank = dist.get_rank(group=pg) if world > 1 else 0
-        names = group.get("param_names") or []
-        names = [repr(n) for n in names] if len(names) == len(params) else [f"tensor {k}" for k in range(len(params))]
-        zero.add(Partition(flat, Layout(tensors, ranges), rank, pg, first_id, names), group["tier"])
+        names = [zero_optimizer.param_names[p] for p in params]
+        zero.add(Partition(flat, Layout(tensors, ranges), rank, pg, first_id, names), group)
     optimizer._zero = zero
 
 
@@ -179,3 +185,86 @@ def _check_mapping(params: list, runs: list[tuple]) -> None:
             raise RuntimeError(f"DeepSpeed maps parameter {k} {tuple(p.shape)} of this rank's partition to {got}, "
                                f"skewadam read {mine.get(k)} from its offsets: this DeepSpeed version partitions "
                                f"otherwise than skewadam.integrations.deepspeed reads it")
+
+
+def consolidate(checkpoint_dir: str | Path, tag: str | None = None) -> dict:
+    """One process's checkpoint from the ZeRO checkpoint ``checkpoint_dir`` (``engine.save_checkpoint``'s; ``tag``:
+    default its ``latest``) of a SkewAdam stepped by `initialize`, on any number of ranks: ``{"module": {name: fp32
+    master weight}, "optimizer": a SkewAdam state dict}``, as ``{"module": model.state_dict(), "optimizer":
+    SkewAdam.from_model(model).state_dict()}`` of one process holds them (the same groups, in the tensors' layouts).
+    Reads the files only: no process group, no engine.
+
+    Example:
+        >>> full = consolidate("ckpt")  # saved on 2 ranks
+        >>> model.load_state_dict(full["module"]); opt.load_state_dict(full["optimizer"])  # one process resumes
+    """
+    from deepspeed.checkpoint.constants import (BASE_OPTIMIZER_STATE, FP32_FLAT_GROUPS, OPTIMIZER_STATE_DICT,
+                                                SINGLE_PARTITION_OF_FP32_GROUPS)
+
+    folder = Path(checkpoint_dir) / (tag or (Path(checkpoint_dir) / "latest").read_text().strip())
+    ranks = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+             for f in sorted(folder.glob("*optim_states.pt"))]
+    saved = [sd.get(BASE_OPTIMIZER_STATE) or sd[OPTIMIZER_STATE_DICT] for sd in ranks]
+    flats = [sd.get(SINGLE_PARTITION_OF_FP32_GROUPS) or sd[FP32_FLAT_GROUPS] for sd in ranks]
+    if not saved or any("zero" not in sd for sd in saved):
+        raise ValueError(f"{folder}: no SkewAdam state saved by skewadam.integrations.deepspeed in its "
+                         f"*optim_states.pt files; consolidate reads checkpoints of engines built by initialize()")
+    order = sorted(range(len(saved)), key=lambda r: next(iter(saved[r]["zero"].values()))["rank"])
+    saved, flats = [saved[r] for r in order], [flats[r] for r in order]
+    groups = [dict(g, params=[]) for g in saved[0]["param_groups"]]
+    module, state = {}, {}
+    for j, k in enumerate(sorted(saved[0]["zero"])):
+        group = next(g for g, sg in zip(groups, saved[0]["param_groups"]) if k in sg["params"])
+        described = [sd["zero"][k] for sd in saved]
+        spec = state_flags(group)
+        specs = [spec.spec(t[0], flats[0][j].dtype) for t in described[0]["tensors"]]
+        weights, whole = merge_pieces(described, [sd["state"].get(k, {}) for sd in saved], [f[j] for f in flats],
+                                      specs)
+        module.update(weights)
+        for i, name in enumerate(described[0]["names"]):
+            group["params"].append(described[0]["first"] + i)
+            state[described[0]["first"] + i] = whole[name]
+    optimizer = {"state": state, "param_groups": groups, "skipped_steps": saved[0].get("skipped_steps", 0)}
+    return {"module": module, "optimizer": optimizer}
+
+
+def load_consolidated(engine: Any, optimizer: SkewAdam, full: dict) -> None:
+    """Load one process's ``{"module": master weights by name, "optimizer": SkewAdam state dict}`` (`consolidate`'s,
+    or a one-process run's ``model.state_dict()`` and ``SkewAdam.from_model(model).state_dict()``) into ``engine``
+    (`initialize`'s, on any number of ranks; every rank calls it): each rank copies its pieces of the weights and of
+    the state, after checking all of it (nothing is changed on an error).
+
+    Example:
+        >>> engine, opt, *_ = initialize(model=model, optimizer=SkewAdam.from_model(model), config=config)
+        >>> load_consolidated(engine, opt, torch.load("one_process.pt"))
+    """
+    saved = full["optimizer"]
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint has {len(saved['param_groups'])} param groups, the optimizer "
+                         f"{len(optimizer.param_groups)}: build the optimizer as the checkpoint's was built")
+    names = {i: n for g in saved["param_groups"] for i, n in zip(g["params"], g.get("param_names") or [])}
+    whole = {names[i]: st for i, st in saved["state"].items()}
+    settings = [resolve_group(sg, {}, idx) for idx, sg in enumerate(saved["param_groups"])]
+    parts = list(optimizer._zero.partitions.values())
+    for part in parts:  # every check first
+        idx = next(i for i, g in enumerate(optimizer.param_groups) if g is part.param_group)
+        spec = state_flags(settings[idx])
+        for i, (name, t) in enumerate(zip(part.names, part.layout.tensors)):
+            if name not in whole or name not in full["module"] or tuple(full["module"][name].shape) != t.shape:
+                raise ValueError(f"the checkpoint has no state or weight {t.shape} of {name!r} (param group {idx}): "
+                                 f"load a checkpoint of this model, stepped with the same groups")
+            check_state(whole[name], spec.spec(t.shape, part.flat.dtype), f"{name!r}'s state in the checkpoint")
+    for part in parts:
+        idx = next(i for i, g in enumerate(optimizer.param_groups) if g is part.param_group)
+        part.param_group.update({k: v for k, v in settings[idx].items() if k != "params"})
+        state = optimizer.state[part.flat]
+        state.clear()
+        part.allocate(state, part.param_group, kernels.resolve(optimizer._impl, part.flat.device).device_steps)
+        part.load_full(state, full["module"], whole)
+    optimizer.skipped_steps = int(saved.get("skipped_steps", 0))
+    zo = engine.optimizer
+    if hasattr(zo, "update_lp_params"):  # stages 1 and 2, the BF16 optimizer: the weights from the masters
+        zo.update_lp_params()
+    else:  # stage 3
+        for j in range(len(zo.fp16_groups)):
+            zo._reassign_or_swap_out_partitioned_parameters(j)
