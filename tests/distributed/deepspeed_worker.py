@@ -303,6 +303,29 @@ def check_from_one_process(stage: int, out_dir: Path) -> dict:
             "max_diff": max_diff(ref, full_params(engine, stage))}
 
 
+def check_accelerate(stage: int) -> dict:
+    """Accelerate's DeepSpeed plugin: ``accelerator.prepare`` after `prepare_with`, Accelerate's loop, against one
+    process."""
+    from accelerate import Accelerator, DeepSpeedPlugin
+
+    from skewadam.integrations.deepspeed import prepare_with
+
+    plugin = DeepSpeedPlugin(zero_stage=stage)
+    plugin.deepspeed_config.update(train_micro_batch_size_per_gpu=BATCH // W, train_batch_size=BATCH,
+                                   gradient_clipping=0.0)
+    accelerator = Accelerator(deepspeed_plugin=plugin)
+    prepare_with(accelerator)
+    model = build()
+    model, opt = accelerator.prepare(model, SkewAdam.from_model(model, lr=LR, log=False))
+    rows = slice(dist.get_rank() * BATCH // W, (dist.get_rank() + 1) * BATCH // W)
+    for t, (x, y) in enumerate(data()):
+        accelerator.backward(model(x[rows], y[rows], idle=IDLE if t % 2 else -1))
+        opt.step()
+        opt.zero_grad()
+    got = full_params(model, stage)
+    return {"max_diff": max_diff(one_process("from_model", {})[0], got), "zero": type(model.optimizer).__name__}
+
+
 def check_plain_initialize() -> dict:
     """Plain ``deepspeed.initialize`` with a SkewAdam: the first step's error, and whether any weight moved."""
     model = build()
@@ -362,6 +385,7 @@ def named_checks(out_dir: Path) -> dict:
         "negative_control": lambda: check(2, disable_reducer=True),
         **{f"planned_stage{s}": (lambda s=s: check_planned(s)) for s in (1, 2, 3)},
         **{f"resume_stage{s}": (lambda s=s: check_resume(s, out_dir)) for s in (2, 3)},
+        "accelerate_stage2": lambda: check_accelerate(2),
         **{f"from_one_process_stage{s}": (lambda s=s: check_from_one_process(s, out_dir)) for s in (2, 3)},
         "plain_initialize": check_plain_initialize,
         "in_backward": check_in_backward,

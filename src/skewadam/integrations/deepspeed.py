@@ -50,7 +50,11 @@ from ..state import check_state, state_flags
 from ..validation import resolve_group
 from ..zero import Partition, ZeroSteps, merge_pieces
 
-__all__ = ["initialize", "attach", "consolidate", "load_consolidated"]
+__all__ = ["initialize", "attach", "prepare_with", "consolidate", "load_consolidated"]
+
+_IN_BACKWARD = ("SkewAdam(in_backward=True) under DeepSpeed: ZeRO reduces each gradient into partitions after backward, "
+                "so no rank holds a whole gradient inside it, and stage 0 all-reduces after the hooks would have "
+                "stepped; build the optimizer with in_backward=False")
 
 #: Settings `initialize` adds to a config that does not set them: SkewAdam is a ZeRO client optimizer DeepSpeed has
 #: not tested, and one that steps ZeRO-Offload's CPU partitions itself (its C++ kernel), not DeepSpeedCPUAdam.
@@ -71,9 +75,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
     if not isinstance(optimizer, SkewAdam):
         return deepspeed.initialize(*args, **kwargs)
     if optimizer.in_backward:
-        raise ValueError("SkewAdam(in_backward=True) under DeepSpeed: ZeRO reduces each gradient into partitions "
-                         "after backward, so no rank holds a whole gradient inside it, and stage 0 all-reduces after "
-                         "the hooks would have stepped; build the optimizer with in_backward=False")
+        raise ValueError(_IN_BACKWARD)
     for key in ("config", "config_params"):
         if bound.arguments.get(key) is not None:
             bound.arguments[key] = config = _with_defaults(bound.arguments[key])
@@ -85,6 +87,29 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
     out = deepspeed.initialize(*bound.args, **bound.kwargs)
     attach(optimizer, out[0].optimizer)
     return out
+
+
+def prepare_with(accelerator: Any) -> None:
+    """Make ``accelerator.prepare`` (Accelerate's DeepSpeed plugin; Transformers' Trainer prepares through it, and
+    `skewadam.integrations.hf.SkewAdamTrainer` calls this itself) register the partitions of the SkewAdam it hands
+    DeepSpeed (`attach`), refusing one that steps inside backward first.
+
+    Example:
+        >>> accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2)); prepare_with(accelerator)
+        >>> model, opt = accelerator.prepare(model, SkewAdam.from_model(model))
+    """
+    prepare = accelerator._prepare_deepspeed
+
+    def _prepare_deepspeed(*args: Any) -> Any:
+        skewadam = next((a for a in args if isinstance(a, SkewAdam)), None)
+        if skewadam is not None and skewadam.in_backward:
+            raise ValueError(_IN_BACKWARD)
+        result = prepare(*args)
+        if skewadam is not None:
+            attach(skewadam, accelerator.deepspeed_engine_wrapped.engine.optimizer)
+        return result
+
+    accelerator._prepare_deepspeed = _prepare_deepspeed
 
 
 def _with_defaults(config: Any) -> Any:
