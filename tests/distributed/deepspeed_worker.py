@@ -323,7 +323,8 @@ def check_accelerate(stage: int) -> dict:
         opt.step()
         opt.zero_grad()
     got = full_params(model, stage)
-    return {"max_diff": max_diff(one_process("from_model", {})[0], got), "zero": type(model.optimizer).__name__}
+    return {"max_diff": max_diff(one_process("from_model", {})[0], got), "zero_optimizer": type(model.optimizer).__name__,
+            "finite": all(bool(v.isfinite().all()) for v in got.values())}
 
 
 def check_plain_initialize() -> dict:
