@@ -353,7 +353,8 @@ def group_members(found: Labels, orth: set[str], exempt_1d: bool = False) -> lis
         names = [n for n, t in labels.items() if t == tier and n not in orth]
         split = [(names, False)]
         if exempt_1d:
-            split = [([n for n in names if trainable[n].ndim >= 2], False), ([n for n in names if trainable[n].ndim < 2], True)]
+            split = [([n for n in names if trainable[n].ndim >= 2], False),
+                     ([n for n in names if trainable[n].ndim < 2], True)]
         out += [(tier, members, exempt, k, False) for m, exempt in split
                 for k in [None, *sorted({flat[n] for n in m if n in flat})]
                 if (members := [n for n in m if flat.get(n) == k])]

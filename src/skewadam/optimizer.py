@@ -246,7 +246,7 @@ class SkewAdam(Optimizer):
     in_backward = InBackward()
 
     def hold_gradients(self) -> ContextManager[None]:
-        """With ``in_backward``: ``with opt.hold_gradients(): loss_1.backward()``, then ``loss_2.backward()`` steps the sum."""
+        """With ``in_backward``: backwards inside ``with opt.hold_gradients():`` keep their gradients for the next."""
         return self._backward.hold() if self._backward is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ state dict

@@ -135,8 +135,8 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict],
     ``step`` of older checkpoints and other tools becomes a tensor, a flattened bank's state in the stacked layout
     of earlier versions is reshaped to its own, `skewadam.state.TierSpec.spec`); a ZeRO partition's (registered in
     ``zero``, `skewadam.zero.ZeroSteps`) against its pieces (`skewadam.zero.Partition.check_state`);
-    ``skipped_steps``, where present, a whole number >= 0. Returns ``(groups, state)`` to load; raises ValueError naming what does not fit, having
-    changed nothing."""
+    ``skipped_steps``, where present, a whole number >= 0. Returns ``(groups, state)`` to load; raises ValueError
+    naming what does not fit, having changed nothing."""
     missing = [key for key in ("state", "param_groups") if key not in state_dict]
     if missing:
         raise ValueError(f"the state dict has no {' and no '.join(map(repr, missing))} (it has keys "

@@ -209,7 +209,8 @@ class Partition:
             views = self._views(box, state[i], last.get(i) == box.matrix, i in last and not t.bank
                                 or last.get(i) == box.matrix)
             last[i] = box.matrix + box.matrices - 1
-            name = f"param group {where}: {self.names[i]} {t.shape}, rank {self.rank}'s {'cut block' if box.scratch else 'piece'} {tuple(box)}"
+            name = (f"param group {where}: {self.names[i]} {t.shape}, rank {self.rank}'s "
+                    f"{'cut block' if box.scratch else 'piece'} {tuple(box)}")
             records.append(ParamTensors(p, g, *views, t.view, t.bank, part_stream(self.first_id + i, box.first(t)),
                                         name))
             refs.append(PieceRef(self, box, len(shape)))

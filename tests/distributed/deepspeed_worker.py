@@ -1,5 +1,5 @@
-"""SkewAdam under DeepSpeed ZeRO stages 1-3 on 2 ranks, checked against one process on the global batch, with DeepSpeed's
-own AdamW against one-process AdamW as the yardstick.
+"""SkewAdam under DeepSpeed ZeRO stages 1-3 on 2 ranks, checked against one process on the global batch, with
+DeepSpeed's own AdamW against one-process AdamW as the yardstick.
 
 Run by ``test_deepspeed_distributed.py`` as ``torchrun --standalone --nproc_per_node=2 deepspeed_worker.py OUT_DIR
 IMPL [CHECK ...]`` (CPU, gloo, ``DS_ACCELERATOR=cpu``), once per kernel: IMPL is the kernel every SkewAdam here runs,
@@ -18,10 +18,12 @@ cuts each tensor at half its size, rounded up):
 - the expert banks ``w1 [3, 7, 5]`` and ``w2 [3, 5, 7]``, a group each: cut inside expert 1, inside a row.
 - the router ``[3, 7]`` (full second moment): cut inside row 1.
 
-Checks: every stage (0 to 3) in fp32 (the tiers' defaults), int8 and bf16 momentum, Adafactor's options, the orthogonal tier,
-``round_robin_gradients``, DeepSpeed's bf16 mixed precision (its BF16 optimizer under stage 1; refused under stage 0), the AdamW yardsticks of
-each, a negative control (no reductions), and plain ``deepspeed.initialize`` with a SkewAdam (refused at the first
-step). Each reports the largest difference of any weight from one process after ``STEPS`` steps, the pieces the
+Checks: every stage (0 to 3) in fp32 (the tiers' defaults), int8 and bf16 momentum, Adafactor's options, the
+orthogonal tier, ``round_robin_gradients``, DeepSpeed's bf16 mixed precision (its BF16 optimizer under stage 1;
+refused under stage 0), Accelerate's DeepSpeed plugin, the AdamW yardsticks of each, a negative control (no
+reductions), plain ``deepspeed.initialize`` with a SkewAdam (refused at the first step), the step inside backward
+(refused), the planner's figures against what a step sends, and checkpoints (bitwise resume; one process's loaded on 2
+ranks). Each reports the largest difference of any weight from one process after ``STEPS`` steps, the pieces the
 partitions hold, the state each rank keeps and what crossed ranks.
 """
 
@@ -323,8 +325,9 @@ def check_accelerate(stage: int) -> dict:
         opt.step()
         opt.zero_grad()
     got = full_params(model, stage)
-    return {"max_diff": max_diff(one_process("from_model", {})[0], got), "zero_optimizer": type(model.optimizer).__name__,
-            "finite": all(bool(v.isfinite().all()) for v in got.values())}
+    return {"max_diff": max_diff(one_process("from_model", {})[0], got), "finite": all(bool(v.isfinite().all())
+                                                                                       for v in got.values()),
+            "zero_optimizer": type(model.optimizer).__name__}
 
 
 def check_plain_initialize() -> dict:

@@ -26,7 +26,8 @@ import deepspeed_worker as dw  # noqa: E402  (it imports deepspeed)
 
 WORKER = Path(__file__).with_name("deepspeed_worker.py")
 #: check -> its yardstick: DeepSpeed's AdamW on the same stage against one-process AdamW
-EXACT = {"accelerate_stage2": "adamw_stage2", "stage0": "adamw_stage0", "stage1": "adamw_stage1", "stage2": "adamw_stage2", "stage3": "adamw_stage3", "stage2_int8": "adamw_stage2",
+EXACT = {"accelerate_stage2": "adamw_stage2", "stage0": "adamw_stage0", "stage1": "adamw_stage1",
+         "stage2": "adamw_stage2", "stage3": "adamw_stage3", "stage2_int8": "adamw_stage2",
          "stage3_int8": "adamw_stage3", "stage3_adafactor": "adamw_stage3", "stage2_orthogonal": "adamw_stage2",
          "stage3_orthogonal": "adamw_stage3", "stage2_round_robin": "adamw_stage2_round_robin"}
 BF16 = {f"stage{s}_bf16": f"adamw_stage{s}_bf16" for s in (1, 2, 3)}

@@ -52,9 +52,9 @@ from ..zero import Partition, ZeroSteps, merge_pieces
 
 __all__ = ["initialize", "attach", "prepare_with", "consolidate", "load_consolidated"]
 
-_IN_BACKWARD = ("SkewAdam(in_backward=True) under DeepSpeed: ZeRO reduces each gradient into partitions after backward, "
-                "so no rank holds a whole gradient inside it, and stage 0 all-reduces after the hooks would have "
-                "stepped; build the optimizer with in_backward=False")
+_IN_BACKWARD = ("SkewAdam(in_backward=True) under DeepSpeed: ZeRO reduces each gradient into partitions after "
+                "backward, so no rank holds a whole gradient inside it, and stage 0 all-reduces after the hooks "
+                "would have stepped; build the optimizer with in_backward=False")
 
 #: Settings `initialize` adds to a config that does not set them: SkewAdam is a ZeRO client optimizer DeepSpeed has
 #: not tested, and one that steps ZeRO-Offload's CPU partitions itself (its C++ kernel), not DeepSpeedCPUAdam.
