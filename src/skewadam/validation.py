@@ -28,8 +28,8 @@ GROUP_KEYS = frozenset(
     {"params", "lr", "betas", "eps", "weight_decay", "eps_mode", "tier", "use_momentum", "use_factored", "bank", "seed",
      "momentum_dtype", "experts", "update", "relative_step", "beta2_decay"}
 )
-# Keys other torch APIs put into param groups: named parameters, LR schedulers' bookkeeping.
-FOREIGN_KEYS = frozenset({"param_names", "initial_lr"})
+# Keys other APIs put into param groups: named parameters, LR schedulers' bookkeeping, DeepSpeed-MoE's expert groups.
+FOREIGN_KEYS = frozenset({"param_names", "initial_lr", "moe", "name"})
 # What every group SkewAdam.state_dict() saves holds (``experts`` only where the group has flattened banks).
 SAVED_KEYS = GROUP_KEYS - {"experts"}
 # What decides which optimizer group a saved one is: a checkpoint's must be the optimizer's.

@@ -330,6 +330,68 @@ def check_accelerate(stage: int) -> dict:
             "zero_optimizer": type(model.optimizer).__name__}
 
 
+class DeepSpeedMoE(nn.Module):
+    """``inp`` Linear(5, D), DeepSpeed-MoE's layer (4 experts Linear(D, H), SiLU, Linear(H, D); top-1 gating without
+    token dropping or random token selection, so every token reaches its expert: DeepSpeed's top-2 gating gives the
+    router gradients of ~1e-10, rounding noise that Adam-style updates amplify), a head Linear(D, 1)."""
+
+    def __init__(self, ep_size: int):
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        self.inp = nn.Linear(5, D)
+        self.moe = MoE(hidden_size=D, expert=nn.Sequential(nn.Linear(D, H), nn.SiLU(), nn.Linear(H, D)),
+                       num_experts=4, ep_size=ep_size, k=1, use_rts=False, drop_tokens=False)
+        self.head = nn.Linear(D, 1)
+
+    def forward(self, x_N5, y_N, idle: int = -1):
+        h_ND = torch.tanh(self.inp(x_N5))
+        return F.mse_loss(self.head(torch.tanh(h_ND + self.moe(h_ND)[0])).squeeze(-1), y_N)
+
+
+def _global_expert(name: str, ep_size: int) -> str:
+    """An expert's name in the one-process model (all 4 experts) from its name on this rank (4 / ep_size of them)."""
+    if ".deepspeed_experts." not in name:
+        return name
+    head, tail = name.split(".deepspeed_experts.")
+    local, rest = tail.split(".", 1)
+    return f"{head}.deepspeed_experts.{dist.get_rank() % ep_size * 4 // ep_size + int(local)}.{rest}"
+
+
+def check_deepspeed_moe(client: str, stage: int, ep_size: int) -> dict:
+    """DeepSpeed-MoE, experts on ``ep_size`` ranks (each rank its 4 / ep_size experts: ZeRO partitions them over the
+    expert-data-parallel group), against one process with all experts on the global batch (the same layer with
+    ``ep_size=1``: an expert-parallel group of one rank)."""
+    torch.manual_seed(0)
+    ref = DeepSpeedMoE(1)
+    init = copy.deepcopy(ref.state_dict())
+    torch.manual_seed(1)
+    model = DeepSpeedMoE(ep_size)
+    model.load_state_dict({n: init[_global_expert(n, ep_size)] for n in model.state_dict()})
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as moe_groups
+
+    make = (lambda m: torch.optim.AdamW(moe_groups({"params": list(m.parameters()), "name": "all"}), lr=LR,
+                                        weight_decay=0.1)) if client == "adamw" else \
+        (lambda m: SkewAdam.from_model(m, lr=LR, weight_decay=0.1, log=False))
+    opt = make(model)
+    cfg = {**config(stage), "zero_allow_untested_optimizer": True}
+    engine, *_ = (deepspeed.initialize if client == "adamw" else initialize)(model=model, optimizer=opt, config=cfg)
+    run(engine, range(STEPS))
+    got = {_global_expert(n, ep_size): w for n, w in full_params(engine, stage).items()}
+    ref_opt = make(ref)
+    for x, y in data():
+        ref(x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    want = {n: p.detach() for n, p in ref.named_parameters() if n in got}
+    out = {"max_diff": max_diff(want, got), "finite": all(bool(v.isfinite().all()) for v in got.values())}
+    if client != "adamw":
+        out["tiers"] = sorted({g["tier"] + (f"/moe:{g['name']}" if g.get("moe") else "") for g in opt.param_groups})
+        out["expert_world"] = sorted({p.layout.world for p in opt._zero.partitions.values()
+                                      if p.param_group.get("moe")})
+    return out
+
+
 def check_plain_initialize() -> dict:
     """Plain ``deepspeed.initialize`` with a SkewAdam: the first step's error, and whether any weight moved."""
     model = build()
@@ -390,6 +452,10 @@ def named_checks(out_dir: Path) -> dict:
         **{f"planned_stage{s}": (lambda s=s: check_planned(s)) for s in (1, 2, 3)},
         **{f"resume_stage{s}": (lambda s=s: check_resume(s, out_dir)) for s in (2, 3)},
         "accelerate_stage2": lambda: check_accelerate(2),
+        **{f"moe_ep{ep}_stage{s}": (lambda ep=ep, s=s: check_deepspeed_moe("skewadam", s, ep))
+           for ep in (1, 2) for s in (1, 2)},
+        **{f"adamw_moe_ep{ep}_stage{s}": (lambda ep=ep, s=s: check_deepspeed_moe("adamw", s, ep))
+           for ep in (1, 2) for s in (1, 2)},
         **{f"from_one_process_stage{s}": (lambda s=s: check_from_one_process(s, out_dir)) for s in (2, 3)},
         "plain_initialize": check_plain_initialize,
         "in_backward": check_in_backward,

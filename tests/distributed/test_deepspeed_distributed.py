@@ -29,7 +29,8 @@ WORKER = Path(__file__).with_name("deepspeed_worker.py")
 EXACT = {"accelerate_stage2": "adamw_stage2", "stage0": "adamw_stage0", "stage1": "adamw_stage1",
          "stage2": "adamw_stage2", "stage3": "adamw_stage3", "stage2_int8": "adamw_stage2",
          "stage3_int8": "adamw_stage3", "stage3_adafactor": "adamw_stage3", "stage2_orthogonal": "adamw_stage2",
-         "stage3_orthogonal": "adamw_stage3", "stage2_round_robin": "adamw_stage2_round_robin"}
+         "stage3_orthogonal": "adamw_stage3", "stage2_round_robin": "adamw_stage2_round_robin",
+         **{f"moe_ep{ep}_stage{s}": f"adamw_moe_ep{ep}_stage{s}" for ep in (1, 2) for s in (1, 2)}}
 BF16 = {f"stage{s}_bf16": f"adamw_stage{s}_bf16" for s in (1, 2, 3)}
 
 
@@ -111,10 +112,24 @@ def test_experts_banks_1d_tensors_and_the_router_that_both_ranks_hold_share_thei
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("check", [c for c in [*EXACT, "stage2_bf16_momentum", *BF16]
-                                   if not c.startswith(("stage0", "accelerate"))])
+                                   if not c.startswith(("stage0", "accelerate", "moe"))])
 def test_the_state_over_both_ranks_is_at_most_1_25_times_one_process_s(results, check):
     rank0, rank1 = _get(results, check)
     assert rank0["state_bytes"] + rank1["state_bytes"] <= 1.25 * rank0["one_process_state_bytes"], (rank0, rank1)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("ep_size, expert_world", [(1, 2), (2, 1)])
+def test_deepspeed_moe_experts_are_tiered_as_experts_and_partitioned_over_their_expert_data_parallel_group(
+        results, ep_size, expert_world):
+    """``deepspeed.moe.layer.MoE`` (4 experts, ``allreduce=False``): `SkewAdam.from_model` labels them experts and the
+    gate router; `initialize` gives them groups of their own (``moe``, their expert-parallel group's name), which ZeRO
+    partitions over the expert-data-parallel group (2 ranks with the experts replicated, ``ep_size=1``; 1 with each
+    rank holding 2 of them, ``ep_size=2``), and SkewAdam reduces their shared sums over it."""
+    for stage in (1, 2):
+        for fig in _get(results, f"moe_ep{ep_size}_stage{stage}"):
+            assert fig["tiers"] == ["backbone", f"expert/moe:ep_size_{ep_size}", "router"], fig
+            assert fig["expert_world"] == [expert_world], fig
 
 
 @pytest.mark.distributed

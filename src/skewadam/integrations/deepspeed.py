@@ -76,6 +76,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
         return deepspeed.initialize(*args, **kwargs)
     if optimizer.in_backward:
         raise ValueError(_IN_BACKWARD)
+    _expert_groups(optimizer)
     for key in ("config", "config_params"):
         if bound.arguments.get(key) is not None:
             bound.arguments[key] = config = _with_defaults(bound.arguments[key])
@@ -110,6 +111,27 @@ def prepare_with(accelerator: Any) -> None:
         return result
 
     accelerator._prepare_deepspeed = _prepare_deepspeed
+
+
+def _expert_groups(optimizer: SkewAdam) -> None:
+    """Give DeepSpeed-MoE's experts (``allreduce=False`` parameters of ``deepspeed.moe.layer.MoE``) param groups of
+    their own, as ZeRO needs them (``"moe": True`` and their expert-parallel group's ``"name"``: ZeRO partitions and
+    SkewAdam reduces them over that group's data-parallel ranks): each group holding some is split into its other
+    tensors and its experts per expert-parallel group, with its settings (tier, lr, ...)."""
+    from deepspeed.moe.utils import is_moe_param
+
+    groups = []
+    for group in optimizer.param_groups:
+        names = group.get("param_names") or [None] * len(group["params"])
+        split: dict[Any, list] = {}
+        for p, name in zip(group["params"], names):
+            split.setdefault(p.group_name if is_moe_param(p) else None, []).append((p, name))
+        for key, members in split.items():
+            sub = {**group, "params": [p for p, _ in members]}
+            if group.get("param_names"):
+                sub["param_names"] = [n for _, n in members]
+            groups.append(sub if key is None else {**sub, "moe": True, "name": key})
+    optimizer.param_groups[:] = groups
 
 
 def _with_defaults(config: Any) -> Any:
