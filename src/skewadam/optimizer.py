@@ -371,7 +371,7 @@ class SkewAdam(Optimizer):
                         work.append(StepGroup(w[1], w[0], group["update"], f"param group {index}"))
                 first_id += len(group["params"])
             if (step := _zero_step(self, fresh)) is not None:  # ZeRO partitions: each rank calls each seam
-                return step.run(lambda: skewadam_(work + [StepGroup(*step.empty)], backend=backend,
+                return step.run(lambda: skewadam_(work + [StepGroup(*e) for e in step.empty], backend=backend,
                                                   reducer=step.reducer, skip_nonfinite=self.skip_nonfinite))
             if self._reducer is None and any(_is_dtensor(p) for g in work for p in g.params):
                 from .distributed import DTensorReducer

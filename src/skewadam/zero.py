@@ -376,10 +376,10 @@ class ZeroReducer:
 
 class ZeroStep(NamedTuple):
     """What `ZeroSteps.take` gives one step: the empty record every rank steps (``(record, params)`` of a
-    `skewadam.functional.StepGroup`), the reducer, the partitions."""
+    `skewadam.functional.StepGroup`; none where no other rank takes part), the reducer (None then), the partitions."""
 
-    empty: tuple[Group, list[PieceRef]]
-    reducer: ZeroReducer
+    empty: list[tuple[Group, list[PieceRef]]]
+    reducer: Optional[ZeroReducer]
     parts: list[Partition]
 
     def run(self, step: Callable[[], Tensor]) -> Tensor:
@@ -425,17 +425,21 @@ class ZeroSteps:
 
     def take(self, step: list) -> Optional[ZeroStep]:
         """The partitions the step of ``step`` (its ``fresh`` list) recorded, an empty record for every rank to
-        step, their reducer; None if it recorded none."""
+        step, their reducer; None if it recorded none. Partitions no other rank shares (one rank's whole groups:
+        ZeRO-Offload on one process, experts no other rank holds) step as one process does: no reducer, the fused
+        kernel."""
         parts = self.pending(step)
         self._pending = (None, [])
         if not parts:
             return None
+        if all(p.layout.world == 1 for p in parts):
+            return ZeroStep([], None, parts)
         flat = parts[0].flat
         dtype = state_dtype_for(flat.dtype)
         empty = torch.zeros(0, dtype=flat.dtype, device=flat.device)
         record = ParamTensors(empty, empty, torch.zeros((), dtype=torch.float32), None, None,
                               torch.zeros(0, dtype=dtype, device=flat.device), None, None, (0,), False, 0)
-        return ZeroStep((Group([record], 0.0, 0.9, 0.999, 1e-30, "add", 0.0, 0), [PieceRef(None, None, 1)]),
+        return ZeroStep([(Group([record], 0.0, 0.9, 0.999, 1e-30, "add", 0.0, 0), [PieceRef(None, None, 1)])],
                         ZeroReducer(parts), parts)
 
 

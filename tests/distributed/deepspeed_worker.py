@@ -146,8 +146,8 @@ def make_engine(client: str, stage: int, options: dict, bf16: bool = False, seed
     opt = make_optimizer(model, client, options)
     cfg = config(stage, bf16, **zero)
     init = deepspeed.initialize if client == "adamw" else initialize
-    if client == "adamw":
-        cfg["zero_allow_untested_optimizer"] = True
+    if client == "adamw":  # (what initialize sets for SkewAdam: skewadam.integrations.deepspeed.CONFIG_DEFAULTS)
+        cfg.update(zero_allow_untested_optimizer=True, zero_force_ds_cpu_optimizer=False)
     engine, *_ = init(model=model, optimizer=opt, config=cfg)
     return engine, opt
 
@@ -444,6 +444,9 @@ def named_checks(out_dir: Path) -> dict:
         "stage2_orthogonal": lambda: check(2, {"orthogonal": True}),
         "stage3_orthogonal": lambda: check(3, {"orthogonal": True}),
         "stage2_round_robin": lambda: check(2, round_robin_gradients=True),
+        **{f"stage{s}_offload": (lambda s=s: check(s, offload_optimizer={"device": "cpu"})) for s in (2, 3)},
+        **{f"adamw_stage{s}_offload": (lambda s=s: check_adamw(s, offload_optimizer={"device": "cpu"}))
+           for s in (2, 3)},
         "adamw_stage2_round_robin": lambda: check_adamw(2, round_robin_gradients=True),
         **{f"stage{s}_bf16": (lambda s=s: check(s, bf16=True)) for s in (1, 2, 3)},
         **{f"adamw_stage{s}_bf16": (lambda s=s: check_adamw(s, bf16=True)) for s in (1, 2, 3)},

@@ -30,6 +30,7 @@ EXACT = {"accelerate_stage2": "adamw_stage2", "stage0": "adamw_stage0", "stage1"
          "stage2": "adamw_stage2", "stage3": "adamw_stage3", "stage2_int8": "adamw_stage2",
          "stage3_int8": "adamw_stage3", "stage3_adafactor": "adamw_stage3", "stage2_orthogonal": "adamw_stage2",
          "stage3_orthogonal": "adamw_stage3", "stage2_round_robin": "adamw_stage2_round_robin",
+         "stage2_offload": "adamw_stage2_offload", "stage3_offload": "adamw_stage3_offload",
          **{f"moe_ep{ep}_stage{s}": f"adamw_moe_ep{ep}_stage{s}" for ep in (1, 2) for s in (1, 2)}}
 BF16 = {f"stage{s}_bf16": f"adamw_stage{s}_bf16" for s in (1, 2, 3)}
 
