@@ -35,7 +35,8 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+if __name__ == "__main__":  # DeepSpeed's CPU accelerator for the ranks (pytest imports this module for its helpers)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
