@@ -246,7 +246,7 @@ class SkewAdam(Optimizer):
     in_backward = InBackward()
 
     def hold_gradients(self) -> ContextManager[None]:
-        """With ``in_backward``: backwards inside ``with opt.hold_gradients():`` keep their gradients for the next."""
+        """With ``in_backward``: backwards under it keep their gradients; the next backward (or step) steps the sum."""
         return self._backward.hold() if self._backward is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ state dict

@@ -13,7 +13,8 @@ passes. One step of a partition, on every rank of its data-parallel group:
    a factored matrix's column sums, ``sum g^2`` and ``sum row_var``); the non-finite flag (MIN, 4 bytes); after the
    moments, one all-reduce of the shared sums of ``u^2`` (the RMS clip). A partition whose tensors no two records
    share sends neither. Every rank steps an empty record besides its own (`ZeroSteps.take`), so every rank calls each
-   seam even when it holds nothing of the group;
+   seam even when it holds nothing of the group. A partition no other rank shares (a group of one rank) steps as one
+   process does, with the fused kernel;
 3. the cut blocks' new weights go back to the ranks that hold them (an all-reduce).
 
 State lives in ``optimizer.state[flat partition]``, one dict per tensor index of the group (``{i: {"exp_avg": ...}}``)
@@ -43,9 +44,6 @@ from .state import check_state, state_dtype_for, state_flags
 __all__ = ["PieceRef", "Partition", "ZeroReducer", "ZeroSteps", "ZeroStep", "partition_of", "zero_layouts",
            "merge_pieces"]
 
-_ROWS = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "row_var")  # state that spans rows, kept as [rows, ...]
-
-
 class PieceRef(NamedTuple):
     """What the reducer knows of a record (a `skewadam.functional.StepGroup`'s ``params`` entry under ZeRO): its
     partition and box (None: the empty record every rank steps), and the record's ``ndim``."""
@@ -70,9 +68,10 @@ class Partition:
     def __init__(self, flat: Tensor, layout: Layout, rank: int, group: Any, first_id: int, names: Sequence[str]):
         self.flat, self.layout, self.rank, self.group = flat, layout, rank, group
         self.first_id, self.names = first_id, list(names)
-        self.cut = [(b, sum(c.stop - c.start for c in layout.cut_blocks()[:j]))
-                    for j, b in enumerate(layout.cut_blocks())]
-        self.cut_numel = sum(b.stop - b.start for b, _ in self.cut)
+        self.cut, self.cut_numel = [], 0  # the cut blocks, each with its offset in the exchange's buffers
+        for b in layout.cut_blocks():
+            self.cut.append((b, self.cut_numel))
+            self.cut_numel += b.stop - b.start
         self.units: dict[tuple[int, int], int] = {}  # shared (tensor, unit) -> its slot
         self.matrices: dict[tuple[int, int], tuple[int, int]] = {}  # shared (tensor, matrix) -> (slot, column slot)
         cols = 0
@@ -159,16 +158,8 @@ class Partition:
             for i, (a, b, off) in lay.spans[self.rank].items():
                 self.flat[off:off + b - a] = weights[self.names[i]].reshape(-1)[a:b]
             for i, pieces in state.items():
-                t = lay.tensors[i]
-                rows, mats = lay.rows(self.rank, i)
                 for key, v in pieces.items():
-                    full = whole[self.names[i]][key]
-                    if key == "col_var" or (key == "step" and t.bank):
-                        v.copy_(full.reshape(-1, *v.shape[1:])[mats[0]:mats[1]])
-                    elif v.ndim and key != "step":
-                        v.copy_(full.reshape(-1, *v.shape[1:])[rows[0]:rows[1]])
-                    else:
-                        v.copy_(full)
+                    v.copy_(_full_part(lay, self.rank, i, key, v, whole[self.names[i]][key]))
 
     # ----------------------------------------------------------------------------------------------- records
     def step_records(self, opt: Any, group: dict, index: int, device_steps: bool,
@@ -278,17 +269,21 @@ def merge_pieces(described: Sequence[dict], states: Sequence[dict], flats: Seque
         for i, (a, b, off) in lay.spans[rank].items():
             weights[d["names"][i]].view(-1)[a:b] = flat[off:off + b - a]
         for i, pieces in state.items():
-            t, name = tensors[i], d["names"][i]
-            rows, mats = lay.rows(rank, i)
             for key, v in pieces.items():
-                full = whole[name][key]
-                if key == "col_var" or (key == "step" and t.bank):
-                    full.view(-1, *v.shape[1:])[mats[0]:mats[1]] = v
-                elif v.ndim and key != "step":
-                    full.view(-1, *v.shape[1:])[rows[0]:rows[1]] = v
-                else:
-                    full.copy_(v)
+                _full_part(lay, rank, i, key, v, whole[d["names"][i]][key]).copy_(v)
     return weights, whole
+
+
+def _full_part(lay: Layout, rank: int, i: int, key: str, piece: Tensor, full: Tensor) -> Tensor:
+    """The part of one process's state tensor ``full`` (``key`` of tensor ``i``) that ``rank``'s ``piece`` of it
+    holds: its matrices of ``col_var`` and of a bank's step counts, its rows of what spans rows, all of the rest; a
+    view where ``full`` is contiguous (`merge_pieces` writes through it)."""
+    rows, mats = lay.rows(rank, i)
+    if key == "col_var" or (key == "step" and lay.tensors[i].bank):
+        return full.reshape(-1, *piece.shape[1:])[mats[0]:mats[1]]
+    if piece.ndim and key != "step":
+        return full.reshape(-1, *piece.shape[1:])[rows[0]:rows[1]]
+    return full
 
 
 def _all_reduce(t: Tensor, part: Partition, op=None) -> None:
