@@ -76,7 +76,6 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
         return deepspeed.initialize(*args, **kwargs)
     if optimizer.in_backward:
         raise ValueError(_IN_BACKWARD)
-    _expert_groups(optimizer)
     for key in ("config", "config_params"):
         if bound.arguments.get(key) is not None:
             bound.arguments[key] = config = _with_defaults(bound.arguments[key])
@@ -85,6 +84,7 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
                 raise ValueError("ZeRO stage 0 with bf16 or fp16: DeepSpeed's mixed-precision wrapper for a client "
                                  "optimizer steps it once with zero gradients when it is built, which would count a "
                                  "step and decay every second moment; use ZeRO stage 1, 2 or 3, or fp32")
+    _expert_groups(optimizer)
     out = deepspeed.initialize(*bound.args, **bound.kwargs)
     attach(optimizer, out[0].optimizer)
     return out
@@ -93,7 +93,8 @@ def initialize(*args: Any, **kwargs: Any) -> tuple:
 def prepare_with(accelerator: Any) -> None:
     """Make ``accelerator.prepare`` (Accelerate's DeepSpeed plugin; Transformers' Trainer prepares through it, and
     `skewadam.integrations.hf.SkewAdamTrainer` calls this itself) register the partitions of the SkewAdam it hands
-    DeepSpeed (`attach`), refusing one that steps inside backward first.
+    DeepSpeed (`attach`; DeepSpeed-MoE's experts in groups of their own first), refusing one that steps inside
+    backward.
 
     Example:
         >>> accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2)); prepare_with(accelerator)
@@ -103,8 +104,10 @@ def prepare_with(accelerator: Any) -> None:
 
     def _prepare_deepspeed(*args: Any) -> Any:
         skewadam = next((a for a in args if isinstance(a, SkewAdam)), None)
-        if skewadam is not None and skewadam.in_backward:
-            raise ValueError(_IN_BACKWARD)
+        if skewadam is not None:
+            if skewadam.in_backward:
+                raise ValueError(_IN_BACKWARD)
+            _expert_groups(skewadam)
         result = prepare(*args)
         if skewadam is not None:
             attach(skewadam, accelerator.deepspeed_engine_wrapped.engine.optimizer)
@@ -117,9 +120,12 @@ def _expert_groups(optimizer: SkewAdam) -> None:
     """Give DeepSpeed-MoE's experts (``allreduce=False`` parameters of ``deepspeed.moe.layer.MoE``) param groups of
     their own, as ZeRO needs them (``"moe": True`` and their expert-parallel group's ``"name"``: ZeRO partitions and
     SkewAdam reduces them over that group's data-parallel ranks): each group holding some is split into its other
-    tensors and its experts per expert-parallel group, with its settings (tier, lr, ...)."""
+    tensors and its experts per expert-parallel group, with its settings (tier, lr, ...). Nothing changes without
+    such experts."""
     from deepspeed.moe.utils import is_moe_param
 
+    if not any(is_moe_param(p) for group in optimizer.param_groups for p in group["params"]):
+        return
     groups = []
     for group in optimizer.param_groups:
         names = group.get("param_names") or [None] * len(group["params"])
