@@ -90,3 +90,24 @@ def test_a_copy_of_the_optimizer_steps_the_parameters_it_was_given():
         p.grad = torch.ones_like(p)
     opt.step()
     assert len(opt.state) == len(params)
+
+
+def test_a_partition_refuses_the_state_of_another_partitioning_naming_consolidate():
+    """A rank's checkpoint holds the state of the tensors it owned pieces of: loaded where the partitions lie
+    otherwise (another world size), it is refused naming the converter, before anything is loaded."""
+    params = _params(0, [(6, 4), (5,)])
+    opt = SkewAdam([{"params": params}], lr=1e-2)
+    flat = _as_partition(opt, params)
+    flat.grad = torch.ones_like(flat)
+    opt.step()
+    saved = opt.state_dict()
+    other = SkewAdam([{"params": _params(1, [(6, 4), (5,)])}], lr=1e-2)
+    group = other.param_groups[0]
+    tensors = [TensorLayout.for_spec(p.shape, state_flags(group)) for p in group["params"]]
+    two_ranks = Layout(tensors, [[(0, 0, 14, 0)], [(0, 14, 24, 0), (1, 0, 5, 10)]])  # rank 0 owns rows 0-2 only
+    zero = ZeroSteps()
+    zero.add(Partition(torch.zeros(14, requires_grad=True), two_ranks, 0, None, 0, ["w", "b"]), group)
+    other._zero, group["params"] = zero, [next(iter(zero.partitions.values())).flat]
+    with pytest.raises(ValueError, match="another world size.*consolidate"):
+        other.load_state_dict(saved)
+    assert not other.state
