@@ -91,7 +91,8 @@ def foreign_message(saved: dict, idx: int) -> str:
 
 def validate_params(params: Iterable[Any], group: dict, idx: int) -> None:
     """Check each parameter of (resolved) param group ``idx`` (`validate_param`; named ``(name, tensor)`` pairs
-    too), and refuse flattened (FSDP1, `deepspeed.zero.Init`) and Partial shards (`skewadam.distributed.check_layout`)."""
+    too), and refuse flattened (FSDP1, ``deepspeed.zero.Init``) and Partial shards
+    (`skewadam.distributed.check_layout`)."""
     for p in params:
         p = p[1] if isinstance(p, tuple) else p
         if isinstance(p, Tensor):  # (torch's add_param_group refuses anything else itself)
