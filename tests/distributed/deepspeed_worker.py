@@ -20,8 +20,8 @@ cuts each tensor at half its size, rounded up):
 
 Checks: every stage (0 to 3) in fp32 (the tiers' defaults), int8 and bf16 momentum, Adafactor's options, the
 orthogonal tier, ``round_robin_gradients``, DeepSpeed's bf16 mixed precision (its BF16 optimizer under stage 1;
-refused under stage 0), Accelerate's DeepSpeed plugin, the AdamW yardsticks of each, a negative control (no
-reductions), plain ``deepspeed.initialize`` with a SkewAdam (refused at the first step), the step inside backward
+refused under stage 0), ZeRO-Offload, Accelerate's DeepSpeed plugin, DeepSpeed-MoE (experts replicated or 2 per
+rank), the AdamW yardsticks of each, a negative control (no reductions), plain ``deepspeed.initialize`` with a SkewAdam (refused at the first step), the step inside backward
 (refused), the planner's figures against what a step sends, and checkpoints (bitwise resume; one process's loaded on 2
 ranks). Each reports the largest difference of any weight from one process after ``STEPS`` steps, the pieces the
 partitions hold, the state each rank keeps and what crossed ranks.
