@@ -151,6 +151,23 @@ def test_cli_plan_shards_prints_what_the_statistics_all_reduce(capsys):
     assert [line.split()[-1] for line in table.splitlines() if line.startswith(("skewadam", "adamw"))] == [f"{want:,}"]
 
 
+def test_cli_plan_zero_prints_skewadam_s_bytes_per_rank_under_deepspeed(capsys):
+    """--zero STAGE --shards N: SkewAdam's weights, master, gradients and state per rank and what a rank all-reduces
+    per step (the planner's `ZeroPlan`; checked against two ranks in tests/distributed/test_deepspeed_distributed.py),
+    in place of the FSDP2 figures; the others' rows have none."""
+    from skewadam import plan
+    from skewadam.state import format_bytes
+
+    out = _cli(["plan", "tiny", "--optimizer", "skewadam", "--optimizer", "adamw", "--zero", "3", "--shards", "4"],
+               capsys)
+    z = plan("tiny", optimizers=["skewadam"], shards=4, zero=3)["skewadam"].zero
+    assert (z.stage, z.ranks) == (3, 4) and z.state < z.state_ranks and "FSDP2" not in out
+    table = out.split("DeepSpeed ZeRO stage 3 over 4 ranks")[1].split("\n\n")[0]
+    rows = [line for line in table.splitlines() if line.startswith(("skewadam", "adamw"))]
+    assert len(rows) == 1 and rows[0].split()[-2:] == [f"{z.sent:,}", str(z.collectives)], rows
+    assert " ".join(format_bytes(z.state).split()) in rows[0], rows
+
+
 def test_cli_plan_set_overrides_a_config_value(capsys):
     out = json.loads(_cli(["plan", "olmoe-1b-7b", "--json", "--optimizer", "skewadam",
                            "--set", "num_hidden_layers=2"], capsys))

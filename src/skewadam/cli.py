@@ -135,6 +135,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--shards", type=int, default=1,
                    help="FSDP2 ranks (Shard(0)): also print the bytes SkewAdam's statistics all-reduce and an "
                    "orthogonal tier gathers, per rank and step")
+    p.add_argument("--zero", type=int, choices=(1, 2, 3), default=None,
+                   help="DeepSpeed ZeRO stage over --shards ranks (skewadam.integrations.deepspeed): print SkewAdam's "
+                   "weights, master, gradients and state per rank and the bytes it all-reduces per step")
     p.add_argument("--in-backward", action="store_true",
                    help="SkewAdam steps each tensor inside backward (in_backward=True): count the gradients in flight "
                    "(the largest one backward produces at once), not all of them; --measure steps so too")
@@ -165,7 +168,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         result = plan(model, batch=args.batch, seq=args.seq, param_dtype=args.param_dtype, top_k=args.top_k,
                       optimizers=optimizers, impl=args.impl, device=args.device, shards=args.shards,
-                      in_backward=args.in_backward)
+                      in_backward=args.in_backward, zero=args.zero)
         result = dataclasses.replace(result, model=args.model)
         measured = None
         if args.measure:

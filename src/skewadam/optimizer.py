@@ -14,13 +14,16 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import kernels
 from .backward import BackwardMode, BackwardSteps, Counter, check_trainer, stacked
 from .functional import Reducer, StepGroup, skewadam_
+from .groups import describe_optimizer
 from .kernels.types import Group, ParamTensors
 from .state import StateBytes, flat_bank_merged, is_bank, measure_state, state_flags
 from .validation import check_state_dict, resolve_group, validate_params
+from .zero import partition_of, zero_layouts
 
 try:  # DTensor (FSDP2, tensor/expert parallelism); absent on builds without torch.distributed
     from torch.distributed.tensor import DTensor
@@ -52,21 +55,6 @@ def _rounding_stream(p: Tensor, index: int, momentum_dtype: str, row: int = 0) -
 
         return rounding_stream(p, index, row)
     return index
-
-
-def _describe(self: "SkewAdam") -> str:
-    """``repr(optimizer)``: each group's tier, size and settings, and the skip counts."""
-    lines = [self.__class__.__name__ + " ("]
-    for i, group in enumerate(self.param_groups):
-        n = sum(p.numel() for p in group["params"])
-        lines.append(f"Parameter Group {i} [{group['tier']}: {len(group['params'])} tensors, {n:,} parameters]")
-        for key in sorted(k for k in group if k not in ("params", "param_names")):
-            lines.append(f"    {key}: {group[key]}")
-    lines.append(f"skip_nonfinite: {self.skip_nonfinite} (skipped_steps: {self.skipped_steps})")
-    if self.in_backward:
-        lines.append(f"in_backward: True (skipped_tensors: {self.skipped_tensors})")
-    lines.append(")")
-    return "\n".join(lines)
 
 
 class SkewAdam(BackwardMode, Optimizer):
@@ -206,7 +194,7 @@ class SkewAdam(BackwardMode, Optimizer):
 
     def state_bytes(self) -> StateBytes:
         """Bytes actually held in this optimizer's state, in total and per tier (`skewadam.state.StateBytes`)."""
-        return measure_state(self)
+        return measure_state(self, getattr(self.__dict__.get("_zero"), "tiers", None))
 
     # ------------------------------------------------------------------ groups and validation
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -222,6 +210,7 @@ class SkewAdam(BackwardMode, Optimizer):
 
             self._hinted = warn_untiered_experts(params, len(self.param_groups))
         super().add_param_group(group)
+        self.__dict__.setdefault("_known", WeakIdKeyDictionary()).update(dict.fromkeys(self.param_groups[-1]["params"]))
         if getattr(self, "_backward", None) is not None:
             self._backward.add(self.param_groups[-1]["params"])
 
@@ -240,20 +229,17 @@ class SkewAdam(BackwardMode, Optimizer):
             self.in_backward = in_backward
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "skipped_steps": self.skipped_steps}
+        return {**super().state_dict(), "skipped_steps": self.skipped_steps, **zero_layouts(self)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load like torch, after checking everything (`skewadam.validation.check_state_dict`: each saved group with
         the constructor's own checks, each parameter's state against `skewadam.state.state_spec`); on an error
         nothing is changed. Unlike torch, each state tensor keeps its saved dtype (torch casts it to the
         parameter's: fp32 statistics of a bf16 parameter would silently become bf16), and is made contiguous."""
-        groups, states = check_state_dict(state_dict, self.param_groups)
-        state_dict = dict(state_dict)
-        skipped = state_dict.pop("skipped_steps", 0)
-        state_dict.update(param_groups=groups, state=states)
-        super().load_state_dict(state_dict)
+        groups, states = check_state_dict(state_dict, self.param_groups, self.__dict__.get("_zero"))
+        super().load_state_dict({**state_dict, "param_groups": groups, "state": states})  # (torch reads these two)
         _restore_saved_dtypes(self, groups, states)
-        self.skipped_steps = int(skipped)
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -265,9 +251,7 @@ class SkewAdam(BackwardMode, Optimizer):
         Example:
             >>> opt.init_state(); dcp.load({"optim": opt.state_dict()}, checkpoint_id=path)
         """
-        for group in self.param_groups:
-            for p in group["params"]:
-                _state_of(self.state[p], p, group)
+        _init_state(self)
 
     skipped_steps = Counter("skipped_steps", "_skipped_pending", "Steps skipped for a non-finite gradient (with "
                             "``in_backward``: steps that skipped any tensor's update).")
@@ -283,8 +267,10 @@ class SkewAdam(BackwardMode, Optimizer):
         key = (id(group["params"]), len(group["params"]), first_id, id(group.get("param_names")), tier, group["bank"],
                group["momentum_dtype"], experts)
         cached = self.__dict__.setdefault("_records", {}).get(index)  # what a record takes from p and its group
-        if cached is None or cached[0] != key:
-            cached = self._records[index] = (key, [None] * len(group["params"]))
+        if cached is None or cached[0] != key:  # new params: those add_param_group saw, or a ZeRO partition
+            cached = self._records[index] = (key, [None] * len(group["params"]), partition_of(self, group, index))
+        if cached[2] is not None:
+            return cached[2].step_records(self, group, index, device_steps, fresh)
         states, make = self.state, ParamTensors._make  # _make: the record without NamedTuple.__new__'s Python call
         for i, p in enumerate(group["params"]) if only is None else ((only, group["params"][only]),):
             grad = p.grad
@@ -321,10 +307,8 @@ class SkewAdam(BackwardMode, Optimizer):
         was given. A step that raises has changed nothing: no parameter, state tensor or step count, and no state
         is left allocated by it. With ``in_backward``: count what backward stepped, and step the gradients it did
         not."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         flags = self._backward.finish(self) if self._backward is not None else []
         if flags:
             Counter.add(self, "skipped_tensors", stacked(flags).sum())
@@ -349,6 +333,9 @@ class SkewAdam(BackwardMode, Optimizer):
                     if w is not None:
                         work.append(StepGroup(w[1], w[0], group["update"], f"param group {index}"))
                 first_id += len(group["params"])
+            if (step := _zero_step(self, fresh)) is not None:  # ZeRO partitions: each rank calls each seam
+                return step.run(lambda: skewadam_(work + [StepGroup(*e) for e in step.empty], backend=backend,
+                                                  reducer=step.reducer, skip_nonfinite=self.skip_nonfinite))
             if self._reducer is None and any(_is_dtensor(p) for g in work for p in g.params):
                 from .distributed import DTensorReducer
 
@@ -359,7 +346,24 @@ class SkewAdam(BackwardMode, Optimizer):
                 del self.state[p]
             raise
 
-    __repr__ = _describe
+    __repr__ = describe_optimizer
+
+
+def _init_state(opt: "SkewAdam") -> None:
+    """`SkewAdam.init_state`: every parameter's state (a ZeRO partition's: its pieces'), allocated as a first step
+    allocates it."""
+    for index, group in enumerate(opt.param_groups):
+        if (part := partition_of(opt, group, index)) is not None:
+            part.allocate(opt.state[part.flat], group, kernels.resolve(opt._impl, part.flat.device).device_steps)
+        for p in group["params"] if part is None else ():
+            _state_of(opt.state[p], p, group)
+
+
+def _zero_step(opt: "SkewAdam", fresh: list):
+    """The ZeRO partitions the step of ``fresh`` (`SkewAdam._step`'s list) records, as a `skewadam.zero.ZeroStep`;
+    None without any."""
+    zero = opt.__dict__.get("_zero")
+    return zero.take(fresh) if zero is not None else None
 
 
 def _restore_saved_dtypes(opt: "SkewAdam", groups: list[dict], states: dict) -> None:
@@ -368,13 +372,17 @@ def _restore_saved_dtypes(opt: "SkewAdam", groups: list[dict], states: dict) -> 
     for saved_id, p in zip(chain.from_iterable(g["params"] for g in groups),
                            chain.from_iterable(g["params"] for g in opt.param_groups)):
         state = opt.state[p]
-        for key, value in states.get(saved_id, {}).items():
-            if state[key].dtype != value.dtype:
-                state[key] = value.to(device=state[key].device, copy=True)
-            if not state[key].is_contiguous():  # as the kernels' own state is (some index it so)
-                state[key] = state[key].contiguous()
+        _restore(state, states.get(saved_id, {}))
         if "step" in state and p.device.type != "cpu" and kernels.resolve(opt._impl, p.device).device_steps:
             state["step"] = state["step"].to(_local(p).device)  # torch's load leaves a step count on the host
+
+
+def _restore(state: dict, saved: dict) -> None:
+    for key, value in saved.items():  # (a ZeRO partition's state is a dict per tensor: skewadam.zero)
+        if isinstance(value, dict):
+            _restore(state[key], value)
+        elif state[key].dtype != value.dtype or not state[key].is_contiguous():  # contiguous, as the kernels' own
+            state[key] = value.to(device=state[key].device, copy=True).contiguous()
 
 
 def _fixed(p: Tensor, group: dict, index: int, i: int, first_id: int) -> tuple:

@@ -28,8 +28,8 @@ GROUP_KEYS = frozenset(
     {"params", "lr", "betas", "eps", "weight_decay", "eps_mode", "tier", "use_momentum", "use_factored", "bank", "seed",
      "momentum_dtype", "experts", "update", "relative_step", "beta2_decay"}
 )
-# Keys other torch APIs put into param groups: named parameters, LR schedulers' bookkeeping.
-FOREIGN_KEYS = frozenset({"param_names", "initial_lr"})
+# Keys other APIs put into param groups: named parameters, LR schedulers' bookkeeping, DeepSpeed-MoE's expert groups.
+FOREIGN_KEYS = frozenset({"param_names", "initial_lr", "moe", "name"})
 # What every group SkewAdam.state_dict() saves holds (``experts`` only where the group has flattened banks).
 SAVED_KEYS = GROUP_KEYS - {"experts"}
 # What decides which optimizer group a saved one is: a checkpoint's must be the optimizer's.
@@ -91,7 +91,8 @@ def foreign_message(saved: dict, idx: int) -> str:
 
 def validate_params(params: Iterable[Any], group: dict, idx: int) -> None:
     """Check each parameter of (resolved) param group ``idx`` (`validate_param`; named ``(name, tensor)`` pairs
-    too), and refuse flattened (FSDP1, ZeRO-3) and Partial shards (`skewadam.distributed.check_layout`)."""
+    too), and refuse flattened (FSDP1, ``deepspeed.zero.Init``) and Partial shards
+    (`skewadam.distributed.check_layout`)."""
     for p in params:
         p = p[1] if isinstance(p, tuple) else p
         if isinstance(p, Tensor):  # (torch's add_param_group refuses anything else itself)
@@ -126,15 +127,17 @@ def validate_param(p: Tensor, group: dict, idx: int) -> None:
         )
 
 
-def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) -> tuple[list[dict], dict]:
+def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict],
+                     zero: Any = None) -> tuple[list[dict], dict]:
     """The param groups and state of ``state_dict`` (an optimizer's), checked for loading
     into an optimizer holding ``param_groups``: each saved group whole (every key SkewAdam saves, none another
     optimizer's; nothing is filled in), with the constructor's checks, and the group it replaces (the same tier and
     flattened banks); each parameter's state against `skewadam.state.state_spec`, by value too (a Python-number
     ``step`` of older checkpoints and other tools becomes a tensor, a flattened bank's state in the stacked layout
-    of earlier versions is reshaped to its own, `skewadam.state.TierSpec.spec`); ``skipped_steps``, where present, a
-    whole number >= 0. Returns ``(groups, state)`` to load; raises ValueError naming what does not fit, having
-    changed nothing."""
+    of earlier versions is reshaped to its own, `skewadam.state.TierSpec.spec`); a ZeRO partition's (registered in
+    ``zero``, `skewadam.zero.ZeroSteps`) against its pieces (`skewadam.zero.Partition.check_state`);
+    ``skipped_steps``, where present, a whole number >= 0. Returns ``(groups, state)`` to load; raises ValueError
+    naming what does not fit, having changed nothing."""
     missing = [key for key in ("state", "param_groups") if key not in state_dict]
     if missing:
         raise ValueError(f"the state dict has no {' and no '.join(map(repr, missing))} (it has keys "
@@ -171,6 +174,9 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) ->
         for i, (saved_id, p, name) in enumerate(zip(saved["params"], group["params"], names)):
             state = states.get(saved_id)
             if not state:
+                continue
+            if zero is not None and (part := zero.of([p])) is not None:
+                part.check_state(state, saved, f"param group {idx} (tier {saved['tier']!r})")
                 continue
             want = spec.spec(p.shape, p.dtype)
             state = dict(state)

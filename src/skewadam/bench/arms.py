@@ -104,6 +104,8 @@ class Arm:
         kernels: steps with SkewAdam's kernels (`skewadam bench` builds the C++ one before its first run).
         in_backward: steps each tensor inside backward (`skewadam.backward`): the planner counts the gradients in
             flight rather than all of them; no global gradient to clip (``--grad-clip 0``).
+        options: SkewAdam's keyword arguments (its arms'; empty for the others): the planner's ZeRO figures resolve
+            each group's state from them, as the optimizer does.
     """
 
     name: str
@@ -123,6 +125,7 @@ class Arm:
     kernels: bool = False
     in_backward: bool = False
     reduced: Optional[Reduced] = None
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def build(self, model: nn.Module, lr: Optional[float] = None, weight_decay: Optional[float] = None, *,
               impl: str = "auto"):
@@ -303,7 +306,7 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
 
     return Arm(name, label, make, state, transient, master=False, tier_options=tier_options, kernels=True, lr=lr,
                orthogonal=orthogonal, variant_of=variant_of, in_backward=bool(options.get("in_backward")),
-               reduced=reduced,
+               reduced=reduced, options=options,
                temporaries="as its kernel backend counts them (`step_transient_bytes` of skewadam.kernels.BACKENDS) "
                "and, for orthogonal groups, skewadam.kernels.orthogonal (the stacked Newton-Schulz iterates): the "
                "larger of the two")

@@ -199,7 +199,9 @@ class SkewAdamTrainer(Trainer):
     them (and any `SkewAdam.from_model` option: ``tier_options``, ``rules``, ``eps_mode``, ...). The scheduler
     is Trainer's (``args.lr_scheduler_type``). A SkewAdam passed through ``optimizers=(opt, sched)`` is used as
     is. Checkpoints saved in a converted layout (fused MoE experts; see `skewadam.integrations.hf`) are loaded through
-    `load_pretrained_weights` when resuming and for ``load_best_model_at_end``.
+    `load_pretrained_weights` when resuming and for ``load_best_model_at_end``. With DeepSpeed
+    (``TrainingArguments(deepspeed=config)``, or Accelerate's DeepSpeed plugin), ZeRO's partitions are stepped as
+    pieces of SkewAdam's tensors (`skewadam.integrations.deepspeed.prepare_with`).
 
     Args:
         *args: those of `transformers.Trainer`.
@@ -215,6 +217,10 @@ class SkewAdamTrainer(Trainer):
             )
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         super().__init__(*args, **kwargs)
+        if self.is_deepspeed_enabled:  # ZeRO hands SkewAdam flat partitions: step them as pieces of its tensors
+            from .deepspeed import prepare_with
+
+            prepare_with(self.accelerator)
 
     def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
