@@ -40,7 +40,7 @@
 //
 // Constants come from the Python modules that define them, as -D flags that cpu.py builds (and hashes into the build's
 // name): quant.BLOCK, quant.QMAX and quant.MOMENTUM_STREAM, rounding.py's hash multipliers, types.ROW_MEAN_FLOOR,
-// RELATIVE_STEP_EPS and MomFmt (the momentum formats' numbers), and cpu.py's own BLOCK, MIN_BLOCK_ROWS and FUSE_BYTES
+// RELATIVE_STEP_EPS and MomFmt (the momentum formats' numbers), and cpu.py's own BLOCK and MIN_BLOCK_ROWS
 // (which its step_transient_bytes sizes the kept statistics with).
 //
 // Transient memory: no buffer of the size of a parameter (except a contiguous copy of a non-contiguous one). The
@@ -92,7 +92,6 @@ using OptTensor = std::optional<Tensor>;
 
 constexpr int64_t kBlock = SKEWADAM_BLOCK;           // cpu.BLOCK: target elements per work item
 constexpr int64_t kMinBlockRows = SKEWADAM_MIN_BLOCK_ROWS;  // cpu.MIN_BLOCK_ROWS: bounds pass 1's column partials
-constexpr int64_t kFuseBytes = SKEWADAM_FUSE_BYTES;  // cpu.FUSE_BYTES: a unit whose pass-3 source fits a core's L2
 constexpr int64_t kSerialBelow = int64_t(1) << 18;   // elements: less work than this runs on one thread
 constexpr int64_t kQBlock = SKEWADAM_QBLOCK;         // quant.BLOCK: int8 momentum values per scale (last dim)
 constexpr double kQMax = SKEWADAM_QMAX;              // quant.QMAX: the int8 grid's largest code
@@ -100,7 +99,7 @@ constexpr uint32_t kMomentumStream = SKEWADAM_MOMENTUM_STREAM;  // quant.MOMENTU
 constexpr double kRowMeanFloor = SKEWADAM_ROW_MEAN_FLOOR;       // types.ROW_MEAN_FLOOR
 constexpr double kRelativeStepEps = SKEWADAM_RELATIVE_STEP_EPS; // types.RELATIVE_STEP_EPS
 static_assert(kQBlock > 0 && kQBlock <= 4096 && kQMax > 0 && kQMax <= 127, "quant.BLOCK / QMAX out of range");
-static_assert(kBlock > 0 && kMinBlockRows > 0 && kFuseBytes > 0, "cpu.BLOCK / MIN_BLOCK_ROWS / FUSE_BYTES out of range");
+static_assert(kBlock > 0 && kMinBlockRows > 0, "cpu.BLOCK / MIN_BLOCK_ROWS out of range");
 // types.MomFmt, the one numbering of the compiled kernels: first moment in the math dtype, bf16, int8, or none
 enum MomFmt : int {
   kMomPlain = SKEWADAM_MOM_PLAIN,
@@ -652,6 +651,7 @@ struct Param {
   float* mscale = nullptr;
   int64_t mC = 1, mNB = 1;
   uint32_t mkey = 0;
+  bool early = false;  // `step`: pass 2 of each unit right after its pass 1 (one process)
 
   std::string label() const {
     std::string s = name ? std::string(py::str(name)) : std::string();
@@ -965,68 +965,72 @@ void set_keys(Param& q, const Hyper& h) {
   q.mkey = mix32(q.key + kMomentumStream);  // bf16 momentum: quant.store_momentum_'s key
 }
 
-// Per unit: active (a unit with elements; a bank slice also needs a nonzero gradient element: types.active_units),
-// step count, bias correction; the bf16 rounding keys.
-void count_steps(Param& q, const Hyper& h) {
+// Unit u's part of a step's count: whether it steps (a unit with elements; a bank slice also needs a nonzero gradient
+// element: types.active_units), the second moment's beta, the bias correction; returns its step count after this step
+// (count_steps stores it). Needs pass 1's sums of unit u and q's per-unit vectors sized (count_steps sizes them).
+float unit_count(Param& q, const Hyper& h, int64_t u) {
   const Geo& G = q.geo;
-  q.active.assign(G.units, G.ng > 0);
-  float* step = q.step;
-  if (G.bank) {
-    const double* s = q.absmax ? q.absmax : q.sumsq;
-    for (int64_t u = 0; u < G.units; ++u) {
-      q.active[u] = q.active[u] && s[u] > 0.0;  // an expert that saw no token has an all-zero slice: leave it
-      step[u] += float(q.active[u]);
-    }
-  } else if (q.active[0]) {
-    step[0] += 1.0f;
-  }
-  q.corr.assign(G.units, 0.0);
-  q.scale.assign(G.units, 0.0);
-  q.beta2.assign(G.units, h.beta2);
-  for (int64_t u = 0; u < G.units; ++u) {
-    // sqrt(1 - beta2^t) / (1 - beta1^t) in double (1 - beta in float32 is off by ~1e-5 relative); beta2_decay d:
-    // beta2 = 1 - t^d and no second-moment correction (the schedule's average is unbiased)
-    const double t = G.bank ? std::max(double(step[u]), 1.0) : double(step[0]);
-    if (h.beta2_decay) q.beta2[u] = 1.0 - std::pow(t, *h.beta2_decay);
-    double c = h.beta2_decay ? 1.0 : std::sqrt(1.0 - std::pow(h.beta2, t));
-    if (q.mfmt != kMomNone) c /= 1.0 - std::pow(h.beta1, t);
-    q.corr[u] = c;
-    q.scale[u] = h.relative_step ? c * std::max(kRelativeStepEps, std::sqrt(q.p_sumsq[u] / G.ng)) : c;
-  }
+  // an expert that saw no token has an all-zero slice: leave it
+  const bool on = G.ng > 0 && (!G.bank || (q.absmax ? q.absmax : q.sumsq)[u] > 0.0);
+  q.active[u] = on;
+  const float step = q.step[u] + float(on);
+  // sqrt(1 - beta2^t) / (1 - beta1^t) in double (1 - beta in float32 is off by ~1e-5 relative); beta2_decay d:
+  // beta2 = 1 - t^d and no second-moment correction (the schedule's average is unbiased)
+  const double t = G.bank ? std::max(double(step), 1.0) : double(step);
+  q.beta2[u] = h.beta2_decay ? 1.0 - std::pow(t, *h.beta2_decay) : h.beta2;
+  double c = h.beta2_decay ? 1.0 : std::sqrt(1.0 - std::pow(h.beta2, t));
+  if (q.mfmt != kMomNone) c /= 1.0 - std::pow(h.beta1, t);
+  q.corr[u] = c;
+  q.scale[u] = h.relative_step ? c * std::max(kRelativeStepEps, std::sqrt(q.p_sumsq[u] / G.ng)) : c;
+  return step;
+}
+
+void size_counts(Param& q) {
+  const int64_t n = q.geo.units;
+  q.active.assign(n, 0);
+  q.corr.assign(n, 0.0);
+  q.scale.assign(n, 0.0);
+  q.beta2.assign(n, 0.0);
+}
+
+// Per unit: active, step count (stored), bias correction; the bf16 rounding keys.
+void count_steps(Param& q, const Hyper& h) {
+  size_counts(q);
+  for (int64_t u = 0; u < q.geo.units; ++u) q.step[u] = unit_count(q, h, u);
   set_keys(q, h);
 }
 
-// Matrices [m_begin, m_end): the factored EMAs (active units only), in double from pass 1's double sums, each new
-// state value rounded once into T; the row inverse denominators in double from the state, rounded once (a row's
-// ratio to the mean can be below T's range where rinv is not), the column ones in T.
-template <class T>
+// Matrices [m_begin, m_end): the factored EMAs' new values (active units only), in double from pass 1's double sums,
+// each rounded once into T, stored into the state if kState; if kInverses, the row inverse denominators in double
+// from the new values, rounded once (a row's ratio to the mean can be below T's range where rinv is not), the column
+// ones in T. (`step` computes the inverses of a unit before the non-finite check, and stores its state after it.)
+template <class T, bool kState, bool kInverses>
 void update_factored(const Param& q, const Stats& s, const Hyper& h, int64_t m_begin, int64_t m_end) {
   const Geo& G = q.geo;
   const int64_t R = G.R, C = G.C;
   const double add = h.add_mode ? h.eps : 0.0, floor = h.add_mode ? 0.0 : h.eps, Radd = G.Rg * add;
+  const T fl = T(floor);  // (eps_mode "add": floor 0, and max(x, 0) is x for the x >= 0 here, NaN kept)
   for (int64_t m = m_begin; m < m_end; ++m) {
     const int64_t unit = G.unit_of_mat(m);
     const bool on = q.active[unit];
+    if (!kInverses && !on) continue;  // nothing to store
     const Ema<double> ema(q.beta2[unit]);
     T* rv = at_<T>(q.row_var) + m * R;
     T* cv = at_<T>(q.col_var) + m * C;
     const double *row = s.at(s.row, m, R), *col = s.at(s.col, m, C);
     T *rinv = s.at<T>(s.rinv, m, R), *cinv = s.at<T>(s.cinv, m, C);
-    if (on) {
-      for (int64_t i = 0; i < R; ++i) rv[i] = T(ema(double(rv[i]), row[i] / G.Cg + add));
-      for (int64_t j = 0; j < C; ++j) cv[j] = T(ema(double(cv[j]), col[j] / G.Rg + add));
-    }
     const double rvs = *s.at(s.rvs, m, 1), rc = *s.at(s.rc, m, 1);
     const double rmean = (on ? ema(rvs, rc / G.Cg + Radd) : rvs) / G.Rg;
-    if (!h.add_mode) {
-      const double rm = std::max(rmean, kRowMeanFloor);
-      const T fl = T(floor);
-      for (int64_t i = 0; i < R; ++i) rinv[i] = T(1.0 / std::sqrt(std::max(double(rv[i]) / rm, floor)));
-      for (int64_t j = 0; j < C; ++j) cinv[j] = T(1) / std::sqrt(std::max(cv[j], fl));
-    } else {
-      const double rm = std::max(rmean, std::numeric_limits<double>::min());
-      for (int64_t i = 0; i < R; ++i) rinv[i] = T(1.0 / std::sqrt(double(rv[i]) / rm));
-      for (int64_t j = 0; j < C; ++j) cinv[j] = T(1) / std::sqrt(cv[j]);
+    const double rm = std::max(rmean, h.add_mode ? std::numeric_limits<double>::min() : kRowMeanFloor);
+    for (int64_t i = 0; i < R; ++i) {
+      const T r = on ? T(ema(double(rv[i]), row[i] / G.Cg + add)) : rv[i];
+      if constexpr (kState) rv[i] = r;
+      if constexpr (kInverses) rinv[i] = T(1.0 / std::sqrt(std::max(double(r) / rm, floor)));
+    }
+    for (int64_t j = 0; j < C; ++j) {
+      const T c = on ? T(ema(double(cv[j]), col[j] / G.Rg + add)) : cv[j];
+      if constexpr (kState) cv[j] = c;
+      if constexpr (kInverses) cinv[j] = T(1) / std::sqrt(std::max(c, fl));
     }
   }
 }
@@ -1398,12 +1402,38 @@ double clip_of(T u_sumsq, double n) {
 }
 
 // ------------------------------------------------------------------------------------------------ one process
-// Whether `step` does a unit of q whole on one thread: its pass-3 source (momentum, else gradient) fits a core's L2.
-bool fuses(const Param& q) {
-  const int64_t src_bytes = q.mfmt == kMomNone ? c10::elementSize(q.dtype)
-                            : q.mfmt == kMomPlain ? c10::elementSize(math_dtype(q.dtype))
-                            : q.mfmt == kMomBF16 ? 2 : 1;
-  return q.geo.unit_numel * src_bytes <= kFuseBytes;
+// `step` orders the passes of each unit by what its pass 2 writes (the non-finite check over every gradient comes
+// before the first write):
+//   * early: a factored unit without a first moment, whose gradient fits a core's L2 cache: its pass 1, then its
+//     factored EMAs' inverses and pass 2 (which writes nothing else) with the gradient in cache, its clip; after the
+//     check its state and pass 3. The gradient is read from memory twice (pass 1, pass 3), with nothing else
+//     competing for the cache between pass 1 and pass 2.
+//   * fused: another unit whose pass-3 source (momentum, else gradient) fits the cache: after the check, passes 2
+//     and 3 back to back by one thread, the source read from memory once for both.
+//   * split: a larger unit, its blocks spread over the threads, pass 2 then pass 3, in batches whose sources fit a
+//     share of the L3 cache.
+// Every factored parameter keeps pass 1's row and column sums for pass 2 (Stats::bytes per parameter).
+
+// Bytes per element of the first moment (its int8 scales not counted) and of the full second moment.
+int64_t momentum_size(const Param& q) {
+  return q.mfmt == kMomNone    ? 0
+         : q.mfmt == kMomPlain ? c10::elementSize(math_dtype(q.dtype))
+         : q.mfmt == kMomBF16  ? 2
+                               : 1;
+}
+int64_t second_moment_size(const Param& q) { return q.geo.factored ? 0 : c10::elementSize(math_dtype(q.dtype)); }
+
+// A unit's schedule for a core's cache of `cache` bytes: early if its gradient fits; fused if what its pass 2 streams
+// (gradient, first moment, full second moment) fits; else split.
+bool early(const Param& q, int64_t cache) {
+  return q.geo.factored && q.mfmt == kMomNone && q.geo.unit_numel * c10::elementSize(q.dtype) <= cache;
+}
+bool fuses(const Param& q, int64_t cache) {
+  return q.geo.unit_numel * (c10::elementSize(q.dtype) + momentum_size(q) + second_moment_size(q)) <= cache;
+}
+// (a split batch: units whose pass-3 sources, momentum or else gradient, take at most 4 caches)
+int64_t source_bytes(const Param& q) {
+  return q.geo.unit_numel * (q.mfmt == kMomNone ? c10::elementSize(q.dtype) : momentum_size(q));
 }
 
 // Unit u's sum of g^2 from its matrices' rc, as grad_stats adds them.
@@ -1413,146 +1443,161 @@ double mats_sum(const Param& q, const Stats& s, int64_t u) {
   return sum;
 }
 
-// Per unit, from pass 1's block results (p1_finish done): the sum of g^2 into q.sumsq; where not null, fp64's max
-// |g| into absmax and a relative step's sum of p^2 into p_sumsq.
-void unit_stats(const Param& q, double* absmax, double* p_sumsq) {
+// Unit u, from pass 1's block results (p1_finish done): its sum of g^2 into q.sumsq; where not null, fp64's max |g|
+// into absmax and a relative step's sum of p^2 into p_sumsq.
+void unit_stat(const Param& q, int64_t u, double* absmax, double* p_sumsq) {
   const int64_t nb = q.geo.blocks_per_unit;
-  for (int64_t u = 0; u < q.geo.units; ++u) {
-    q.sumsq[u] = q.st.rc ? mats_sum(q, q.st, u) : unit_sum<double>(q, u);
-    if (absmax) {
-      const auto first = q.max_partial.begin() + u * nb;
-      absmax[u] = nb ? *std::max_element(first, first + nb) : 0.0;
-    }
-    if (p_sumsq) p_sumsq[u] = unit_sum<double>(q, u, &q.p_partial);
+  q.sumsq[u] = q.st.rc ? mats_sum(q, q.st, u) : unit_sum<double>(q, u);
+  if (absmax) {
+    const auto first = q.max_partial.begin() + u * nb;
+    absmax[u] = nb ? *std::max_element(first, first + nb) : 0.0;
   }
+  if (p_sumsq) p_sumsq[u] = unit_sum<double>(q, u, &q.p_partial);
 }
 
-// Passes 2 and 3 of one unit, done whole by one thread: the EMAs of its matrices' factored statistics (from the row
-// and column sums pass 1 left in q.st), pass 2 on its blocks, its clip, pass 3. Its gradient (or momentum) is read
-// from memory once here; the next reads hit the core's cache.
+void unit_stats(const Param& q, double* absmax, double* p_sumsq) {
+  for (int64_t u = 0; u < q.geo.units; ++u) unit_stat(q, u, absmax, p_sumsq);
+}
+
+// Pass 2 of unit u's blocks, then its clip; pass 3. A pass over a unit whose data the pass before left in cache walks
+// its blocks the other way: what that pass read last comes first, while a cache of least-recently-used eviction
+// still holds it (in the same order, a unit a little larger than the cache would miss on every block). Each block
+// has its own partial sum, so the order changes no result.
 template <class E>
-void fused_unit(Param& q, const Hyper& h, int64_t u) {
-  using T = typename E::T;
-  const Geo& G = q.geo;
-  const int64_t b0 = u * G.blocks_per_unit, b1 = b0 + G.blocks_per_unit;
-  if (G.factored) update_factored<T>(q, q.st, h, u * G.mats_per_unit, (u + 1) * G.mats_per_unit);
-  for (int64_t b = b0; b < b1; ++b) q.partial[b] = p2_block<E>(q, q.st, h, b);
-  q.clip[u] = clip_of(unit_sum<T>(q, u), G.ng);
-  for (int64_t b = b0; b < b1; ++b) p3_block<E>(q, q.st, h, b);
+void p2_unit(Param& q, const Stats& st, const Hyper& h, int64_t u, bool backwards) {
+  const int64_t b0 = u * q.geo.blocks_per_unit, n = q.geo.blocks_per_unit;
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t b = b0 + (backwards ? n - 1 - k : k);
+    q.partial[b] = p2_block<E>(q, st, h, b);
+  }
+  q.clip[u] = clip_of(unit_sum<typename E::T>(q, u), q.geo.ng);
 }
 
-// Units too large for one core's cache, their blocks spread over the threads in three rounds (statistics, pass 2,
-// pass 3). Batched so that their statistics take at most `budget` elements of scratch at a time.
+template <class E>
+void p3_unit(const Param& q, const Hyper& h, int64_t u) {
+  for (int64_t b = (u + 1) * q.geo.blocks_per_unit; b-- > u * q.geo.blocks_per_unit;) p3_block<E>(q, q.st, h, b);
+}
+
+// An early unit before the non-finite check: pass 1 of its blocks, its sums, step count (not stored), factored
+// inverses (the EMAs not stored) and, if it steps, pass 2 and its clip.
+template <class E>
+void early_unit(Param& q, const Hyper& h, int64_t u) {
+  const Geo& G = q.geo;
+  for (int64_t b = u * G.blocks_per_unit; b < (u + 1) * G.blocks_per_unit; ++b) p1_any<E>(q, b, h.relative_step);
+  p1_finish<typename E::T>(q, q.st, u * G.mats_per_unit, (u + 1) * G.mats_per_unit);
+  unit_stat(q, u, q.absmax ? q.absmax_buf.data() : nullptr, q.p_sumsq ? q.p_sumsq_buf.data() : nullptr);
+  unit_count(q, h, u);
+  if (!q.active[u]) return;
+  update_factored<typename E::T, false, true>(q, q.st, h, u * G.mats_per_unit, (u + 1) * G.mats_per_unit);
+  p2_unit<E>(q, q.st, h, u, true);
+}
+
+// After the check: an early unit's factored EMAs stored (the same values as early_unit's) and pass 3; a fused unit's
+// EMAs, passes 2 and 3, its gradient (or momentum) read from memory once for both.
+template <class E>
+void late_unit(Param& q, const Hyper& h, int64_t u) {
+  const Geo& G = q.geo;
+  const int64_t m0 = u * G.mats_per_unit, m1 = m0 + G.mats_per_unit;
+  if (q.early) {
+    update_factored<typename E::T, true, false>(q, q.st, h, m0, m1);
+  } else {
+    if (G.factored) update_factored<typename E::T, true, true>(q, q.st, h, m0, m1);
+    p2_unit<E>(q, q.st, h, u, false);
+  }
+  p3_unit<E>(q, h, u);
+}
+
+// Split units, their blocks spread over the threads, in batches: EMAs, pass 2, clips, pass 3. A batch's pass-3
+// sources take at most `batch` bytes, so that pass 3 finds them in the L3 cache where pass 2 left them.
 void split_units(std::vector<Param>& qs, const std::vector<const Hyper*>& hs,
-                 const std::vector<std::pair<int32_t, int64_t>>& units, int64_t budget) {
-  size_t next = 0;
-  while (next < units.size()) {
-    std::vector<std::pair<int32_t, int64_t>> batch;
-    std::vector<int64_t> offsets;
-    int64_t size = 0, elements = 0;
-    for (; next < units.size(); ++next) {
-      const Param& q = qs[units[next].first];
-      const Geo& G = q.geo;
-      const int64_t t_size = c10::elementSize(math_dtype(q.dtype));
-      const int64_t need = G.factored ? (Stats::bytes(G, G.mats_per_unit, t_size) + 7) / 8 : 0;  // in doubles
-      if (!batch.empty() && size + need > budget) break;
-      batch.push_back(units[next]);
-      offsets.push_back(size);
-      size += need;
-      elements += G.unit_numel;
-    }
-    Tensor scratch = at::empty({std::max<int64_t>(size, 1)}, at::TensorOptions().dtype(at::kDouble));
-    std::vector<Stats> stats(batch.size());
-    std::vector<std::pair<int32_t, int64_t>> blocks;  // (batch index, block)
-    for (size_t k = 0; k < batch.size(); ++k) {
-      const auto [i, u] = batch[k];
+                 const std::vector<std::pair<int32_t, int64_t>>& units, int64_t batch) {
+  for (size_t next = 0; next < units.size();) {
+    std::vector<std::pair<int32_t, int64_t>> blocks;  // (parameter, block)
+    int64_t bytes = 0, elements = 0;
+    const size_t first = next;
+    for (; next < units.size() && (next == first || bytes + source_bytes(qs[units[next].first]) <= batch);
+         ++next) {
+      const auto [i, u] = units[next];
       Param& q = qs[i];
+      const Geo& G = q.geo;
+      bytes += source_bytes(q);
+      elements += G.unit_numel;
+      for (int64_t b = u * G.blocks_per_unit; b < (u + 1) * G.blocks_per_unit; ++b) blocks.emplace_back(i, b);
       with_elem(q, [&](auto e) {
-        if (q.geo.factored)
-          stats[k] = Stats::carve<typename decltype(e)::T>(scratch.data_ptr<double>() + offsets[k], q.geo,
-                                                           u * q.geo.mats_per_unit, q.geo.mats_per_unit);
+        if (G.factored)
+          update_factored<typename decltype(e)::T, true, true>(q, q.st, *hs[i], u * G.mats_per_unit,
+                                                               (u + 1) * G.mats_per_unit);
       });
-      for (int64_t b = u * q.geo.blocks_per_unit; b < (u + 1) * q.geo.blocks_per_unit; ++b)
-        blocks.emplace_back(int32_t(k), b);
     }
-    auto round = [&](auto body) {
-      run_items(int64_t(blocks.size()), elements, [&](int64_t j) {
-        const auto [k, b] = blocks[j];
-        Param& q = qs[batch[k].first];
-        with_elem(q, [&](auto e) { body(e, q, k, b); });
+    const int64_t nb = int64_t(blocks.size());
+    const auto round = [&](bool backwards, auto body) {  // (p2_unit says why pass 3 walks backwards)
+      run_items(nb, elements, [&](int64_t j) {
+        const auto [i, b] = blocks[backwards ? nb - 1 - j : j];
+        with_elem(qs[i], [&](auto e) { body(e, qs[i], *hs[i], b); });
       });
     };
-    round([&](auto e, Param& q, size_t k, int64_t b) {
-      if (q.geo.factored) p1_block<decltype(e)>(q, stats[k], b);
+    round(false, [&](auto e, Param& q, const Hyper& h, int64_t b) {
+      q.partial[b] = p2_block<decltype(e)>(q, q.st, h, b);
     });
-    for (size_t k = 0; k < batch.size(); ++k) {
-      Param& q = qs[batch[k].first];
-      if (!q.geo.factored) continue;
-      const int64_t m0 = batch[k].second * q.geo.mats_per_unit, m1 = m0 + q.geo.mats_per_unit;
+    for (size_t k = first; k < next; ++k) {
+      Param& q = qs[units[k].first];
       with_elem(q, [&](auto e) {
-        using T = typename decltype(e)::T;
-        p1_finish<T>(q, stats[k], m0, m1);
-        update_factored<T>(q, stats[k], *hs[batch[k].first], m0, m1);
+        q.clip[units[k].second] = clip_of(unit_sum<typename decltype(e)::T>(q, units[k].second), q.geo.ng);
       });
     }
-    round([&](auto e, Param& q, size_t k, int64_t b) {
-      q.partial[b] = p2_block<decltype(e)>(q, stats[k], *hs[batch[k].first], b);
-    });
-    for (const auto& [i, u] : batch)
-      with_elem(qs[i], [&](auto e) {
-        qs[i].clip[u] = clip_of(unit_sum<typename decltype(e)::T>(qs[i], u), qs[i].geo.ng);
-      });
-    round([&](auto e, Param& q, size_t k, int64_t b) {
-      p3_block<decltype(e)>(q, stats[k], *hs[batch[k].first], b);
-    });
+    round(true, [&](auto e, Param& q, const Hyper& h, int64_t b) { p3_block<decltype(e)>(q, q.st, h, b); });
   }
 }
 
 // ------------------------------------------------------------------------------------------------ Python API
 // The three passes for one process: nothing crosses a reduction seam, so no statistic becomes a tensor. Pass 1 is
-// the per-unit sum of g^2 (for the non-finite check and the banks' idle slices) and, for factored parameters whose
-// units are fused, their row and column sums, kept for passes 2 and 3 (done per unit, back to back). Bitwise equal
-// to grad_stats + update_moments + apply_updates. Returns a 0-d bool tensor: true, having written nothing, when
-// skip_nonfinite and some gradient holds inf or NaN.
-Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
+// the per-unit sum of g^2 (for the non-finite check and the banks' idle slices) and, for factored parameters, their
+// row and column sums, kept for pass 2; units early, fused or split (above). Bitwise equal to grad_stats +
+// update_moments + apply_updates. Returns a 0-d bool tensor: true, having written nothing, when skip_nonfinite and
+// some gradient holds inf or NaN.
+Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite, int64_t cache) {
+  TORCH_CHECK_VALUE(cache > 0, "skewadam C++ CPU kernel: cache_bytes must be > 0, got ", cache);
   Contig ct;
   std::vector<Hyper> hypers;
   hypers.reserve(groups.size());
   std::vector<Param> qs;
   std::vector<const Hyper*> hs;
-  std::vector<std::pair<int32_t, int64_t>> blocks;
+  std::vector<std::pair<int32_t, int64_t>> items;  // pass 1: (parameter, block), or (parameter, unit) of early ones
   std::vector<int64_t> stats_at;  // per parameter: byte offset of its pass-1 statistics in `stats`, or -1
   int64_t elements = 0, stats_size = 0;
   for (const GroupRec& group : groups) hypers.push_back(hyper_of(group));
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     for (const ParamRec& r : std::get<0>(groups[gi])) {
       Param& q = qs.emplace_back(make_param(r, ct, kFusedPass));
-      q.partial.assign(q.geo.blocks(), 0.0);
-      q.clip.assign(q.geo.units, 1.0);
-      q.sumsq_buf.assign(q.geo.units, 0.0);
+      const Geo& G = q.geo;
+      q.partial.assign(G.blocks(), 0.0);
+      q.clip.assign(G.units, 1.0);
+      q.sumsq_buf.assign(G.units, 0.0);
       q.sumsq = q.sumsq_buf.data();
       if (q.dtype == at::kDouble) {
-        q.max_partial.assign(q.geo.blocks(), 0.0);
-        q.absmax_buf.assign(q.geo.units, 0.0);
+        q.max_partial.assign(G.blocks(), 0.0);
+        q.absmax_buf.assign(G.units, 0.0);
         q.absmax = q.absmax_buf.data();
       }
       if (hypers[gi].relative_step) {
-        q.p_partial.assign(q.geo.blocks(), 0.0);
-        q.p_sumsq_buf.assign(q.geo.units, 0.0);
+        q.p_partial.assign(G.blocks(), 0.0);
+        q.p_sumsq_buf.assign(G.units, 0.0);
         q.p_sumsq = q.p_sumsq_buf.data();
       }
+      size_counts(q);
       hs.push_back(&hypers[gi]);
-      for (int64_t b = 0; b < q.geo.blocks(); ++b) blocks.emplace_back(int32_t(qs.size() - 1), b);
-      elements += q.geo.numel;
+      const int32_t i = int32_t(qs.size() - 1);
+      q.early = early(q, cache) && G.blocks_per_unit;
+      const int64_t n = q.early ? G.units : G.blocks();
+      for (int64_t k = 0; k < n; ++k) items.emplace_back(i, k);
+      elements += G.numel;
       stats_at.push_back(-1);
-      if (q.geo.factored && fuses(q)) {  // at a 64-byte boundary
+      if (G.factored) {  // at a 64-byte boundary
         stats_at.back() = (stats_size + 63) / 64 * 64;
-        stats_size = stats_at.back() + Stats::bytes(q.geo, q.geo.M, c10::elementSize(math_dtype(q.dtype)));
+        stats_size = stats_at.back() + Stats::bytes(G, G.M, c10::elementSize(math_dtype(q.dtype)));
       }
     }
   }
-  // pass 1: per-unit sums of g^2; a factored parameter whose units are fused also keeps its row and column sums
-  // (pass 1 of the three-pass path: the fused units then read the gradient from memory once, not twice)
   Tensor stats = at::empty({std::max<int64_t>(stats_size, 1)}, at::TensorOptions().dtype(at::kByte));
   for (size_t i = 0; i < qs.size(); ++i)
     if (stats_at[i] >= 0)
@@ -1560,44 +1605,47 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite) {
         qs[i].st = Stats::carve<typename decltype(e)::T>(stats.data_ptr<uint8_t>() + stats_at[i], qs[i].geo, 0,
                                                          qs[i].geo.M);
       });
-  run_items(int64_t(blocks.size()), elements, [&](int64_t k) {
-    const auto [i, b] = blocks[k];
-    with_elem(qs[i], [&](auto e) { p1_any<decltype(e)>(qs[i], b, hs[i]->relative_step); });
+  // pass 1 (with pass 2 of the early units)
+  run_items(int64_t(items.size()), elements, [&](int64_t k) {
+    const auto [i, b] = items[k];
+    with_elem(qs[i], [&](auto e) {
+      if (qs[i].early)
+        early_unit<decltype(e)>(qs[i], *hs[i], b);
+      else
+        p1_any<decltype(e)>(qs[i], b, hs[i]->relative_step);
+    });
   });
   bool finite = true;
   for (Param& q : qs) {
-    with_elem(q, [&](auto e) {
-      if (q.st.rc) p1_finish<typename decltype(e)::T>(q, q.st, 0, q.geo.M);
-    });
-    unit_stats(q, q.absmax ? q.absmax_buf.data() : nullptr, q.p_sumsq ? q.p_sumsq_buf.data() : nullptr);
+    if (!q.early) {
+      with_elem(q, [&](auto e) {
+        if (q.st.rc) p1_finish<typename decltype(e)::T>(q, q.st, 0, q.geo.M);
+      });
+      unit_stats(q, q.absmax ? q.absmax_buf.data() : nullptr, q.p_sumsq ? q.p_sumsq_buf.data() : nullptr);
+    }
     for (int64_t u = 0; u < q.geo.units; ++u) finite = finite && std::isfinite(q.sumsq[u]);
   }
-  const bool skipped = skip_nonfinite && !finite;
-  if (skipped) return at::scalar_tensor(true, at::TensorOptions().dtype(at::kBool));
-  // passes 2 and 3: units that fit a core's L2 cache whole, by one thread each; larger ones split
-  std::vector<std::pair<int32_t, int64_t>> fused, split;
-  int64_t fused_elements = 0, largest = 1;
+  if (skip_nonfinite && !finite) return at::scalar_tensor(true, at::TensorOptions().dtype(at::kBool));
+  // the writes: early and fused units whole by one thread each (the last read first: likeliest still in cache), then
+  // the split ones
+  std::vector<std::pair<int32_t, int64_t>> whole, split;
+  int64_t whole_elements = 0;
   for (size_t i = 0; i < qs.size(); ++i) {
     Param& q = qs[i];
-    const Geo& G = q.geo;
     count_steps(q, *hs[i]);
-    largest = std::max(largest, G.unit_numel);
-    for (int64_t u = 0; u < G.units; ++u) {
-      if (!q.active[u] || G.blocks_per_unit == 0) continue;
-      if (fuses(q)) {  // a factored one's row and column sums are in q.st (pass 1)
-        fused.emplace_back(int32_t(i), u);
-        fused_elements += G.unit_numel;
-      } else {
-        split.emplace_back(int32_t(i), u);
-      }
+    for (int64_t u = 0; u < q.geo.units; ++u) {
+      if (!q.active[u] || q.geo.blocks_per_unit == 0) continue;
+      const bool whole_unit = q.early || fuses(q, cache);
+      (whole_unit ? whole : split).emplace_back(int32_t(i), u);
+      if (whole_unit) whole_elements += q.geo.unit_numel;
     }
   }
-  std::reverse(fused.begin(), fused.end());  // pass 1 ended with the last parameters: likeliest still in cache
-  run_items(int64_t(fused.size()), fused_elements, [&](int64_t k) {
-    const auto [i, u] = fused[k];
-    with_elem(qs[i], [&](auto e) { fused_unit<decltype(e)>(qs[i], *hs[i], u); });
+  std::reverse(whole.begin(), whole.end());
+  run_items(int64_t(whole.size()), whole_elements, [&](int64_t k) {
+    const auto [i, u] = whole[k];
+    with_elem(qs[i], [&](auto e) { late_unit<decltype(e)>(qs[i], *hs[i], u); });
   });
-  split_units(qs, hs, split, std::max<int64_t>(largest / 16, kBlock));  // <= 1/8 of an fp32 copy of the largest unit
+  split_units(qs, hs, split, 4 * cache);
   ct.finish();
   return at::scalar_tensor(false, at::TensorOptions().dtype(at::kBool));
 }
@@ -1722,7 +1770,7 @@ std::vector<MomentsRec> update_moments(const GroupRec& group, const std::vector<
       q.st.rvs = read(rvs);
       q.st.rinv = rinv->data_ptr();
       q.st.cinv = cinv->data_ptr();
-      with_elem(q, [&](auto e) { update_factored<typename decltype(e)::T>(q, q.st, h, 0, G.M); });
+      with_elem(q, [&](auto e) { update_factored<typename decltype(e)::T, true, true>(q, q.st, h, 0, G.M); });
     }
     if (G.bank) {
       for (int64_t u = 0; u < G.units; ++u) {
@@ -1831,8 +1879,9 @@ Tensor stochastic_round_bf16(const Tensor& x, int64_t key) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "SkewAdam's update passes on CPU (see skewadam/kernels/cpu.py)";
   m.def("fields", &fields, "the record fields this extension reads, in order (types.py's NamedTuples)");
-  m.def("step", [](py::handle groups, bool skip_nonfinite) { return step(group_recs_of(groups), skip_nonfinite); },
-        pybind11::arg("groups"), pybind11::arg("skip_nonfinite"),
+  m.def("step", [](py::handle groups, bool skip_nonfinite, int64_t cache_bytes) {
+    return step(group_recs_of(groups), skip_nonfinite, cache_bytes);
+  }, pybind11::arg("groups"), pybind11::arg("skip_nonfinite"), pybind11::arg("cache_bytes"),
         "passes 1-3 for one process; a 0-d bool tensor, true if skipped for a non-finite gradient");
   m.def("grad_stats", [](py::handle group) { return grad_stats(group_rec_of(group)); }, pybind11::arg("group"),
         "pass 1: sums of g^2");
