@@ -1,10 +1,11 @@
 """SkewAdam's update as a C++ kernel for CPU tensors, with the same pass functions as `skewadam.kernels.eager`.
 
-The kernel (``csrc/skewadam_cpu.cpp``) runs the three passes of `skewadam.kernels.eager` over blocks of rows on
-ATen's thread pool, with the same math in the same dtype, so the distributed seam (reductions between passes) works
-unchanged. For one process, `step_` runs the whole step in one call and fuses passes 2 and 3: a bank slice or tensor
-that fits in a core's L2 cache is read from memory once for both; the result is bitwise equal to the three passes.
-Partial sums are added in a fixed block order, so results do not depend on the number of threads.
+The kernel (``csrc/skewadam_cpu.cpp`` and the headers it includes) runs the three passes of
+`skewadam.kernels.eager` over blocks of rows on ATen's thread pool, with the same math in the same dtype, so the
+distributed seam (reductions between passes) works unchanged. For one process, `step_` runs the whole step in one
+call, each unit's passes scheduled so that a pass finds in a core's L2 cache what the pass before it read
+(`skewadam.kernels.traffic` has the bytes); the result is bitwise equal to the three passes. Partial sums are added
+in a fixed block order, so results depend neither on the number of threads nor on the schedule.
 
 What is bitwise eager's, on any x86-64 (both compute it with the same IEEE operations, each rounded on its own: the
 kernel is built with ``-ffp-contract=off``, eager avoids the fused ``torch.lerp``, and the int8 code takes a correctly
@@ -52,7 +53,9 @@ __all__ = [
 ]
 
 
-_SOURCE = Path(__file__).with_name("csrc") / "skewadam_cpu.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+#: The kernel's files: one translation unit, skewadam_cpu.cpp, and the headers it includes (csrc/*.h).
+_SOURCES = (_CSRC / "skewadam_cpu.cpp", *sorted(_CSRC.glob("*.h")))
 
 
 #: Elements per work item (a run of rows of one matrix, or of elements of one unit).
@@ -120,9 +123,9 @@ def _build_dir() -> tuple[str, str]:
 
     from torch.utils import cpp_extension
 
-    parts = [_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS), os.environ.get("CXX", "c++"), torch.__version__,
-             os.path.dirname(os.path.realpath(torch.__file__)), os.path.realpath(sys.executable), sys.version,
-             sysconfig.get_paths()["include"], _cpu_id()]
+    parts = [*(x for f in _SOURCES for x in (f.name, f.read_bytes())), " ".join(_CFLAGS + _LDFLAGS),
+             os.environ.get("CXX", "c++"), torch.__version__, os.path.dirname(os.path.realpath(torch.__file__)),
+             os.path.realpath(sys.executable), sys.version, sysconfig.get_paths()["include"], _cpu_id()]
     digest = hashlib.sha256(b"\0".join(x if isinstance(x, bytes) else x.encode() for x in parts)).hexdigest()[:16]
     name = f"skewadam_cpu_{digest}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
@@ -142,24 +145,26 @@ def _load():
 
     name, build_dir = _build_dir()
     os.makedirs(build_dir, exist_ok=True)
-    # Compile a copy kept in the build folder: build.ninja then names no checkout, so a worktree, a reinstall or a
-    # branch switch (which touches the source's mtime) reuses the build instead of recompiling.
-    source = Path(build_dir, _SOURCE.name)
-    if not source.exists():  # its content is part of the folder's name: an existing copy is the same source
-        tmp = source.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(_SOURCE.read_bytes())
-        try:
-            os.link(tmp, source)  # atomic, and never replaces (a newer mtime would make ninja rebuild)
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink()
+    # Compile copies kept in the build folder: build.ninja then names no checkout, so a worktree, a reinstall or a
+    # branch switch (which touches the sources' mtimes) reuses the build instead of recompiling.
+    for src in _SOURCES:
+        copy = Path(build_dir, src.name)
+        if not copy.exists():  # its content is part of the folder's name: an existing copy is the same file
+            tmp = copy.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(src.read_bytes())
+            try:
+                os.link(tmp, copy)  # atomic, and never replaces (a newer mtime would make ninja rebuild)
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
     cached = built()
     if not cached:
         print(f"skewadam: compiling SkewAdam's C++ kernel, once per environment, ~1 min (into {build_dir})",
               file=sys.stderr, flush=True)
     start = time.perf_counter()
-    lib = cpp_extension.load(name, [str(source)], extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
+    lib = cpp_extension.load(name, [str(Path(build_dir, _SOURCES[0].name))], extra_cflags=list(_CFLAGS),
+                             extra_ldflags=list(_LDFLAGS),
                              build_directory=build_dir)  # copies: torch appends its own flags to the lists
     if not cached:
         print(f"skewadam: compiled the C++ kernel in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
