@@ -243,10 +243,17 @@ inline T tree_sum(const T* x) {
     return tree_sum<N / 2>(x) + tree_sum<N - N / 2>(x + N / 2);
 }
 
-// body(j, k) for j < n, element j accumulating into lane k = j % kLanes; whole groups of kLanes vectorised.
-template <class F>
+// body(j, k) for j < n, element j accumulating into lane k = j % kLanes; whole groups of kLanes vectorised, U of
+// them an iteration (so that a sum the body carries from one j to the next, as pass 1's column sums do, is U
+// independent chains, not one bound by the adder's latency). Each lane sees its elements in the order of j whatever U.
+template <int U = 1, class F>
 inline void for_lanes(int64_t n, const F& body) {
   int64_t j = 0;
+  for (; j + U * kLanes <= n; j += U * kLanes) {
+#pragma omp simd
+    for (int k = 0; k < kLanes; ++k)
+      for (int u = 0; u < U; ++u) body(j + u * kLanes + k, k);
+  }
   for (; j + kLanes <= n; j += kLanes) {
 #pragma omp simd
     for (int k = 0; k < kLanes; ++k) body(j + k, k);

@@ -85,10 +85,40 @@ struct BF16Mom {  // bf16 with unbiased stochastic rounding (fp32 statistics): r
   Span<NS> read_span(int64_t e, int64_t stride) const { return update_span<NS>(e, stride, 0); }
 };
 
+// a * b + c rounded once, also in constant expressions (GCC folds its builtins there).
+template <class T>
+constexpr T fma_c(T a, T b, T c) {
+  if constexpr (std::is_same_v<T, float>)
+    return __builtin_fmaf(a, b, c);
+  else
+    return __builtin_fma(a, b, c);
+}
+
+// c = v / QMAX for an int8 code v, the quotient as the division rounds it, from QMAX's reciprocal in two parts (the
+// low one exact: 1 - hi * QMAX is, by an FMA), as one multiply and one FMA: divisions bound the int8 loops. Checked
+// against the division for every code, at compile time.
+template <class T>
+struct QRecip {
+  static constexpr T hi = T(1) / T(kQMax);
+  static constexpr T lo = fma_c(-hi, T(kQMax), T(1)) / T(kQMax);
+};
+template <class T>
+constexpr T code_ratio(int v) {
+  return fma_c(T(v), QRecip<T>::hi, T(v) * QRecip<T>::lo);
+}
+template <class T>
+constexpr bool code_ratios_exact() {
+  for (int v = -127; v <= 127; ++v)
+    if (code_ratio<T>(v) != T(v) / T(kQMax)) return false;
+  return true;
+}
+static_assert(code_ratios_exact<float>() && code_ratios_exact<double>(),
+              "quant.QMAX's reciprocal in two parts does not give v / QMAX for every int8 code: decode by division");
+
 // x = (|c| * c) * scale, c = q / QMAX (quant.dequantize).
 template <class T>
 inline T decode_int8(int8_t v, T scale) {
-  const T c = T(v) / T(kQMax);
+  const T c = code_ratio<T>(v);
   return std::abs(c) * c * scale;
 }
 
@@ -134,11 +164,12 @@ struct Int8Mom {  // int8 codes, one fp32 scale (the block's absmax) per kQBlock
     int8_t* q = m + e;
     const auto* ge = g + e;
     const T s0 = T(scale[k]);
-    T absmax = T(0);
-    for (int64_t j = 0; j < n; ++j) {
+    T mx[kLanes] = {};  // the absmax in lanes (a maximum is exact in any order; one chain would not vectorise)
+    for_lanes(n, [&](int64_t j, int l) {
       buf[j] = ema(decode_int8(q[j], s0), E::load(ge[j]));
-      absmax = std::max(absmax, std::abs(buf[j]));
-    }
+      mx[l] = std::max(mx[l], std::abs(buf[j]));
+    });
+    const T absmax = *std::max_element(mx, mx + kLanes);
     scale[k] = float(absmax);
     const T a = std::max(absmax, std::numeric_limits<T>::min()), s1 = T(float(absmax));
     for (int64_t j = 0; j < n; ++j) {

@@ -33,7 +33,7 @@ template <class E, class A, int NS>
 inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t n, A* __restrict col,
                     A* __restrict out, int64_t out_stride) {
   A acc[NS][kLanes] = {};
-  for_lanes(n, [&](int64_t jk, int k) {
+  for_lanes<4>(n, [&](int64_t jk, int k) {
     A c = col[jk];
     for (int s = 0; s < NS; ++s) {
       const A x = E::load(g[s * stride + jk]);
