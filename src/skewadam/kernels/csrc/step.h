@@ -37,7 +37,8 @@ bool early(const Param& q, int64_t cache) {
 bool fuses(const Param& q, int64_t cache) {
   return q.geo.unit_numel * (c10::elementSize(q.dtype) + momentum_size(q) + second_moment_size(q)) <= cache;
 }
-// (a split batch: units whose pass-3 sources, momentum or else gradient, take at most 4 caches)
+// (a split batch: units whose pass-3 sources, momentum or else gradient, take at most 16 caches: each batch is two
+// parallel regions, which cost a scheduler wake-up each on a loaded machine)
 int64_t source_bytes(const Param& q) {
   return q.geo.unit_numel * (q.mfmt == kMomNone ? c10::elementSize(q.dtype) : momentum_size(q));
 }
@@ -251,7 +252,7 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite, int64_t ca
     const auto [i, u] = whole[k];
     with_elem(qs[i], [&](auto e) { late_unit<decltype(e)>(qs[i], *hs[i], u); });
   });
-  split_units(qs, hs, split, 4 * cache);
+  split_units(qs, hs, split, 16 * cache);
   ct.finish();
   return at::scalar_tensor(false, at::TensorOptions().dtype(at::kBool));
 }
