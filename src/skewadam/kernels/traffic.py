@@ -17,6 +17,7 @@ Fused AdamW (torch's ``fused=True``) moves 7 element-sized streams (reads p, g, 
 parameter in fp32 and 14 in bf16 (its state is in the parameter's dtype); a plain stream ``a.add_(b)`` moves 3.
 
 Example:
+    >>> from skewadam.state import state_flags
     >>> t = cpp((32, 1024, 256), torch.float32, state_flags({"tier": "expert"}), cache=1 << 20)
     >>> t.schedule, t.bytes / (32 * 1024 * 256)
     ('early', 16.0)
