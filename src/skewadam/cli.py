@@ -417,6 +417,10 @@ def _add_bench_step(sub) -> None:
                    help="write a buffer of this many MiB before each timed step, so the step starts with cold caches")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of every optimizer (default: 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights and gradients (default: 0)")
+    p.add_argument("--roofline", action="store_true", help="instead: SkewAdam, fused AdamW and a.add_(b) per tier "
+                   "and C++ path on fixed tensors, as GB/s of the bytes each moves (skewadam.bench.roofline)")
+    p.add_argument("--momentum", choices=("fp32", "bf16", "int8"), default="fp32", help="with --roofline: its momentum")
+    p.add_argument("--deepspeed", action="store_true", help="with --roofline: also time DeepSpeedCPUAdam")
     p.set_defaults(func=_bench_step)
 
 
@@ -431,6 +435,10 @@ def _bench_step(args: argparse.Namespace) -> int:
     if args.warmup < 0 or args.flush_mb < 0:
         raise SystemExit("skewadam bench-step: --warmup and --flush-mb must be >= 0")
     torch.set_num_threads(args.threads)
+    if args.roofline:
+        return _roofline(args)
+    if args.deepspeed or args.momentum != "fp32":
+        raise SystemExit("skewadam bench-step: --momentum and --deepspeed go with --roofline")
     first, *others = arms.BENCH_STEP_DEFAULT
     names = tuple(dict.fromkeys((first, *(args.optimizers or others))))
     try:
@@ -442,6 +450,21 @@ def _bench_step(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"skewadam bench-step: {e}") from None
     print(format_report(res))
+    return 0
+
+
+def _roofline(args: argparse.Namespace) -> int:
+    from .bench.roofline import format_roofline, roofline
+
+    if args.optimizers or args.set or args.flush_mb or args.preset != "cpu":
+        raise SystemExit("skewadam bench-step: --roofline times its own tensors against fused AdamW and a stream; "
+                         "drop --preset, --optimizers, --set and --flush-mb")
+    try:
+        res = roofline(dtype=args.dtype, momentum_dtype=args.momentum, rounds=args.rounds, steps=args.steps,
+                       warmup=args.warmup, impl=args.impl, clock=args.clock, deepspeed=args.deepspeed, seed=args.seed)
+    except ValueError as e:
+        raise SystemExit(f"skewadam bench-step: {e}") from None
+    print(format_roofline(res))
     return 0
 
 
