@@ -9,6 +9,11 @@ rotates; each step is timed with CUDA events. A ratio is the median over rounds 
 beyond what was allocated before it (the state exists from the warm-up steps on). Then it runs
 ``tests/test_triton.py`` (compiled, on the GPU) and prints one JSON summary.
 
+Beside each time, the bytes that step moves and its attained bandwidth: SkewAdam's per pass from the traffic model
+(`skewadam.kernels.traffic.triton`: ``stats_tiles`` in pass 1, ``direction_tiles`` in passes 2 and 3, over every
+parameter), fused AdamW's 7 element-sized streams, and a plain stream ``a.add_(b)`` (3, over 2^28 elements) timed in
+the same rounds: SkewAdam's efficiency is its GB/s over AdamW's.
+
 Goals (from memory traffic): SkewAdam/AdamW fused <= 0.8 with fp32 weights, <= 0.55 with bf16 weights; transient
 memory < 1% of the parameters' bytes.
 
@@ -158,8 +163,37 @@ def transient_bytes(opt, device) -> Optional[int]:
     return torch.cuda.max_memory_allocated() - base
 
 
+def modeled_bytes(opt) -> dict[str, int]:
+    """Bytes a step of ``opt`` (SkewAdam on Triton) moves per pass (`skewadam.kernels.traffic.triton`)."""
+    from skewadam.kernels import traffic
+    from skewadam.state import state_flags
+
+    out = dict.fromkeys(traffic.PASSES, 0)
+    for g in opt.param_groups:
+        flags = state_flags(g)
+        for p in g["params"]:
+            for ps in traffic.triton(tuple(p.shape), p.dtype, flags, relative_step=g["relative_step"]).passes:
+                out[ps.name] += ps.read + ps.written
+    return out
+
+
+class Stream:
+    """``a.add_(b)`` over ``n`` elements: a plain stream's bandwidth, stepped like an optimizer."""
+
+    def __init__(self, n: int, dtype, device) -> None:
+        import torch
+
+        self.a, self.b = torch.zeros(n, dtype=dtype, device=device), torch.ones(n, dtype=dtype, device=device)
+        self.bytes = 3 * n * self.a.element_size()
+
+    def step(self) -> None:
+        self.a.add_(self.b)
+
+
 def measure(dtype_name: str, args, device, model_spec: dict) -> dict[str, Any]:
     import torch
+
+    from skewadam.kernels import traffic
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     model = build_model(model_spec, dtype, device)
@@ -167,6 +201,10 @@ def measure(dtype_name: str, args, device, model_spec: dict) -> dict[str, Any]:
     n = sum(p.numel() for p in params)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     opts = optimizers(model, args)
+    opts["stream a.add_(b)"] = stream = Stream(1 << (28 if device.type == "cuda" else 12), dtype, device)
+    passes = modeled_bytes(opts["SkewAdam triton"])
+    moved = {"SkewAdam triton": sum(passes.values()), "AdamW fused": traffic.adamw_bytes(n, dtype),
+             "stream a.add_(b)": stream.bytes}
     names = list(opts)
     for name in names:
         for _ in range(args.warmup):
@@ -191,7 +229,13 @@ def measure(dtype_name: str, args, device, model_spec: dict) -> dict[str, Any]:
         results[name] = {"median_ms": statistics.median(times[name]) * 1e3,
                          "vs_adamw_fused": statistics.median(ratios[name]),
                          "transient_bytes": t, "transient_fraction": None if t is None else t / param_bytes}
-    results["SkewAdam triton"]["transient_bytes_planned"] = transient_bytes_planned(opts["SkewAdam triton"])
+        if name in moved:
+            results[name].update(bytes=moved[name], gb_s=moved[name] / statistics.median(times[name]) / 1e9)
+    skew = results["SkewAdam triton"]
+    skew["transient_bytes_planned"] = transient_bytes_planned(opts["SkewAdam triton"])
+    skew["bytes_per_pass"] = passes
+    skew["efficiency_vs_adamw_fused"] = skew["gb_s"] / results["AdamW fused"]["gb_s"]
+    skew["efficiency_vs_stream"] = skew["gb_s"] / results["stream a.add_(b)"]["gb_s"]
     shapes: dict[str, int] = {}
     for p in params:
         shapes[str(tuple(p.shape))] = shapes.get(str(tuple(p.shape)), 0) + 1

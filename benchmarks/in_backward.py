@@ -14,6 +14,12 @@ the same weights side by side: rounds that time each ``--steps`` times in an ord
 alike), 1 thread. The ratio is the median over rounds of (inside backward's median / the regular step's median),
 with its spread; also in CPU time (``--clock cpu``). Goal: <= 1.1.
 
+``check`` (CPU): what the step inside backward does once per backward (`skewadam.backward.BackwardSteps._classify`:
+one walk of the Python stack, the check of the backward's roots for a GradScaler's product, the end-of-backward
+callback) and the root check alone (`skewadam.backward._scaled`), in CPU time per backward, beside the training step
+of the bench model (as ``time``: forward, backward, ``step()``, ``zero_grad()``), for a plain loss and for
+``loss * 0.5`` (a GradScaler's graph, no GradScaler alive); and the number of graph searches (one per optimizer).
+
 ``gpu`` (CUDA): ``torch.cuda.max_memory_allocated`` over a few training steps of the reference model at the paper's
 widths (``--set`` scales it to the device) with the Triton kernel, regular vs inside backward, and the step time
 (CUDA events), beside the planner's estimate. ``--dry-run`` runs its logic on CPU tensors with the tiny model
@@ -22,6 +28,7 @@ widths (``--set`` scales it to the device) with the Triton kernel, regular vs in
 Usage (from the repository root):
     python benchmarks/in_backward.py memory
     python benchmarks/in_backward.py time --rounds 7 --steps 3
+    python benchmarks/in_backward.py check --steps 10
     python benchmarks/in_backward.py gpu                 # on a GPU
     python benchmarks/in_backward.py gpu --dry-run       # CPU: the GPU script's logic
 """
@@ -49,7 +56,7 @@ GPU_MODEL = dict(n_layer=4, d_expert=1024)  # the paper's widths, 4 layers, 1024
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=["memory", "time", "gpu"])
+    ap.add_argument("what", choices=["memory", "time", "check", "gpu"])
     ap.add_argument("--pairs", type=int, default=2, help="memory: regular/in-backward pairs, order alternating")
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (memory: 2, time: 16, gpu: 8)")
     ap.add_argument("--seq", type=int, default=128)
@@ -145,6 +152,66 @@ def step_time(args: argparse.Namespace) -> dict[str, Any]:
             "ratio": statistics.median(ratios), "ratio_iqr": [q[0], q[2]], "ratio_range": [min(ratios), max(ratios)]}
 
 
+def check(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from skewadam import backward
+    from skewadam.bench import arms
+    from skewadam.bench.presets import lm_losses, load_model
+
+    torch.set_num_threads(args.threads)
+    batch = args.batch or 16
+    torch.manual_seed(0)
+    model = load_model("cpu", device="cpu", dtype=torch.float32)
+    opt = arms.get("skewadam-in-backward").build(model, impl=args.impl)
+    spent = {"classify": 0, "roots": 0, "searches": 0}
+
+    def timed(name, fn):
+        def run(*a):
+            t0 = time.process_time_ns()
+            try:
+                return fn(*a)
+            finally:
+                spent[name] += time.process_time_ns() - t0
+        return run
+
+    def counted(roots):
+        spent["searches"] += 1
+        return search(roots)
+
+    classify, scaled, search = backward.BackwardSteps._classify, backward._scaled, backward._has_reentrant_segment
+    backward.BackwardSteps._classify, backward._scaled = timed("classify", classify), timed("roots", scaled)
+    backward._has_reentrant_segment = counted
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, Any] = {"what": "check", "model": "cpu", "batch": batch, "seq": args.seq, "threads": args.threads}
+    try:
+        for loss_form in ("loss", "loss * 0.5"):
+            per: dict[str, list[float]] = {"step": [], "classify": [], "roots": []}
+            for step in range(args.warmup + args.steps):
+                spent.update(classify=0, roots=0)
+                idx = torch.randint(0, 256, (batch, args.seq), generator=gen)
+                t0 = time.process_time_ns()
+                loss = lm_losses(model, idx, idx.roll(-1, 1)).loss
+                (loss if loss_form == "loss" else loss * 0.5).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if step >= args.warmup:
+                    per["step"].append(time.process_time_ns() - t0)
+                    per["classify"].append(spent["classify"])
+                    per["roots"].append(spent["roots"])
+            row = {k: statistics.median(v) / 1e3 for k, v in per.items()}  # microseconds
+            out[loss_form] = {"step_ms": row["step"] / 1e3, "classify_us": row["classify"], "roots_us": row["roots"],
+                              "classify_over_step": row["classify"] / row["step"]}
+            print(f"{loss_form:>10}: step {row['step'] / 1e3:7.1f} ms, per-backward check {row['classify']:6.1f} us "
+                  f"({row['classify'] / row['step']:.1e} of the step), of which the root check {row['roots']:5.1f} us",
+                  flush=True)
+    finally:
+        backward.BackwardSteps._classify, backward._scaled, backward._has_reentrant_segment = classify, scaled, search
+    out["graph_searches"] = spent["searches"]
+    print(f"graph searches: {spent['searches']} in {2 * (args.warmup + args.steps)} backwards", flush=True)
+    return out
+
+
 def gpu(args: argparse.Namespace) -> dict[str, Any]:
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -211,7 +278,7 @@ def gpu(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = _parse(argv)
-    result = {"memory": memory, "time": step_time, "gpu": gpu}[args.what](args)
+    result = {"memory": memory, "time": step_time, "check": check, "gpu": gpu}[args.what](args)
     print(json.dumps(result))
 
 

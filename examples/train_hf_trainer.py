@@ -8,6 +8,7 @@ saved every ``--save-steps``; ``--resume`` continues from the last one, bitwise 
     pip install 'skewadam[hf,bench]'
     python examples/train_hf_trainer.py                       # Mixtral-style, 200 steps
     python examples/train_hf_trainer.py --family qwen3_moe --max-steps 600 --resume
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node=2 examples/train_hf_trainer.py --deepspeed 2 --batch-size 8
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--save-steps", type=int, default=100)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --out")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deepspeed", type=int, choices=(1, 2, 3), default=None, metavar="STAGE",
+                   help="train under DeepSpeed ZeRO STAGE (TrainingArguments(deepspeed=...): SkewAdam steps ZeRO's "
+                   "partitions as pieces of its tensors); launch with torchrun, --batch-size per rank")
     p.add_argument("--in-backward", action="store_true",
                    help="step each tensor inside backward and free its gradient (Trainer's max_grad_norm is then "
                    "turned off, with a warning: SkewAdam RMS-clips each update unit)")
@@ -85,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
         lr_scheduler_type="cosine", warmup_steps=max(1, args.max_steps // 20), logging_steps=10,
         eval_strategy="steps", eval_steps=args.save_steps, save_strategy="steps", save_steps=args.save_steps,
         save_total_limit=2, use_cpu=True, seed=args.seed, report_to=[], disable_tqdm=True,
+        deepspeed=None if args.deepspeed is None else {
+            "zero_optimization": {"stage": args.deepspeed}, "train_micro_batch_size_per_gpu": "auto",
+            "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"},
     )
     optimizer_kwargs = {} if args.eps_mode is None else {"eps_mode": args.eps_mode}
     if args.in_backward:
@@ -92,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = SkewAdamTrainer(
         model=model, args=training_args, optimizer_kwargs=optimizer_kwargs,
         train_dataset=Windows(corpus.train, args.block_size),
-        eval_dataset=Windows(corpus.val, args.block_size, limit=4 * args.batch_size),
+        eval_dataset=Windows(corpus.val, args.block_size, limit=4 * args.batch_size * training_args.world_size),
     )
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     print(f"validation loss {trainer.evaluate()['eval_loss']:.4f} nats/byte")

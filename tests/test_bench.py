@@ -4,6 +4,7 @@ optional packages found once before any run, the C++ kernel built before the fir
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -118,6 +119,30 @@ def test_missing_optional_packages_are_found_once_before_any_run(monkeypatch, tm
     assert "--no-progress" in message and "--no-plots" in message and "adamw8bit-torchao arm" in message
     assert not (tmp_path / "out").exists()
     preflight(_smoke(), progress=False, plots=False)  # what it does not need, it does not ask for
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32), ("cuda", torch.bfloat16)])
+def test_the_preflight_builds_the_model_on_the_runs_device_in_their_dtype(monkeypatch, device, dtype):
+    """One model, built where and as the runs train it (a CUDA bench needs no host copy of it), one batch of one
+    window through it. Without a GPU here, the CUDA bench's model is built on the CPU in its dtype (bf16), and
+    its forward and backward run there."""
+    from skewadam.bench import presets
+
+    built, checked, real = [], [], (presets.bench_model, presets.check_trains)
+
+    def bench_model(*args, device, dtype, **kwargs):
+        built.append((device, dtype))
+        return real[0](*args, device="cpu", dtype=dtype, **kwargs)
+
+    def check_trains(model, origin):
+        real[1](model, origin)
+        checked.append({p.dtype for p in model.model.parameters()})
+
+    monkeypatch.setattr(presets, "bench_model", bench_model)
+    monkeypatch.setattr(presets, "check_trains", check_trains)
+    base = dataclasses.replace(get_preset("smoke").base, device=device)
+    preflight(BenchConfig(base=base, optimizers=("adamw",)), progress=False, plots=False)
+    assert built == [(device, dtype)] and checked == [{dtype}]
 
 
 def test_missing_packages_are_one_line_from_the_command(monkeypatch, tmp_path, capsys):
@@ -391,7 +416,59 @@ def test_a_run_dies_with_its_bench_even_when_the_bench_is_killed(tmp_path):
     assert not _children(str(out)), "the run outlived its killed bench"
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
+def test_ctrl_c_stops_every_run_and_prints_one_line(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the foreground process group): the runs, in their own process groups, get
+    none; the bench stops them and says in one line how to resume, with no traceback and no "FAILED" line."""
+    import os
+
+    out = tmp_path / "out"
+    bench = subprocess.Popen([sys.executable, "-m", "skewadam", "bench", "--preset", "smoke", "--steps", "1000000",
+                              "--optimizers", "adamw,skewadam", "--jobs", "2", "--out", str(out), "--no-progress",
+                              "--no-plots"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True,  # a group of its own, as a shell's foreground job has
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 300
+        while len(_children(str(out))) < 2:
+            assert bench.poll() is None and time.monotonic() < deadline, "the bench ended or never started its runs"
+            time.sleep(0.5)
+        time.sleep(3)
+        os.killpg(bench.pid, signal.SIGINT)
+        stdout, stderr = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert bench.returncode == 130, stderr
+    assert stderr.strip().splitlines() == [f"interrupted; finished runs are kept. Resume with the same command and "
+                                           f"--out {out}"], stderr
+    assert "Traceback" not in stdout and "FAILED" not in stdout, stdout
+    deadline = time.monotonic() + 60
+    while _children(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _children(str(out)), "a run outlived the interrupted bench"
+
+
+def test_a_damaged_bench_json_says_how_to_resume_past_it(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "bench.json").write_text('{"base": {')
+    with pytest.raises(ValueError, match=r"bench.json: not valid JSON .*It records the settings the runs in .* share: "
+                                         r"to resume past it, delete it"):
+        run_bench(_smoke(), out, progress=False, plots=False)
+    assert not (out / "runs").exists() or not any((out / "runs").iterdir())
+    (out / "bench.json").unlink()  # as it says: the bench writes it again
+    assert bench_mod._check_resume(out, _smoke()) == ["adamw"]
+
+
 # -------------------------------------------------------------------------------------- the kernel, built first
+class _Failed:
+    """A run's process that failed at once (what `subprocess.Popen` returns, as far as the bench uses it)."""
+
+    def wait(self) -> int:
+        return 1
+
+
 def test_the_bench_builds_the_cpp_kernel_before_its_first_run_and_only_when_needed(tmp_path, monkeypatch):
     from skewadam import kernels
     from skewadam.kernels import cpu
@@ -399,8 +476,7 @@ def test_the_bench_builds_the_cpp_kernel_before_its_first_run_and_only_when_need
     calls = []
     monkeypatch.setattr(cpu, "built", lambda: False)
     monkeypatch.setattr(kernels, "select", lambda impl, device: calls.append((impl, device.type)))
-    monkeypatch.setattr(bench_mod.subprocess, "run", lambda *a, **k: calls.append("run") or
-                        subprocess.CompletedProcess(a, 1))
+    monkeypatch.setattr(bench_mod.subprocess, "Popen", lambda *a, **k: calls.append("run") or _Failed())
     monkeypatch.delenv("SKEWADAM_IMPL", raising=False)
     run_bench(BenchConfig(base=get_preset("smoke").base, optimizers=("adamw", "skewadam")), tmp_path / "a",
               progress=False, plots=False)

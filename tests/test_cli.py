@@ -151,6 +151,23 @@ def test_cli_plan_shards_prints_what_the_statistics_all_reduce(capsys):
     assert [line.split()[-1] for line in table.splitlines() if line.startswith(("skewadam", "adamw"))] == [f"{want:,}"]
 
 
+def test_cli_plan_zero_prints_skewadam_s_bytes_per_rank_under_deepspeed(capsys):
+    """--zero STAGE --shards N: SkewAdam's weights, master, gradients and state per rank and what a rank all-reduces
+    per step (the planner's `ZeroPlan`; checked against two ranks in tests/distributed/test_deepspeed_distributed.py),
+    in place of the FSDP2 figures; the others' rows have none."""
+    from skewadam import plan
+    from skewadam.state import format_bytes
+
+    out = _cli(["plan", "tiny", "--optimizer", "skewadam", "--optimizer", "adamw", "--zero", "3", "--shards", "4"],
+               capsys)
+    z = plan("tiny", optimizers=["skewadam"], shards=4, zero=3)["skewadam"].zero
+    assert (z.stage, z.ranks) == (3, 4) and z.state < z.state_ranks and "FSDP2" not in out
+    table = out.split("DeepSpeed ZeRO stage 3 over 4 ranks")[1].split("\n\n")[0]
+    rows = [line for line in table.splitlines() if line.startswith(("skewadam", "adamw"))]
+    assert len(rows) == 1 and rows[0].split()[-2:] == [f"{z.sent:,}", str(z.collectives)], rows
+    assert " ".join(format_bytes(z.state).split()) in rows[0], rows
+
+
 def test_cli_plan_set_overrides_a_config_value(capsys):
     out = json.loads(_cli(["plan", "olmoe-1b-7b", "--json", "--optimizer", "skewadam",
                            "--set", "num_hidden_layers=2"], capsys))
@@ -218,6 +235,7 @@ def test_cli_bench_writes_logs_table_and_plots_then_resumes_and_reports(tmp_path
     (["--optimizers", "adam"], "use any of adamw"),
     (["--model", "huge"], "unknown model"),
     (["--data", "missing.txt"], "does not exist"),
+    (["--data", "/dev/null"], "'/dev/null' is a device, not a file or a folder"),
     (["--jobs", "0"], r"jobs \(--jobs\) must be an integer >= 1"),
 ])
 def test_cli_bench_rejects_bad_input_before_any_run(tmp_path, flags, message):
@@ -302,6 +320,67 @@ def test_a_negative_size_in_a_hugging_face_config_is_one_line(capsys):
     pytest.importorskip("transformers")
     assert "negative size(s) hidden_size=-4" in _one_line_error(["plan", "mixtral-8x7b", "--set", "hidden_size=-4"],
                                                                capsys)
+
+
+SMALL_MIXTRAL = ["hidden_size=32", "intermediate_size=64", "num_hidden_layers=2", "num_attention_heads=4",
+                 "num_key_value_heads=2", "num_local_experts=4"]
+UNRUNNABLE = {  # a config that builds on the meta device but cannot train: each refused by name, in one line
+    "no experts": (["num_local_experts=0"], "num_local_experts=0 with num_experts_per_tok=2: routing needs an expert"),
+    "top-k above the experts": (["num_experts_per_tok=5"], "num_experts_per_tok=5 > num_local_experts=4"),
+    "no layers": (["num_hidden_layers=0"], "num_hidden_layers=0: the model needs a layer"),
+    "heads the kv heads do not divide": (["num_attention_heads=6", "hidden_size=36", "num_key_value_heads=4"],
+                                         "num_attention_heads=6 is not a multiple of num_key_value_heads=4"),
+    "a string size": (['hidden_size="big"'], "hidden_size='big': sizes and counts are integers"),
+    "a string size from a shell": (['hidden_size="32"'], "hidden_size='32': sizes and counts are integers"),
+}
+
+
+@pytest.mark.parametrize("command", ["plan", "bench"])
+@pytest.mark.parametrize("case", list(UNRUNNABLE))
+def test_a_transformers_config_that_cannot_train_is_one_line_before_anything_runs(command, case, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    sets, says = UNRUNNABLE[case]
+    argv = [command, *(["--model"] if command == "bench" else []), "mixtral-8x7b", "--set", *SMALL_MIXTRAL, *sets]
+    line = _one_line_error([*argv, "--out", str(tmp_path / "out")] if command == "bench" else argv, capsys)
+    assert says in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda raw: raw.update(hidden_size="32"), "hidden_size='32': sizes and counts are integers (in config.json, "
+                                               "32, not \"32\""),
+    (lambda raw: raw.pop("num_key_value_heads") and raw.update(num_attention_heads=6, hidden_size=36),
+     "num_attention_heads=6 is not a multiple of num_key_value_heads=8"),  # the config class's default: 8
+])
+def test_a_config_json_with_a_wrong_typed_or_missing_size_is_one_line_naming_the_key(edit, says, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from skewadam.bench.presets import HF_PRESETS
+
+    raw = dict(HF_PRESETS["mixtral-8x7b"].config, num_hidden_layers=2, intermediate_size=64, hidden_size=32)
+    edit(raw)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    for argv in (["plan", str(path)], ["bench", "--model", str(path), "--out", str(tmp_path / "out")]):
+        line = _one_line_error(argv, capsys)
+        assert str(path) in line and says in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_that_passes_every_key_check_but_cannot_step_is_refused_by_the_bench_before_any_run(
+        tmp_path, capsys, monkeypatch):
+    """The bench's last check: one forward and backward of the model it builds (`check_trains`); here the model's
+    forward fails as a config no key check knows would make it fail."""
+    from skewadam.bench import models
+
+    def broken(self, idx_BT, targets_BT=None):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (1x32 and 33x32)\nmore detail")
+
+    monkeypatch.setattr(models.MoETransformer, "forward", broken)
+    line = _one_line_error(["bench", "--preset", "smoke", "--out", str(tmp_path / "out")], capsys)
+    assert line == ("skewadam bench: tiny: builds, but one forward and backward of a 32-token window on CPU failed "
+                    "(RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x32 and 33x32)): change the sizes it "
+                    "names")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("content, says", [(b'{"model_type": "mixtral",', "not valid JSON"),

@@ -1,6 +1,9 @@
 """Corpora: the embedded Shakespeare, user text, a deterministic split by document, reproducible batches."""
 
+import os
 import random
+import re
+import sys
 
 import pytest
 import torch
@@ -76,7 +79,7 @@ def test_a_source_tree_splits_by_document(tmp_path):
 
 
 def test_missing_empty_or_binary_data_path_names_the_fix(tmp_path):
-    with pytest.raises(FileNotFoundError, match="text file or a folder"):
+    with pytest.raises(ValueError, match="does not exist; give a text file or a folder"):
         read_documents(tmp_path / "nope")
     with pytest.raises(ValueError, match="no non-empty UTF-8 text files"):
         read_documents(tmp_path)
@@ -88,6 +91,46 @@ def test_missing_empty_or_binary_data_path_names_the_fix(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     with pytest.raises(ValueError, match="is not UTF-8, not text; .*iconv"):
         read_documents(tmp_path / "latin1.txt")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="FIFOs and /dev/null")
+def test_a_data_path_that_is_no_file_or_folder_is_refused_naming_what_it_is(tmp_path):
+    """Before any run (the bench's `RunConfig` checks it): a FIFO (reading it would block), a device, a symbolic
+    link loop, a broken link, a missing path: each named, with the fix."""
+    from skewadam.bench.config import RunConfig
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    (tmp_path / "broken").symlink_to(tmp_path / "gone")
+    for path, what in ((tmp_path / "fifo", "is a FIFO (a named pipe), not a file or a folder"),
+                       ("/dev/null", "is a device, not a file or a folder"),
+                       (tmp_path / "loop1", "is a symbolic link loop"), (tmp_path / "broken", "is a broken symbolic link"),
+                       (tmp_path / "nope", "does not exist")):
+        for check in (read_documents, lambda data: RunConfig(data=str(data))):
+            with pytest.raises(ValueError, match=re.escape(f"--data {str(path)!r} {what}") + ".*give a text file"):
+                check(path)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="FIFOs")
+def test_fifos_and_broken_or_looping_links_in_a_folder_are_skipped_and_counted(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha " * 50)
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    (tmp_path / "broken").symlink_to(tmp_path / "gone")
+    docs, skipped = read_documents(tmp_path)
+    assert [n for n, _ in docs] == ["a.txt"] and skipped.special == 4
+    assert str(skipped) == "4 not a regular file (a FIFO, socket or device, or a broken or looping link)"
+
+
+def test_a_one_byte_text_is_refused_as_shorter_than_a_window(tmp_path):
+    """One document is split by position: one byte leaves no training text, which the window check names."""
+    (tmp_path / "one.txt").write_text("x")
+    corpus = load_corpus(tmp_path / "one.txt")
+    assert corpus.train.numel() == 0 and corpus.train.dtype == torch.uint8 and encode("").numel() == 0
+    with pytest.raises(ValueError, match=r"text of 0 tokens is shorter than block_size \+ 1 = 33; use more text"):
+        get_batch(corpus.train, 1, 32, torch.Generator())
 
 
 def test_bytes_round_trip_including_non_ascii():

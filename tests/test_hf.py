@@ -166,6 +166,24 @@ def test_trainer_steps_inside_backward_as_the_regular_step_without_global_clippi
     assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
 
 
+def test_trainer_with_reentrant_gradient_checkpointing_steps_inside_backward_as_the_regular_step(tmp_path):
+    """``gradient_checkpointing_kwargs={"use_reentrant": True}``: each decoder layer's backward is a nested one, whose
+    gradients are left for ``step()`` to step (the embeddings, head and final norm are stepped inside backward from
+    the second step on); training is bitwise a regular run."""
+    runs = []
+    for in_backward in (False, True):
+        model = tiny_moe("mixtral")
+        args = training_args(tmp_path / str(in_backward), max_steps=3, max_grad_norm=0, gradient_checkpointing=True,
+                             gradient_checkpointing_kwargs={"use_reentrant": True})
+        trainer = SkewAdamTrainer(model=model, args=args, train_dataset=dataset(),
+                                  optimizer_kwargs={"in_backward": in_backward})
+        trainer.train()
+        runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        if in_backward:
+            assert unwrap(trainer.optimizer)._backward.segmented  # the layers' weights came inside nested backwards
+    assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+
+
 def test_trainer_settings_that_cannot_run_inside_backward_are_refused(tmp_path):
     trainer = SkewAdamTrainer(model=tiny_moe("mixtral"), train_dataset=dataset(),
                               args=training_args(tmp_path, max_steps=2, gradient_accumulation_steps=2),

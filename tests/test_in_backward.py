@@ -11,10 +11,11 @@ at a time inside backward: equal to rounding there.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import json
 import gc
 import io
+import json
 import re
 
 import pytest
@@ -287,14 +288,45 @@ def test_a_non_finite_gradient_skips_that_tensors_update_alone_and_is_counted():
     assert opt.skipped_tensors == 1 and opt.skipped_steps == 1  # a finite step counts nothing
 
 
-def test_a_second_backward_before_step_raises_and_steps_nothing_of_it():
+_RESETS = {"none": lambda net, opt: None, "optimizer.zero_grad": lambda net, opt: opt.zero_grad(),
+           "model.zero_grad": lambda net, opt: net.zero_grad()}
+
+
+@pytest.mark.parametrize("reset", _RESETS)
+def test_a_second_backward_before_step_is_refused_at_its_first_hook_whichever_zero_grad_ran(reset):
+    """Gradient accumulation, or a backward after a ``zero_grad()`` (which cannot undo the steps the first backward
+    took, where the regular step would drop its gradients): refused at the second backward's first hook, nothing
+    of it stepped; ``step()`` then ends the first backward's record and the next backward steps as usual."""
     net, opt = _build("auto", torch.float32, in_backward=True)
     net(_inputs(0, torch.float32)).backward()
     after_first = _snapshot(net, opt)
-    with pytest.raises(RuntimeError, match=re.escape("got a second gradient before optimizer.step()") + ".*"
-                       + re.escape("with optimizer.hold_gradients()")):
+    _RESETS[reset](net, opt)
+    with pytest.raises(RuntimeError, match=r"param_groups\[\d\]\['params'\]\[0\] got a gradient from a second backward "
+                                           r"before optimizer.step\(\).*zero_grad\(\), which cannot undo.*"
+                                           r"with optimizer.hold_gradients\(\)"):
         net(_inputs(1, torch.float32)).backward()
-    assert torch.equal(after_first[0]["w"], net.w) and opt.state[net.w]["step"].item() == 1
+    _assert_same(after_first, _snapshot(net, opt))
+    opt.zero_grad()
+    opt.step()
+    _train(net, opt, 1, torch.float32)
+    assert opt.state[net.w]["step"].item() == 2
+
+
+def test_hooks_run_by_hand_outside_any_backward_refuse_a_second_gradient():
+    """FSDP2 runs the post-accumulate-grad hooks itself; run outside any backward (no graph task to tell the
+    backwards apart), a parameter stepped since ``step()`` is refused by name."""
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    for attempt in range(2):
+        net.b.grad = torch.ones_like(net.b)
+        if attempt:
+            with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[1\] got a gradient from a second"):
+                for hook in net.b._post_accumulate_grad_hooks.values():
+                    hook(net.b)
+        else:
+            for hook in net.b._post_accumulate_grad_hooks.values():
+                hook(net.b)
+            assert net.b.grad is None and opt.state[net.b]["step"].item() == 1
+    assert opt.state[net.b]["step"].item() == 1 and torch.equal(net.b.grad, torch.ones_like(net.b))
 
 
 @pytest.mark.parametrize("impl", KERNELS)
@@ -400,6 +432,294 @@ def test_triton_steps_inside_backward_with_no_host_read(monkeypatch):
         opt.step()
     assert "_skipped_pending" in opt.__dict__ and opt.skipped_tensors == 1 and opt.skipped_steps == 1
     assert opt.state[net.bank]["step"].tolist() == [2, 0, 2] and opt.state[net.router]["step"].item() == 1
+
+
+# ------------------------------------------------------------------------- traps: each exact, or refused up front
+class Segmented(nn.Module):
+    """Reentrant checkpointing (``use_reentrant=True``: a nested backward per segment) over weights used every way:
+    ``emb`` before the segments and as the tied head after them, ``w`` in both segments and after them, ``u``
+    inside one segment only, ``v`` outside only."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        new = lambda *shape: nn.Parameter((torch.randn(*shape, generator=g) * 0.5).to(dtype))  # noqa: E731
+        self.emb, self.w, self.u, self.v = new(5, 6), new(6, 6), new(6, 6), new(6, 6)
+
+    def forward(self, x, segments: int = 2, fail: bool = False):
+        from torch.utils.checkpoint import checkpoint
+
+        h = x @ self.emb
+        h = checkpoint(lambda h: torch.tanh(h @ self.w) @ self.u, h, use_reentrant=True)
+        if segments == 2:
+            h = checkpoint(lambda h: torch.tanh(h @ self.w), h, use_reentrant=True)
+        if fail:  # the backward raises after the weights used after the segments got their gradients
+            h = _Raises.apply(h)
+        h = torch.tanh(h @ self.v) @ self.w
+        return (h @ self.emb.T).pow(2).mean()
+
+
+def _segmented_run(impl, dtype, in_backward: bool, steps: int = 3):
+    net = Segmented(dtype)
+    opt = SkewAdam([{"params": [net.emb, net.v], "weight_decay": 0.1, "momentum_dtype": "int8"},
+                    {"params": [net.w, net.u], "tier": "router"}], lr=1e-2, impl=impl, in_backward=in_backward)
+    freed = []
+    for step in range(steps):
+        net(torch.randn(4, 5, generator=torch.Generator().manual_seed(step)).to(dtype)).backward()
+        freed.append(sorted(n for n, p in net.named_parameters() if p.grad is None))
+        opt.step()
+        opt.zero_grad()
+    return net, opt, freed
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reentrant_checkpointing_steps_a_weight_used_in_several_segments_once_with_its_summed_gradient(impl, dtype):
+    """A gradient that arrives inside a nested backward is left to accumulate, and step() steps the sum: weights and
+    state are the regular step's bits. The first backward holds every gradient (which weights the segments use is
+    learnt there); from the second on, the weights used only outside the segments are stepped and freed inside
+    backward."""
+    ref, ref_opt, _ = _segmented_run(impl, dtype, False)
+    net, opt, freed = _segmented_run(impl, dtype, True)
+    for (name, a), b in zip(ref.named_parameters(), net.parameters()):
+        assert torch.equal(a, b), name
+        assert all(torch.equal(x, y) for x, y in zip(ref_opt.state[a].values(), opt.state[b].values())), name
+    assert freed == [[], ["emb", "v"], ["emb", "v"]]
+    assert opt._backward.segmented == {id(net.w), id(net.u)}
+
+
+def test_a_weight_a_reentrant_segment_starts_using_after_the_first_backward_is_refused_naming_use_reentrant():
+    """The weights the segments use are learnt in the first backward that has segments; a segment that starts
+    using a weight already stepped in this backward (the model changed) raises, naming the fix."""
+    net = Segmented(torch.float32)
+    opt = SkewAdam(net.parameters(), lr=1e-2, in_backward=True)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    h = torch.tanh(x @ net.emb @ net.w)
+    (h @ net.emb.T).pow(2).mean().backward()  # no segment: everything stepped inside backward
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[1\] got a gradient inside a reentrant "
+                                           r"activation checkpoint .* Use use_reentrant=False"):
+        net(x, segments=1).backward()
+
+
+def test_a_first_backward_with_reentrant_segments_that_raised_leaves_the_next_one_to_learn_them():
+    """The first backward with segments holds every gradient while it learns which weights the segments use; one
+    that raised before its segments ran learnt nothing, so the next backward holds and learns again (rather than
+    stepping a weight inside backward whose segment's gradient comes after): bitwise the regular run."""
+    runs = []
+    for in_backward in (False, True):
+        net = Segmented(torch.float32)
+        opt = SkewAdam(net.parameters(), lr=1e-2, in_backward=in_backward)
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+        with pytest.raises(RuntimeError, match="the backward failed here"):
+            net(x, fail=True).backward()
+        opt.zero_grad()
+        for step in range(2):
+            net(x + step).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def _partly_reached(net: Net, step: int, dtype) -> torch.Tensor:
+    """Every third step reaches every tensor; the others leave the router, the bank and the flattened bank out."""
+    x = _inputs(step, dtype)
+    return net(x) if step % 3 == 0 else torch.tanh(x @ net.w + net.b).pow(2).mean()
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("dtype, momentum_dtype", CASES[:4], ids=[f"{str(d)[6:]}-{m}m" for d, m in CASES[:4]])
+def test_a_kept_zero_gradient_is_stepped_as_the_regular_step_steps_it(impl, dtype, momentum_dtype):
+    """``zero_grad(set_to_none=False)`` keeps a zero gradient for each tensor the hooks freed; a backward that does
+    not reach it leaves it zero, and ``step()`` steps it (momentum decays, weight decay applies; a bank's all-zero
+    slices stay untouched), bitwise as the regular step does, across tiers, banks and momentum formats."""
+    runs = []
+    for in_backward in (False, True):
+        net, opt = _build(impl, dtype, momentum_dtype, in_backward)
+        for step in range(4):
+            _partly_reached(net, step, dtype).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        runs.append(_snapshot(net, opt))
+        assert opt.state[net.router]["step"].item() == 4  # stepped with a zero gradient at steps 1 and 2
+    _assert_same(*runs)
+
+
+class _Raises(torch.autograd.Function):
+    """The identity whose backward raises (what an out-of-memory error or a bad batch does midway through)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("the backward failed here")
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("reset", _RESETS)
+def test_after_a_backward_that_raised_the_next_backward_steps_every_parameter_once_whichever_zero_grad_ran(impl,
+                                                                                                          reset):
+    """The hooks that ran before the error stepped their parameters (the bias and the flattened bank, whose
+    gradients come before the failure point) and freed their gradients; the failed backward never completed (its
+    final callback never ran), so the next backward starts a new record, after ``optimizer.zero_grad()``,
+    ``model.zero_grad()`` (the HF Trainer's) or none: the run equals a regular one whose failed batch stepped those
+    two tensors alone."""
+    runs = []
+    for in_backward in (False, True):
+        net, opt = _build(impl, torch.float32, in_backward=in_backward)
+        _train(net, opt, 1, torch.float32)
+        x = _inputs(1, torch.float32)
+        h = torch.tanh(_Raises.apply(x @ net.w) + net.b)
+        loss = h.sum() + torch.tanh(h.detach() @ net.flat.T).sum()
+        with pytest.raises(RuntimeError, match="the backward failed here"):
+            loss.backward()
+        if not in_backward:  # the regular twin steps what the hooks stepped before the error
+            opt.step()
+            opt.zero_grad()
+        else:
+            assert all(p.grad is None for p in net.parameters())
+            _RESETS[reset](net, opt)
+        _train(net, opt, 1, torch.float32)
+        runs.append(_snapshot(net, opt))
+        assert opt.state[net.b]["step"].item() == 3 and opt.state[net.w]["step"].item() == 2
+    _assert_same(*runs)
+
+
+@pytest.mark.parametrize("keep", [dict(retain_graph=True), dict(create_graph=True)], ids=["retain", "create"])
+def test_a_backward_that_keeps_its_graph_is_refused_before_anything_moves_naming_hold_gradients(keep):
+    """Stepping in place would change weights the kept graph saved (a second backward through it would fail with
+    torch's in-place error): refused at the first hook, nothing stepped. Under ``hold_gradients()`` the backwards
+    through one graph accumulate, and the last one steps their sum, as the regular step does."""
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    _train(net, opt, 1, torch.float32)
+    before = _snapshot(net, opt)
+    loss = net(_inputs(1, torch.float32))
+    with pytest.raises(RuntimeError, match=r"retain_graph=True or create_graph=True\) cannot step inside backward.*"
+                                           r"with optimizer.hold_gradients\(\)"):
+        loss.backward(**keep)
+    _assert_same(before, _snapshot(net, opt))
+    opt.zero_grad()
+    runs = []
+    for in_backward in (False, True):
+        net, opt = _build("auto", torch.float32, in_backward=in_backward)
+        loss = net(_inputs(0, torch.float32))
+        with opt.hold_gradients():
+            loss.backward(retain_graph=True)
+        loss.backward()
+        opt.step()
+        runs.append(_snapshot(net, opt))
+    _assert_same(*runs)
+
+
+def _scaled_run(impl, in_backward: bool):
+    """4 steps with a GradScaler (fp32 weights, scale 2**16): the third's gradients overflow (the step is skipped and
+    the scale halved), the fourth accumulates two scaled micro-batches, unscales and clips them before
+    ``scaler.step`` (torch's recipe)."""
+    net, opt = _build(impl, torch.float32, in_backward=in_backward)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    scales, held = [], []
+    for step in range(4):
+        for micro in range(1 + (step == 3)):
+            loss = net(_inputs(2 * step + micro, torch.float32))
+            if step == 2:
+                loss = loss + 1e35 * net.w.sum()  # finite, but its gradient times the scale overflows
+            scaler.scale(loss).backward()
+            held.append(all(p.grad is not None for n, p in net.named_parameters() if n != "unused"))
+        if step == 3:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        opt.zero_grad()
+    return _snapshot(net, opt), scales, held
+
+
+@pytest.mark.parametrize("impl", KERNELS)
+def test_a_grad_scaler_backward_holds_its_gradients_and_scaler_step_is_bitwise_the_regular_step(impl):
+    """``scaler.scale(loss).backward()``: a loss scaled by a live GradScaler holds the backward's gradients, so
+    ``scaler.step(optimizer)`` runs torch's own path (unscale, inf check, ``step()`` of the held gradients, a skipped
+    step on overflow) and ``scaler.update()`` moves the scale: weights, state and scales are the regular step's bits,
+    a global clip after ``unscale_`` included."""
+    regular, in_backward = _scaled_run(impl, False), _scaled_run(impl, True)
+    _assert_same(regular[0], in_backward[0])
+    assert regular[1] == in_backward[1] == [2.0 ** 16, 2.0 ** 16, 2.0 ** 15, 2.0 ** 15]
+    assert all(in_backward[2])  # held: the memory the mode does not save under GradScaler
+
+
+def test_a_product_loss_without_a_grad_scaler_is_stepped_inside_backward():
+    """``loss * torch.tensor(2.0)`` has a scaled loss's graph; without a live GradScaler that has scaled a loss
+    (one that never scaled anything, or a disabled one, is no scaler) its gradients are stepped inside backward."""
+    gc.collect()
+    idle, disabled = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu", enabled=False)
+    disabled.scale(torch.ones(()))
+    runs = []
+    for in_backward in (False, True):
+        net, opt = _build("auto", torch.float32, in_backward=in_backward)
+        for step in range(2):
+            (net(_inputs(step, torch.float32)) * torch.tensor(2.0)).backward()
+            assert all(p.grad is None for p in net.parameters()) is in_backward
+            opt.step()
+            opt.zero_grad()
+        runs.append(_snapshot(net, opt))
+    _assert_same(*runs)
+    assert idle._scale is None
+
+
+def test_a_scaled_loss_changed_after_scaling_is_refused_at_scaler_step_naming_the_fix():
+    """``scaler.scale(loss) / 2`` is not recognised as scaled (its root is a division): the hooks step scaled
+    gradients, and ``scaler.step(optimizer)`` raises, naming ``scaler.scale(loss).backward()`` on the final loss and
+    ``hold_gradients()``, instead of torch's "No inf checks were recorded"; GradScaler's attributes are removed.
+    Under ``hold_gradients()`` the same loop is the regular step's."""
+    runs = []
+    for in_backward, hold in ((False, False), (True, True), (True, False)):
+        net, opt = _build("auto", torch.float32, in_backward=in_backward)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        with opt.hold_gradients() if hold else contextlib.nullcontext():
+            (scaler.scale(net(_inputs(0, torch.float32))) / 2).backward()
+        if in_backward and not hold:
+            with pytest.raises(RuntimeError, match=r"its loss was not recognised as scaled.*Call "
+                                                   r"scaler.scale\(loss\).backward\(\) on the final loss.*"
+                                                   r"optimizer.hold_gradients\(\)"):
+                scaler.step(opt)
+            assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+        else:
+            scaler.step(opt)
+            scaler.update()
+            runs.append(_snapshot(net, opt))
+    _assert_same(*runs)
+
+
+def test_turning_in_backward_off_between_backward_and_step_keeps_the_skip_counts():
+    net, opt = _build("auto", torch.float32, in_backward=True)
+    (net(_inputs(0, torch.float32)) + (net.router * float("nan")).sum()).backward()
+    opt.in_backward = False
+    opt.step()
+    assert opt.skipped_tensors == 1 and opt.skipped_steps == 1
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_deepcopy_has_every_public_attribute_of_the_original(in_backward):
+    """PyTorch's optimizer contract: every public attribute (``dir``) of the original exists on the copy, with an
+    equal value for every plain one (numbers, strings, flags); param groups and state are copies of the same
+    shape."""
+    net, opt = _build("auto", torch.float32, in_backward=in_backward)
+    _train(net, opt, 1, torch.float32)
+    (net(_inputs(1, torch.float32)) + (net.router * float("nan")).sum()).backward()
+    opt.step()
+    copied = copy.deepcopy(opt) if not in_backward else copy.deepcopy((net, opt))[1]
+    public = [a for a in dir(opt) if not a.startswith("_")]
+    assert public == [a for a in dir(copied) if not a.startswith("_")]
+    plain = [a for a in public if isinstance(getattr(opt, a), (bool, int, float, str))]
+    assert {"skipped_steps", "skipped_tensors", "skip_nonfinite", "in_backward"} <= set(plain)
+    assert {a: getattr(copied, a) for a in plain} == {a: getattr(opt, a) for a in plain}
+    assert opt.skipped_tensors == in_backward and opt.skipped_steps == 1
+    assert [len(g["params"]) for g in copied.param_groups] == [len(g["params"]) for g in opt.param_groups]
+    assert len(copied.state) == len(opt.state)
 
 
 # ---------------------------------------------------------------------------------------------- bench and planner

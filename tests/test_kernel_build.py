@@ -4,6 +4,8 @@ says so before it starts."""
 
 from __future__ import annotations
 
+import fnmatch
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,7 +28,8 @@ def test_the_build_folder_changes_with_everything_the_build_depends_on(monkeypat
         "flags": lambda m: m.setattr(cpu, "_CFLAGS", [*cpu._CFLAGS, "-DOTHER"]),
         "compiler": lambda m: m.setenv("CXX", "clang++"),
         "cpu": lambda m: m.setattr(cpu, "_cpu_id", lambda: "model name: other\nflags: sse2\n"),
-        "source": lambda m: m.setattr(cpu, "_SOURCE", _copy(cpu._SOURCE, tmp_path / "src.cpp", "// edited\n")),
+        "source": lambda m: m.setattr(cpu, "_SOURCES", _edited(0, tmp_path)),
+        "a header": lambda m: m.setattr(cpu, "_SOURCES", _edited(-1, tmp_path)),
     }
     seen = {name}
     for what, change in changes.items():
@@ -37,9 +40,24 @@ def test_the_build_folder_changes_with_everything_the_build_depends_on(monkeypat
         seen.add(other)
 
 
-def _copy(src: Path, dst: Path, extra: str) -> Path:
-    dst.write_text(src.read_text() + extra)
-    return dst
+def _edited(i: int, folder: Path) -> tuple[Path, ...]:
+    """The kernel's files with file ``i`` replaced by an edited copy of the same name."""
+    dst = folder / "edited" / cpu._SOURCES[i].name
+    dst.parent.mkdir(exist_ok=True)
+    dst.write_text(cpu._SOURCES[i].read_text() + "// edited\n")
+    return tuple(dst if f == cpu._SOURCES[i] else f for f in cpu._SOURCES)
+
+
+def test_the_build_covers_every_file_of_the_kernel_and_the_package_ships_them():
+    import tomllib
+
+    csrc = Path(cpu.__file__).with_name("csrc")
+    assert set(cpu._SOURCES) == set(csrc.iterdir()) and len(cpu._SOURCES) > 1
+    text = "\n".join(f.read_text() for f in cpu._SOURCES)
+    assert {f.name for f in cpu._SOURCES[1:]} == set(re.findall(r'#include "(\w+\.h)"', text))  # every header used
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    shipped = pyproject["tool"]["setuptools"]["package-data"]["skewadam.kernels"]
+    assert all(any(fnmatch.fnmatch(f"csrc/{f.name}", pattern) for pattern in shipped) for f in cpu._SOURCES)
 
 
 def test_a_build_is_announced_before_it_starts_and_timed_after_and_compiles_a_copy_in_its_folder(
@@ -64,7 +82,7 @@ def test_a_build_is_announced_before_it_starts_and_timed_after_and_compiles_a_co
     assert "compiled the C++ kernel in" in capsys.readouterr().err
     name, folder = cpu._build_dir()
     assert calls == [[str(Path(folder, "skewadam_cpu.cpp"))]]  # not the checkout: build.ninja names no worktree
-    assert Path(folder, "skewadam_cpu.cpp").read_bytes() == cpu._SOURCE.read_bytes() and cpu.built()
+    assert all(Path(folder, f.name).read_bytes() == f.read_bytes() for f in cpu._SOURCES) and cpu.built()
     assert cpu._load() is lib and capsys.readouterr().err == "" and len(calls) == 2  # built: loads silently
 
 

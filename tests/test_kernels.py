@@ -81,9 +81,13 @@ def test_every_impl_matches_the_fp64_reference(impl, eps_mode):
 
 
 @needs_cpp
+@pytest.mark.parametrize("cache", [1 << 10, None, 1 << 30], ids=["all-split", "this-cache", "none-split"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_cpp_single_process_step_is_bitwise_the_three_pass_path(dtype):
-    # No reducer: one fused C++ call. An identity reducer forces the three passes with the distributed seam between.
+def test_cpp_single_process_step_is_bitwise_the_three_pass_path(dtype, cache, monkeypatch):
+    # No reducer: one C++ call, its units scheduled by what fits a core's cache (`cpu.step_`: with a 1 KiB cache
+    # every unit is split, with 1 GiB none is). An identity reducer forces the three passes with the seam between.
+    if cache is not None:
+        monkeypatch.setattr(cpu, "cache_bytes", lambda: cache)
     fused, opt_f = _run("cpp", SPECS, 6, dtype, lr=0.01, weight_decay=0.1)
     passes, opt_p = _run("cpp", SPECS, 6, dtype, reducer=lambda items: None, lr=0.01, weight_decay=0.1)
     for a, b in zip(fused, passes):
@@ -228,7 +232,7 @@ def test_cpp_step_allocates_at_most_what_step_transient_bytes_says():
 
     specs = [((8, 384, 128), "expert", {}), ((512, 128), "backbone", {}), ((128,), "backbone", {}),
              ((8, 128), "router", {}), ((700, 600), "expert", {"bank": False}),  # split across threads
-             ((4, 700, 600), "expert", {})]  # bank slices of fp32 gradients above FUSE_BYTES: split
+             ((4, 700, 600), "expert", {})]  # bank slices of fp32 gradients above a core's L2 cache: split
     for dtype in (torch.float32, torch.bfloat16):
         params, opt = _run("cpp", specs, 1, dtype)
         transient = step_transient_bytes(opt)

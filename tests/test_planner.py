@@ -486,3 +486,15 @@ def test_the_forward_and_backward_flops_the_plan_estimates_are_torchs_count_of_t
     text = str(p)
     row = next(line for line in text[text.index("Newton-Schulz"):].splitlines() if line.startswith("skewadam-quality"))
     assert row.split()[-1] == f"{share:.0%}"  # the estimated share, printed
+
+
+@pytest.mark.parametrize("model", ["paper-6.78b", "mixtral-8x7b", "qwen3-30b-a3b"])
+def test_zero_state_over_the_ranks_is_at_most_1_25x_one_process_and_each_rank_keeps_its_share(model):
+    """Under DeepSpeed ZeRO SkewAdam keeps the state of the rows a rank steps, in each tensor's layout: only the
+    matrices the partitions cut keep a second copy of their column statistics (`skewadam.pieces`), and ZeRO cuts
+    every group in equal parts, so no rank keeps much more than its share. The planner's figures are checked against
+    two CPU ranks in tests/distributed/test_deepspeed_distributed.py."""
+    for stage, ranks in ((2, 8), (3, 8), (3, 64)):
+        p = plan(model, optimizers=["skewadam"], param_dtype="bf16", zero=stage, shards=ranks)["skewadam"]
+        assert p.state.total <= p.zero.state_ranks <= 1.25 * p.state.total, (stage, ranks, p.zero)
+        assert p.zero.state <= 1.25 * p.state.total / ranks, (stage, ranks, p.zero)

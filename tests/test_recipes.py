@@ -77,9 +77,12 @@ def test_explicit_keyword_arguments_override_a_recipe_and_dicts_key_by_key():
     assert RECIPES["quality"].settings["orthogonal_options"] == {"use_momentum": True}  # the registry is untouched
 
 
-def test_an_unknown_recipe_is_refused_naming_the_recipes():
-    with pytest.raises(ValueError, match=r"unknown recipe 'fast': use one of paper, lean, quality"):
-        SkewAdam.from_model(_model(), recipe="fast")
+@pytest.mark.parametrize("recipe", ["fast", ["quality"], ("lean",), None, 3, {"quality": 1}])
+def test_an_unknown_recipe_or_one_not_a_name_is_refused_naming_the_recipes(recipe):
+    """A list, a tuple, None, a number or a dict (unhashable ones included) is refused as an unknown name is."""
+    with pytest.raises(ValueError, match=re.escape(f"unknown recipe {recipe!r}: recipe= takes one name, one of "
+                                                   f"paper, lean, quality")):
+        SkewAdam.from_model(_model(), recipe=recipe)
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

@@ -5,6 +5,7 @@ every kernel; and `load_state_dict` refuses what does not fit, changing nothing.
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -326,3 +327,26 @@ def test_a_state_dict_missing_a_top_level_key_is_refused_naming_it(missing):
 def test_a_checkpoint_skip_count_that_is_no_whole_number_is_refused(value):
     _, opt = _stepped()
     _refused({**opt.state_dict(), "skipped_steps": value}, "skipped_steps is .*, expected a whole number >= 0")
+
+
+def test_a_checkpoint_of_another_tiering_or_recipe_is_refused_naming_the_groups_of_both():
+    """Saved by an optimizer whose groups differ (all in one tier; the quality recipe's orthogonal groups): the
+    error lists both sets of groups (tier, update, size) instead of torch's "different number of parameter
+    groups", and nothing changes."""
+    from skewadam.bench.models import MoETransformer, get_config
+
+    params, _ = _build(torch.float32)
+    one_tier = SkewAdam([{"params": list(params.values()), "tier": "backbone"}], lr=1e-2)
+    for p in params.values():
+        p.grad = torch.ones_like(p)
+    one_tier.step()
+    _refused(one_tier.state_dict(), re.escape("the state dict's param groups are not this optimizer's: saved [0] "
+                                              "backbone (6 tensors); this optimizer [0] backbone (4 tensors), [1] "
+                                              "expert (1 tensor), [2] router (1 tensor). It was saved by an "
+                                              "optimizer built with other tiers or another recipe"))
+    model = MoETransformer(get_config("tiny"))
+    quality = SkewAdam.from_model(model, recipe="quality", log=False).state_dict()
+    paper = SkewAdam.from_model(model, log=False)
+    with pytest.raises(ValueError, match=r"saved .*\[\d\] backbone orthogonal \(\d+ tensors\).*; this optimizer "
+                                         r"\[0\] backbone \(\d+ tensors\)"):
+        paper.load_state_dict(quality)

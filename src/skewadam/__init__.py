@@ -10,14 +10,15 @@ every import against this list.
 
     1. tiers                        tier labels (they import nothing of ours)
     2. state, structure             state_spec, state_flags, check_state, measure_state; the MoE structure of a model
-    3. kernels, classify, recipes   the kernel backends and their registry; automatic tiers; named configurations
-                                    of from_model
-    4. distributed, groups          DTensor placements and the cross-shard reducer; param groups and their census
+    3. kernels, classify, recipes, pieces  the kernel backends and their registry; automatic tiers; named
+                                    configurations of from_model; where ZeRO's flat partitions cut the tensors
+    4. distributed, groups, zero    DTensor placements and the cross-shard reducer; param groups and their census;
+                                    the records and reducer of ZeRO's flat partitions
     5. validation, functional, backward  param group and checkpoint checks; one step over the kernels' records;
                                     the step inside backward (a gradient hook per parameter: it steps the
                                     parameter through its optimizer as soon as its gradient is complete)
     6. optimizer                    SkewAdam
-    7. integrations                 Transformers, torchtitan
+    7. integrations                 Transformers, torchtitan, DeepSpeed
     8. bench                        the benchmark application beside the library: the arms (one registry), the
                                     planner, models, data, the harness (train, bench, report, measure); nothing
                                     below imports it, and its planner imports no optimizer and no kernel module

@@ -12,12 +12,27 @@ on every rank, so the reducer's collectives inside them line up.
 
 ``optimizer.step()`` then does the bookkeeping: the step hooks and LR schedulers run as usual (a scheduler's ``lr``
 is read by the next backward's hooks), the non-finite skips are counted, and any gradient that backward did not step
-(set by hand, accumulated under `BackwardSteps.hold`, or of a parameter without a hook) is stepped there by the
-regular step. What cannot run inside backward is refused rather than silently done wrong:
+(set by hand, accumulated under `BackwardSteps.hold`, deferred, or of a parameter without a hook) is stepped there by
+the regular step. What cannot run inside backward is refused before anything moves, or done as the regular step
+does it (docs/guide/in-backward.md lists both):
 
-- a second backward before ``step()`` (gradient accumulation) raises at the first parameter it would step twice;
-  accumulate micro-batches under ``with optimizer.hold_gradients():`` (the hooks then leave the gradients to
-  accumulate, holding them as the regular step does), or with FSDP2's ``set_requires_gradient_sync(False)``;
+- a second backward before ``step()`` (gradient accumulation, or a backward after a ``zero_grad()``, which cannot
+  undo the steps already taken) raises at its first hook, nothing of it stepped; accumulate micro-batches under
+  ``with optimizer.hold_gradients():`` (the hooks then leave the gradients to accumulate, holding them as the
+  regular step does), or with FSDP2's ``set_requires_gradient_sync(False)``. A backward that raised midway (its
+  final callback never ran) is no second backward: the next one starts a new record, whichever ``zero_grad`` ran;
+- a backward that keeps its graph (``retain_graph=True``, ``create_graph=True``) raises at its first hook: stepping
+  in place would change weights the kept graph saved;
+- reentrant activation checkpointing (``torch.utils.checkpoint(..., use_reentrant=True)``) runs a nested backward
+  per segment, so a weight a segment uses can get its gradient in several pieces: a gradient that arrives inside a
+  nested backward is left to accumulate, and so is, in later backwards, an outer gradient of a weight segments use
+  (all of them in the first backward that has segments); ``step()`` steps their sums;
+- ``zero_grad(set_to_none=False)`` keeps a zero gradient for every parameter the hooks freed: one the next backward
+  does not reach is stepped by ``step()`` with that zero gradient, as the regular step does;
+- a backward of a loss that a ``torch.amp.GradScaler`` scaled (``scaler.scale(loss).backward()``: its root is a
+  product with a constant while an enabled GradScaler is alive, `_scaled`) holds its gradients, so
+  ``scaler.step(optimizer)`` takes torch's own path (unscale, inf check, ``step()`` of the held gradients); a
+  scaled loss it cannot recognise (changed after scaling) raises at ``scaler.step``;
 - a gradient set again after its parameter was stepped in backward (DDP all-reducing after the hooks) raises at
   ``step()`` naming the parameter;
 - a non-finite gradient skips that tensor's update alone (its gradient is dropped): ``skipped_tensors`` counts them,
@@ -35,27 +50,51 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import gc
+import sys
+import threading
 import weakref
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, ContextManager, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import BackwardCFunction
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["BackwardSteps", "InBackward", "check_trainer", "stacked"]
+__all__ = ["BackwardMode", "BackwardSteps", "Counter", "check_trainer", "stacked"]
 
 #: Each parameter's `BackwardSteps`: a parameter is stepped in backward by one optimizer at most.
 _OWNERS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+#: The Python frames that bracket a reentrant backward: torch's engine call, and a custom Function's backward.
+_ENGINE = torch.autograd.graph._engine_run_backward.__code__
+_NODE = BackwardCFunction.apply.__code__
 
-_TWICE = ("{name} got a second gradient before optimizer.step(): with in_backward=True each gradient is stepped as "
-          "soon as backward completes it, so a second backward (gradient accumulation) would step the micro-batches "
-          "apart. Call optimizer.step() after every backward, or accumulate under `with optimizer.hold_gradients():` "
-          "(the backwards inside it keep their gradients; the first backward after it steps their sum; under FSDP2, "
-          "model.set_requires_gradient_sync(False) does the same), or use in_backward=False")
+_TWICE = ("{name} got a gradient from a second backward before optimizer.step(): with in_backward=True each "
+          "gradient is stepped as soon as backward completes it, and the last backward's were, so a second one "
+          "(gradient accumulation, or a backward after zero_grad(), which cannot undo those steps) would step the "
+          "batches apart. Call optimizer.step() after every backward, or accumulate under `with "
+          "optimizer.hold_gradients():` (the backwards inside it keep their gradients; the first backward after it "
+          "steps their sum; under FSDP2, model.set_requires_gradient_sync(False) does the same), or use "
+          "in_backward=False")
 _REGROWN = ("{name} has a gradient again after it was stepped in backward: something wrote it after SkewAdam's hook "
             "(DistributedDataParallel all-reduces gradients after the hooks, so they stepped this rank's own "
             "gradients). Under DDP use in_backward=False, or shard with FSDP2 (fully_shard), whose hooks run after "
             "its reduce-scatter")
+_RETAINED = ("a backward that keeps its graph (retain_graph=True or create_graph=True) cannot step inside backward: "
+             "the step changes weights in place that the kept graph saved, so a second backward through it would "
+             "fail. Run the backwards that share a graph under `with optimizer.hold_gradients():` (the last one, "
+             "outside it and without retain_graph, steps their sum), or use in_backward=False; nothing was stepped")
+_SEGMENT = ("{name} got a gradient inside a reentrant activation checkpoint (torch.utils.checkpoint(..., "
+            "use_reentrant=True)) after it was stepped in this backward: it is used inside a checkpointed segment "
+            "and after it, which the first backward did not show (the model changed since). Use "
+            "use_reentrant=False, or rebuild the optimizer after changing the model; this step used part of its "
+            "gradient, so resume from a checkpoint")
+_SCALED = ("torch.amp.GradScaler steps an optimizer whose hooks stepped the backward before this call: its loss was "
+           "not recognised as scaled (it was changed after scaler.scale(), e.g. divided, or several scaled losses "
+           "were summed or scaled as one list), so scaled gradients were stepped (resume from a checkpoint). "
+           "Call scaler.scale(loss).backward() on the final loss (SkewAdam then holds that backward's gradients "
+           "for scaler.step), or run the backward under `with optimizer.hold_gradients():`, or train in bf16 "
+           "(torch.autocast(..., dtype=torch.bfloat16) needs no scaler), or use in_backward=False")
 
 
 class BackwardSteps:
@@ -65,9 +104,16 @@ class BackwardSteps:
     (``optimizer.in_backward = False``), and never step a parameter the optimizer no longer holds.
 
     Attributes:
-        stepped: ids of the parameters stepped in backward since the last ``step()``.
+        stepped: ids of the parameters stepped in backward since the last ``step()`` (or since the backward that
+            raised before the running one started).
         skipped: each of those updates' skip flag (0-d bool tensors on the parameters' devices: no host sync).
         held: inside `hold`: the hooks leave the gradients to accumulate.
+        freed: ids of the parameters whose gradient a hook freed since the last ``zero_grad(set_to_none=True)``:
+            the regular step would still hold a gradient tensor for each.
+        zeroed: ids of those whose gradient ``zero_grad(set_to_none=False)`` kept as zeros and no backward has
+            reached since: ``step()`` steps them with a zero gradient.
+        segmented: ids of the parameters whose gradient arrived inside a reentrant backward (a checkpointed
+            segment's): their gradients are left to accumulate for ``step()``.
 
     Example:
         >>> steps = BackwardSteps(optimizer)   # what SkewAdam(..., in_backward=True) does
@@ -81,6 +127,13 @@ class BackwardSteps:
         self.stepped: set[int] = set()
         self.skipped: list[Tensor] = []
         self.held = False
+        self.freed: set[int] = set()
+        self.zeroed: set[int] = set()
+        self.segmented: set[int] = set()
+        self._task: tuple[int, str] = (-2, "")  # the running backward's graph task id and what it is (`_kind`)
+        self._outer: tuple[int, str] = (-2, "")  # the same of the last outermost backward a hook ran in
+        self._done = True  # whether that backward completed (the engine ran its final callback)
+        self._probed = False  # whether a backward was searched for reentrant segments (`_classify`)
         weakref.finalize(optimizer, _remove_all, self._handles)
         try:
             for group in optimizer.param_groups:
@@ -123,13 +176,29 @@ class BackwardSteps:
         finally:
             self.held = held
 
+    def zero_grad(self, set_to_none: bool) -> None:
+        """After the optimizer's ``zero_grad``: with ``set_to_none=False`` each gradient a hook freed is a kept zero
+        gradient (`zeroed`). The record of what was stepped is not reset: that is ``step()``'s, and, after a
+        backward that raised, the next backward's."""
+        if set_to_none:
+            self.freed.clear()
+        self.zeroed = set() if set_to_none else set(self.freed)
+
     def finish(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
-        """At ``step()``: refuse a gradient that came back after its parameter was stepped in backward, then return
-        the skip flags of the updates done in backward and start the next step's record."""
+        """At ``step()``: refuse a GradScaler after a backward whose hooks stepped, and a gradient that came back
+        after its parameter was stepped in backward, give each kept zero gradient no backward reached its zeros,
+        then return the skip flags of the updates done in backward and start the next step's record."""
+        if "found_inf" in optimizer.__dict__:  # torch.amp.GradScaler.step() hands its inf checks to the step
+            del optimizer.grad_scale, optimizer.found_inf
+            raise RuntimeError(_SCALED)
         for index, group in enumerate(optimizer.param_groups):
             for i, p in enumerate(group["params"]):
                 if p.grad is not None and id(p) in self.stepped:
                     raise RuntimeError(_REGROWN.format(name=_name(group, index, i)))
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None and id(p) in self.zeroed and id(p) not in self.stepped:
+                    p.grad = torch.zeros_like(p)
         skipped, self.skipped = self.skipped, []
         self.stepped.clear()
         return skipped
@@ -144,6 +213,46 @@ class BackwardSteps:
         self._where = {id(q): (index, i) for index, g in enumerate(groups) for i, q in enumerate(g["params"])}
         return self._where.get(id(p))
 
+    def _kind(self) -> str:
+        """What the running backward is (`_classify`), decided at its first hook."""
+        task = torch._C._current_graph_task_id()
+        if task != self._task[0]:
+            self._task = (task, self._classify(task))
+        return self._task[1]
+
+    def _classify(self, task: int) -> str:
+        """``"retained"`` (the backward keeps its graph), ``"nested"`` (a reentrant backward: `_engine_call`),
+        ``"second"`` (an outermost backward after one that completed and stepped, before ``step()``), ``"scaled"``
+        (its loss was scaled by a GradScaler: `_scaled`), ``"defer"`` (the first backward this optimizer meets, and
+        it has reentrant segments: which weights they use is not known yet), else ``"outer"``. An outermost
+        backward after one that raised (the engine never ran the callback queued here at its end) starts a new
+        record. One walk of the Python stack per backward; no graph walk but the first backward's."""
+        if task < 0:
+            return "outer"  # a hook run by hand, outside any backward
+        if torch._C._autograd._get_current_graph_task_keep_graph():
+            return "retained"
+        nested, engine = _engine_call(sys._getframe())
+        if nested:
+            return "nested"
+        if task == self._outer[0]:
+            return self._outer[1]  # back from a nested backward
+        if self._done and self.stepped:
+            return "second"  # (no record: each backward until step() is refused)
+        if not self._done:  # the last backward raised: a new record, and a new search if it was to search
+            self.stepped.clear()
+            self._probed = self._probed and self._outer[1] != "defer"
+        roots = _roots(engine)
+        kind = "scaled" if _scaled(roots) else "outer"
+        if kind == "outer" and not self._probed:
+            self._probed = True
+            kind = "defer" if self.segmented or _has_reentrant_segment(roots) else kind
+        self._outer, self._done = (task, kind), False
+        torch.autograd.Variable._execution_engine.queue_callback(self._complete)
+        return kind
+
+    def _complete(self) -> None:
+        self._done = True
+
     def _hook(self, p: Tensor) -> None:
         optimizer = self._optimizer()
         if optimizer is None or self.held or p.grad is None:
@@ -151,16 +260,56 @@ class BackwardSteps:
         where = self._locate(optimizer, p)
         if where is None:
             return
-        if id(p) in self.stepped:
+        kind = self._kind()
+        if kind == "retained":
+            raise RuntimeError(_RETAINED)
+        if kind == "nested":
+            if id(p) in self.stepped:
+                raise RuntimeError(_SEGMENT.format(name=_name(optimizer.param_groups[where[0]], *where)))
+            self.segmented.add(id(p))
+        if kind == "second" or (kind == "outer" and id(p) in self.stepped):  # (the latter: hooks run by hand)
             raise RuntimeError(_TWICE.format(name=_name(optimizer.param_groups[where[0]], *where)))
+        if kind != "outer" or id(p) in self.segmented:
+            return  # held: its gradient may come in several pieces, or be scaled; step() steps it
         self.skipped.append(optimizer._step(only=where))
         self.stepped.add(id(p))
+        self.freed.add(id(p))
+        self.zeroed.discard(id(p))
         p.grad = None
 
 
-class InBackward:
+class Counter:
+    """A count of skipped updates (``SkewAdam.skipped_steps``, ``skipped_tensors``): counted on the device as steps
+    run (`add`: no host sync), the device count added in when read (one host sync on GPU, only when asked);
+    settable (`SkewAdam.load_state_dict` restores ``skipped_steps``)."""
+
+    def __init__(self, name: str, pending: str, doc: str) -> None:
+        self.name, self.pending, self.__doc__ = name, pending, doc
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        pending = obj.__dict__.pop(self.pending, None)
+        if pending is not None:
+            obj.__dict__[self.name] = obj.__dict__.get(self.name, 0) + int(pending)
+        return obj.__dict__.get(self.name, 0)
+
+    def __set__(self, obj: Any, value: int) -> None:
+        obj.__dict__.pop(self.pending, None)
+        obj.__dict__[self.name] = int(value)
+
+    @staticmethod
+    def add(obj: Any, name: str, count: Tensor) -> None:
+        """Add the 0-d ``count`` to the count ``name`` of ``obj``, on its device."""
+        key = getattr(type(obj), name).pending
+        pending, count = obj.__dict__.get(key), count.to(torch.int64)
+        obj.__dict__[key] = count if pending is None else pending + count
+
+
+class _InBackward:
     """``SkewAdam.in_backward``: whether each parameter is stepped inside backward; setting it adds or removes the
-    gradient hooks (a `BackwardSteps` in the optimizer's ``_backward``)."""
+    gradient hooks (a `BackwardSteps` in the optimizer's ``_backward``). Turned off between a backward and
+    ``step()``, the skips of that backward are counted then."""
 
     def __get__(self, obj: Any, owner: Any = None) -> Any:
         return self if obj is None else obj.__dict__.get("_backward") is not None
@@ -170,14 +319,45 @@ class InBackward:
         if bool(value) != (current is not None):
             if current is not None:
                 current.remove()
+                if current.skipped:
+                    Counter.add(obj, "skipped_tensors", stacked(current.skipped).sum())
+                    Counter.add(obj, "skipped_steps", stacked(current.skipped).any())
             obj._backward = BackwardSteps(obj) if value else None
+
+
+class BackwardMode:
+    """What `SkewAdam` has for the step inside backward: the ``in_backward`` switch, `hold_gradients`, and a
+    ``zero_grad`` that tells the hooks."""
+
+    _backward: Optional[BackwardSteps]
+    in_backward = _InBackward()
+    skipped_tensors = Counter("skipped_tensors", "_skipped_tensors_pending", "With ``in_backward``: the tensor "
+                              "updates skipped inside backward for a non-finite gradient, counted at ``step()``.")
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # read by torch.amp.GradScaler.step() alone: after a backward whose hooks stepped (a scaled loss not
+        # recognised) it then hands its inf checks to step(), which refuses it (`BackwardSteps.finish`), instead
+        # of finding no gradient; after a scaled backward (held) it unscales and steps as for any optimizer
+        return self._backward is not None and bool(self._backward.stepped)
+
+    def hold_gradients(self) -> ContextManager[None]:
+        """With ``in_backward``: backwards inside keep their gradients, and the next backward (or ``step()``) steps
+        their sum: ``with opt.hold_gradients(): loss_1.backward()``, then ``loss_2.backward(); opt.step()``."""
+        return self._backward.hold() if self._backward is not None else contextlib.nullcontext()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)  # type: ignore[misc]
+        if self._backward is not None:
+            self._backward.zero_grad(set_to_none)
 
 
 def check_trainer(model: Any) -> None:
     """Refuse the settings of a trainer attached to ``model`` (a Lightning ``LightningModule``'s, in
     ``configure_optimizers``) that cannot run inside backward: global gradient clipping (``gradient_clip_val``: it
-    would see no gradient), gradient accumulation, fp16 loss scaling (the hooks would step scaled gradients), DDP
-    (it all-reduces after the hooks); ValueError naming each fix. A model without a trainer passes.
+    would see no gradient), gradient accumulation, fp16 loss scaling (under a GradScaler every gradient is held to
+    the step: nothing saved), DDP (it all-reduces after the hooks); ValueError naming each fix. A model without a
+    trainer passes.
 
     Example:
         >>> check_trainer(lightning_module)   # SkewAdam.from_model(module, in_backward=True) calls it
@@ -193,8 +373,8 @@ def check_trainer(model: Any) -> None:
         fixes.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches}: each backward's gradients are "
                      f"stepped at once; use 1 with a larger batch")
     if str(getattr(trainer, "precision", "")).startswith("16"):
-        fixes.append(f"precision={trainer.precision!r} scales the loss and the hooks would step scaled gradients; "
-                     f"use 'bf16-mixed'")
+        fixes.append(f"precision={trainer.precision!r} scales the loss: under a GradScaler SkewAdam holds every "
+                     f"gradient to the step (nothing saved); use 'bf16-mixed'")
     if "DDP" in type(getattr(trainer, "strategy", None)).__name__ and getattr(trainer, "world_size", 1) > 1:
         fixes.append("DDP all-reduces gradients after the hooks have stepped them; shard with FSDP2 "
                      "(ModelParallelStrategy)")
@@ -207,6 +387,85 @@ def stacked(flags: list[Tensor]) -> Tensor:
     """The 0-d bool ``flags`` as one 1-d tensor on the first one's device (no host sync)."""
     first = flags[0].device
     return torch.stack([f.to(first) for f in flags])
+
+
+def _engine_call(frame: Any) -> tuple[bool, Any]:
+    """Of the Python stack ``frame`` tops: whether it runs a reentrant backward (one started inside a node of another:
+    a custom Function's backward below (outside) an engine call, what ``torch.utils.checkpoint(...,
+    use_reentrant=True)`` runs per segment; FSDP2's hooks run inside a custom Function's backward too, but with no
+    engine call between it and them), and the outermost engine call's frame (None on a device thread)."""
+    nested, outer = False, None
+    while frame is not None:
+        if frame.f_code is _ENGINE:
+            outer = frame
+        elif outer is not None and frame.f_code is _NODE:
+            nested = True
+        frame = frame.f_back
+    return nested, outer
+
+
+def _roots(engine: Any) -> tuple:
+    """The running outermost backward's roots: its engine call's ``t_outputs`` (``engine``: that call's frame on this
+    thread, or None when a device thread runs the hooks: then the one other thread waiting in the engine's); ()
+    if not found."""
+    if engine is None:
+        calls = [call for t, f in sys._current_frames().items()
+                 if t != threading.get_ident() and (call := _engine_call(f)[1]) is not None]
+        if len(calls) != 1:
+            return ()
+        engine = calls[0]
+    return tuple(engine.f_locals.get("t_outputs", ()))
+
+
+def _scaled(roots: tuple) -> bool:
+    """Whether a root is a loss a ``torch.amp.GradScaler`` scaled: ``scaler.scale(loss)`` is ``loss * scaler._scale``
+    (a MulBackward0 one of whose operands needs no gradient). Which tensor it multiplied cannot be read here: the
+    root's node runs first and frees what it saved before any parameter's hook runs; so: such a product while an
+    enabled GradScaler that has scaled a loss is alive (`_scalers`). Holding a backward that was not scaled costs
+    memory, never exactness."""
+    if not any(type(getattr(r, "grad_fn", None)).__name__ == "MulBackward0"
+               and any(node is None for node, _ in r.grad_fn.next_functions) for r in roots):
+        return False
+    return any(s.is_enabled() and s._scale is not None for s in _scalers())
+
+
+#: The live GradScalers found so far, and what `_scalers` compares to know whether to search again.
+_SCALERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_SCALER_REFS: list[tuple[int, ...]] = [()]
+
+
+def _scalers() -> "weakref.WeakSet[Any]":
+    """Every live ``torch.amp.GradScaler`` (subclasses too). An instance holds a reference to its class, so the heap
+    is searched (``gc.get_referrers``: ~0.1 s) only when a class's reference count, less its instances found so far,
+    moved since the last search."""
+    classes, todo = [], [torch.amp.GradScaler]
+    while todo:
+        classes.append(todo.pop())
+        todo += classes[-1].__subclasses__()
+
+    def refs() -> tuple[int, ...]:
+        return tuple(sys.getrefcount(c) - sum(type(s) is c for s in _SCALERS) for c in classes)
+
+    if refs() != _SCALER_REFS[0]:
+        _SCALERS.update(o for o in gc.get_referrers(*classes) if isinstance(o, torch.amp.GradScaler))
+        _SCALER_REFS[0] = refs()
+    return _SCALERS
+
+
+def _has_reentrant_segment(roots: tuple) -> bool:
+    """Whether the graph below ``roots`` (`_roots`) holds a reentrant checkpoint (a node of a ``CheckpointFunction``:
+    torch's, DeepSpeed's, Megatron's). One search per optimizer (its first backward): it visits every node."""
+    todo = [r.grad_fn if isinstance(r, Tensor) else getattr(r, "node", None) for r in roots]
+    seen = set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if "CheckpointFunction" in type(node).__name__:
+            return True
+        todo += [n for n, _ in node.next_functions]
+    return False
 
 
 def _name(group: dict, index: int, i: int) -> str:

@@ -2,8 +2,7 @@
 
 Subcommands: ``tiers`` (`skewadam.classify`), ``plan`` (`skewadam.bench.planner`, ``--measure``:
 `skewadam.bench.measure`), ``bench`` and ``report`` (`skewadam.bench`), ``bench-step`` (`skewadam.bench.bench_step`);
-the kernel choices of ``--impl`` are `skewadam.kernels.BACKENDS`'. Optimizer names are
-the arms of `skewadam.bench.arms`, the same for every subcommand.
+``--impl`` chooses among `skewadam.kernels.BACKENDS`; optimizer names are the arms of `skewadam.bench.arms`.
 
 A user's mistake (a bad value, a missing file, malformed JSON, a missing optional package) is one line on stderr and
 exit status 1; ``--debug`` or ``SKEWADAM_DEBUG=1`` shows its traceback. Anything else (a bug) keeps its traceback.
@@ -135,6 +134,9 @@ def _add_plan(sub) -> None:
     p.add_argument("--shards", type=int, default=1,
                    help="FSDP2 ranks (Shard(0)): also print the bytes SkewAdam's statistics all-reduce and an "
                    "orthogonal tier gathers, per rank and step")
+    p.add_argument("--zero", type=int, choices=(1, 2, 3), default=None,
+                   help="DeepSpeed ZeRO stage over --shards ranks (skewadam.integrations.deepspeed): print SkewAdam's "
+                   "weights, master, gradients and state per rank and the bytes it all-reduces per step")
     p.add_argument("--in-backward", action="store_true",
                    help="SkewAdam steps each tensor inside backward (in_backward=True): count the gradients in flight "
                    "(the largest one backward produces at once), not all of them; --measure steps so too")
@@ -165,7 +167,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         result = plan(model, batch=args.batch, seq=args.seq, param_dtype=args.param_dtype, top_k=args.top_k,
                       optimizers=optimizers, impl=args.impl, device=args.device, shards=args.shards,
-                      in_backward=args.in_backward)
+                      in_backward=args.in_backward, zero=args.zero)
         result = dataclasses.replace(result, model=args.model)
         measured = None
         if args.measure:
@@ -414,9 +416,12 @@ def _add_bench_step(sub) -> None:
                    help="write a buffer of this many MiB before each timed step, so the step starts with cold caches")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of every optimizer (default: 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights and gradients (default: 0)")
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="sequences of the batch whose forward and backward is timed beside the steps (default: 16, "
-                        "the bench's; 0: none)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences of the batch whose forward and backward "
+                   "is timed beside the steps (default: 16, the bench's; 0: none)")
+    p.add_argument("--roofline", action="store_true", help="instead: SkewAdam, fused AdamW and a.add_(b) per tier "
+                   "and C++ path on fixed tensors, as GB/s of the bytes each moves (skewadam.bench.roofline)")
+    p.add_argument("--momentum", choices=("fp32", "bf16", "int8"), default="fp32", help="with --roofline: its momentum")
+    p.add_argument("--deepspeed", action="store_true", help="with --roofline: also time DeepSpeedCPUAdam")
     p.set_defaults(func=_bench_step)
 
 
@@ -428,9 +433,13 @@ def _bench_step(args: argparse.Namespace) -> int:
     for flag in ("rounds", "steps", "threads"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"skewadam bench-step: --{flag} must be >= 1, got {getattr(args, flag)}")
-    if args.warmup < 0 or args.flush_mb < 0:
-        raise SystemExit("skewadam bench-step: --warmup and --flush-mb must be >= 0")
+    if args.warmup < 0 or args.flush_mb < 0 or args.batch_size < 0:
+        raise SystemExit("skewadam bench-step: --warmup, --flush-mb and --batch-size must be >= 0")
     torch.set_num_threads(args.threads)
+    if args.roofline:
+        return _roofline(args)
+    if args.deepspeed or args.momentum != "fp32":
+        raise SystemExit("skewadam bench-step: --momentum and --deepspeed go with --roofline")
     first, *others = arms.BENCH_STEP_DEFAULT
     names = tuple(dict.fromkeys((first, *(args.optimizers or others))))
     try:
@@ -442,6 +451,18 @@ def _bench_step(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"skewadam bench-step: {e}") from None
     print(format_report(res))
+    return 0
+
+
+def _roofline(args: argparse.Namespace) -> int:
+    from .bench.roofline import format_roofline, roofline
+
+    if args.optimizers or args.set or args.flush_mb or args.preset != "cpu":
+        raise SystemExit("skewadam bench-step: --roofline times its own tensors against fused AdamW and a stream; "
+                         "drop --preset, --optimizers, --set and --flush-mb")
+    print(format_roofline(roofline(dtype=args.dtype, momentum_dtype=args.momentum, rounds=args.rounds,
+                                   steps=args.steps, warmup=args.warmup, impl=args.impl, clock=args.clock,
+                                   deepspeed=args.deepspeed, seed=args.seed)))
     return 0
 
 
@@ -474,7 +495,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"skewadam {args.command}: {e}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C: one line, as a shell reports it
+        print(f"\nskewadam {args.command}: interrupted", file=sys.stderr)
+        return 130

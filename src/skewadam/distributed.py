@@ -30,13 +30,13 @@ reduced sums, so the replicas stay bitwise equal). `skewadam.functional` hands t
 statistic's pieces in expert order, kind after kind, so the per-expert sums (``[E, 1, F]`` column sums, ``[E, 1, 1]``
 per-expert sums) line up on every rank, summed over the bank's dim 0; row sums stay local (rows are never cut).
 
-Refused with an error: ``Partial`` placements (unreduced values), FSDP1's ``FlatParameter`` and DeepSpeed ZeRO-3
-parameters (``ds_shape``/``ds_tensor``): flattening destroys the row/column structure that factored statistics and the
-per-tensor clip are defined on. (DeepSpeed ZeRO-1/2 hand the optimizer flat 1-D partitions with no marker; they cannot
-be detected and are unsupported. ZeRO stage 0, DDP and `torch.distributed.optim.ZeroRedundancyOptimizer` keep whole
-parameters and need no reduction. Under ``ZeroRedundancyOptimizer`` each rank steps only its own parameters, so a
-non-finite gradient would skip only the partitions that hold it; ``zero.optim._reducer = DTensorReducer()`` makes all
-ranks skip together.)
+Refused with an error: ``Partial`` placements (unreduced values), FSDP1's ``FlatParameter`` and parameters DeepSpeed
+partitioned before the optimizer was built (``deepspeed.zero.Init``: ``ds_shape``/``ds_tensor``): flattening destroys
+the row/column structure that factored statistics and the per-tensor clip are defined on. (DeepSpeed ZeRO stages 1-3
+are stepped exactly through `skewadam.integrations.deepspeed.initialize`, `skewadam.zero`. ZeRO stage 0, DDP and
+`torch.distributed.optim.ZeroRedundancyOptimizer` keep whole parameters and need no reduction. Under
+``ZeroRedundancyOptimizer`` each rank steps only its own parameters, so a non-finite gradient would skip only the
+partitions that hold it; ``zero.optim._reducer = DTensorReducer()`` makes all ranks skip together.)
 
 Stochastic rounding (bf16 parameters and bf16 momentum) draws its bits per element from a key and the element's
 local index; `rounding_stream` mixes the global offset of the shard's first element into the key, so shards of one
@@ -66,7 +66,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .kernels.rounding import mix32
+from .kernels.rounding import part_stream
 from .state import StateTensor, flat_bank_merged, spanned_dims
 
 __all__ = ["state_placements", "new_state_dtensor", "check_layout", "check_grad", "rounding_stream", "Piece",
@@ -89,7 +89,7 @@ def _sharded_dim(placement: Placement, ndim: int, what: str) -> Optional[int]:
 
 
 def check_layout(p: Tensor, where: str = "parameter", experts: Optional[int] = None) -> None:
-    """Refuse parameters whose shards cannot carry SkewAdam's statistics: flattened (FSDP1, DeepSpeed ZeRO-3) or
+    """Refuse parameters whose shards cannot carry SkewAdam's statistics: flattened (FSDP1, ``deepspeed.zero.Init``) or
     Partial, and flattened expert banks (``experts``) whose local rows are not one run (`flat_bank_pieces`)."""
     if getattr(p, "_is_flat_param", False):
         raise TypeError(
@@ -98,9 +98,10 @@ def check_layout(p: Tensor, where: str = "parameter", experts: Optional[int] = N
         )
     if any(hasattr(p, a) for a in _DEEPSPEED_ATTRS):
         raise TypeError(
-            f"{where}: DeepSpeed ZeRO-3 partitioned parameter (ds_shape={getattr(p, 'ds_shape', '?')}): DeepSpeed "
-            f"hands the optimizer flattened 1-D partitions, which lose the rows and columns SkewAdam's factored "
-            f"statistics and per-tensor clip need; use FSDP2 (torch.distributed.fsdp.fully_shard), or ZeRO stage 0"
+            f"{where}: a parameter DeepSpeed partitioned before the optimizer was built (deepspeed.zero.Init, "
+            f"ds_shape={getattr(p, 'ds_shape', '?')}): SkewAdam needs the whole model's parameters to label and "
+            f"size them; build the model without zero.Init and the optimizer on it, then pass both to "
+            f"skewadam.integrations.deepspeed.initialize (ZeRO stage 3 partitions them there)"
         )
     if isinstance(p, DTensor):
         for pl in p.placements:
@@ -183,7 +184,7 @@ def rounding_stream(param: DTensor, index: int, row: int = 0) -> int:
     ``index`` itself for the part starting at global element 0, so that one process draws what it always drew, else
     ``index`` mixed with the global index of the part's first element."""
     first = _first_element(param.shape, param.device_mesh, tuple(param.placements)) + row * math.prod(param.shape[1:])
-    return index if first == 0 else index ^ mix32(mix32(first) ^ (first >> 32))
+    return part_stream(index, first)
 
 
 class Piece(NamedTuple):

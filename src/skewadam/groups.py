@@ -25,7 +25,8 @@ from .state import format_bytes, spec_nbytes, state_flags
 from .tiers import Tier
 
 __all__ = ["describe", "param_groups", "split_kwargs", "orthogonal_names", "orthogonal_flops", "group_settings",
-           "Census", "TierCensus", "ORTHOGONAL_MOMENTUM", "warn_untiered_experts"]
+           "Census", "TierCensus", "ORTHOGONAL_MOMENTUM", "warn_untiered_experts", "describe_optimizer",
+           "group_members"]
 
 logger = logging.getLogger("skewadam")
 Orthogonal = Union[bool, str, Sequence[str]]
@@ -333,35 +334,45 @@ def param_groups(
         print("\n".join(report))
     if log:
         logger.info("%s", "\n".join(report))
-    trainable, labels, flat = found.trainable, found.tiers, found.experts
     groups = []
-    for tier in _TIERS:
-        default_wd = 0.0 if tier == Tier.ROUTER.value else weight_decay
-        names = [n for n, t in labels.items() if t == tier and n not in orth]
-        split = [(names, False)]
-        if exempt_1d:
-            split = [([n for n in names if trainable[n].ndim >= 2], False), ([n for n in names if trainable[n].ndim < 2], True)]
-        split = [([n for n in m if flat.get(n) == k], exempt, k)
-                 for m, exempt in split for k in [None, *sorted({flat[n] for n in m if n in flat})]]
-        for members, exempt, experts in split:
-            if not members:
-                continue
-            group = {"params": [trainable[n] for n in members], "param_names": members, "tier": tier,
-                     "weight_decay": default_wd}
-            if experts is not None:
-                group["experts"] = experts
+    for tier, members, exempt, experts, orthogonal_group in group_members(found, orth, exempt_1d):
+        group = {"params": [found.trainable[n] for n in members], "param_names": members, "tier": tier,
+                 "weight_decay": 0.0 if tier == Tier.ROUTER.value or exempt else weight_decay}
+        if experts is not None:
+            group["experts"] = experts
+        if orthogonal_group:
+            settings = group_settings(tier, True, defaults, options, orthogonal_options)
+            group.update({k: settings[k] for k in ("update", "betas", "relative_step", "beta2_decay",
+                                                   *options.get(tier, {}), *(orthogonal_options or {}))})
+        else:
             group.update(options.get(tier, {}))
             if exempt:
                 group["weight_decay"] = 0.0
-            groups.append(group)
+        groups.append(group)
+    return groups
+
+
+def group_members(found: Labels, orth: set[str], exempt_1d: bool = False) -> list[tuple[str, list[str], bool,
+                                                                                          Optional[int], bool]]:
+    """The tensors of each param group `param_groups` makes, in its order: ``(tier, names, exempt (< 2 dims, no
+    weight decay), experts (a flattened bank's E) or None, orthogonal)``; per tier, its tensors (split by
+    ``exempt_1d`` and by flattened banks' E), then its orthogonal ones (``orth``). ZeRO partitions each group on
+    its own, in this order (`skewadam.bench.planner`'s ZeRO figures)."""
+    trainable, labels, flat = found.trainable, found.tiers, found.experts
+    out = []
+    for tier in _TIERS:
+        names = [n for n, t in labels.items() if t == tier and n not in orth]
+        split = [(names, False)]
+        if exempt_1d:
+            split = [([n for n in names if trainable[n].ndim >= 2], False),
+                     ([n for n in names if trainable[n].ndim < 2], True)]
+        out += [(tier, members, exempt, k, False) for m, exempt in split
+                for k in [None, *sorted({flat[n] for n in m if n in flat})]
+                if (members := [n for n in m if flat.get(n) == k])]
         members = [n for n, t in labels.items() if t == tier and n in orth]
         if members:
-            settings = group_settings(tier, True, defaults, options, orthogonal_options)
-            extra = {k: settings[k] for k in ("update", "betas", "relative_step", "beta2_decay", *options.get(tier, {}),
-                                              *(orthogonal_options or {}))}
-            groups.append({"params": [trainable[n] for n in members], "param_names": members, "tier": tier,
-                           "weight_decay": default_wd, **extra})
-    return groups
+            out.append((tier, members, False, None, True))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- untiered groups
@@ -386,3 +397,18 @@ def warn_untiered_experts(params: Sequence[Any], idx: int) -> bool:
         f"each group a tier ('expert' for banks, 'router' for the gate, 'backbone' for the rest)",
         UserWarning, stacklevel=level)
     return True
+
+
+def describe_optimizer(self: Any) -> str:
+    """``repr(optimizer)`` of `skewadam.SkewAdam`: each group's tier, size and settings, and the skip counts."""
+    lines = [self.__class__.__name__ + " ("]
+    for i, group in enumerate(self.param_groups):
+        n = sum(p.numel() for p in group["params"])
+        lines.append(f"Parameter Group {i} [{group['tier']}: {len(group['params'])} tensors, {n:,} parameters]")
+        for key in sorted(k for k in group if k not in ("params", "param_names")):
+            lines.append(f"    {key}: {group[key]}")
+    lines.append(f"skip_nonfinite: {self.skip_nonfinite} (skipped_steps: {self.skipped_steps})")
+    if self.in_backward:
+        lines.append(f"in_backward: True (skipped_tensors: {self.skipped_tensors})")
+    lines.append(")")
+    return "\n".join(lines)

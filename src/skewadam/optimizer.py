@@ -8,20 +8,22 @@ its parameters keep. This class holds the param groups, checks them (`skewadam.v
 
 from __future__ import annotations
 
-import contextlib
 from itertools import chain
-from typing import Any, Callable, ContextManager, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import kernels
-from .backward import BackwardSteps, InBackward, check_trainer, stacked
+from .backward import BackwardMode, BackwardSteps, Counter, check_trainer, stacked
 from .functional import Reducer, StepGroup, skewadam_
+from .groups import describe_optimizer
 from .kernels.types import NS_STEPS, Group, ParamTensors
 from .state import StateBytes, flat_bank_merged, is_bank, measure_state, state_flags
 from .validation import check_state_dict, resolve_group, validate_params
+from .zero import partition_of, zero_layouts
 
 try:  # DTensor (FSDP2, tensor/expert parallelism); absent on builds without torch.distributed
     from torch.distributed.tensor import DTensor
@@ -45,34 +47,6 @@ def _local(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.to_local() if _is_dtensor(t) else t
 
 
-class _Counter:
-    """A count of skipped updates (``SkewAdam.skipped_steps``, ``skipped_tensors``): counted on the device as steps
-    run (`add`: no host sync), the device count added in when read (one host sync on GPU, only when asked);
-    settable (`SkewAdam.load_state_dict` restores ``skipped_steps``)."""
-
-    def __init__(self, name: str, pending: str, doc: str) -> None:
-        self.name, self.pending, self.__doc__ = name, pending, doc
-
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        pending = obj.__dict__.pop(self.pending, None)
-        if pending is not None:
-            obj.__dict__[self.name] = obj.__dict__.get(self.name, 0) + int(pending)
-        return obj.__dict__.get(self.name, 0)
-
-    def __set__(self, obj: Any, value: int) -> None:
-        obj.__dict__.pop(self.pending, None)
-        obj.__dict__[self.name] = int(value)
-
-    @staticmethod
-    def add(obj: Any, name: str, count: Tensor) -> None:
-        """Add the 0-d ``count`` to the count ``name`` of ``obj``, on its device."""
-        key = type(obj).__dict__[name].pending
-        pending, count = obj.__dict__.get(key), count.to(torch.int64)
-        obj.__dict__[key] = count if pending is None else pending + count
-
-
 def _rounding_stream(p: Tensor, index: int, momentum_dtype: str, row: int = 0) -> int:
     """The key index of ``p``'s stochastic rounding (from local row ``row`` on: a flattened bank's piece); a shard's
     own stream for DTensor shards that round (bf16 weights or bf16 momentum)."""
@@ -83,22 +57,7 @@ def _rounding_stream(p: Tensor, index: int, momentum_dtype: str, row: int = 0) -
     return index
 
 
-def _describe(self: "SkewAdam") -> str:
-    """``repr(optimizer)``: each group's tier, size and settings, and the skip counts."""
-    lines = [self.__class__.__name__ + " ("]
-    for i, group in enumerate(self.param_groups):
-        n = sum(p.numel() for p in group["params"])
-        lines.append(f"Parameter Group {i} [{group['tier']}: {len(group['params'])} tensors, {n:,} parameters]")
-        for key in sorted(k for k in group if k not in ("params", "param_names")):
-            lines.append(f"    {key}: {group[key]}")
-    lines.append(f"skip_nonfinite: {self.skip_nonfinite} (skipped_steps: {self.skipped_steps})")
-    if self.in_backward:
-        lines.append(f"in_backward: True (skipped_tensors: {self.skipped_tensors})")
-    lines.append(")")
-    return "\n".join(lines)
-
-
-class SkewAdam(Optimizer):
+class SkewAdam(BackwardMode, Optimizer):
     r"""Adam with state allocated by tier: factored second moments, momentum only where it pays.
 
     Per parameter (per bank slice, for stacked experts) with gradient :math:`g`, step :math:`t`:
@@ -234,7 +193,7 @@ class SkewAdam(Optimizer):
 
     def state_bytes(self) -> StateBytes:
         """Bytes actually held in this optimizer's state, in total and per tier (`skewadam.state.StateBytes`)."""
-        return measure_state(self)
+        return measure_state(self, getattr(self.__dict__.get("_zero"), "tiers", None))
 
     # ------------------------------------------------------------------ groups and validation
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -250,15 +209,9 @@ class SkewAdam(Optimizer):
 
             self._hinted = warn_untiered_experts(params, len(self.param_groups))
         super().add_param_group(group)
+        self.__dict__.setdefault("_known", WeakIdKeyDictionary()).update(dict.fromkeys(self.param_groups[-1]["params"]))
         if getattr(self, "_backward", None) is not None:
             self._backward.add(self.param_groups[-1]["params"])
-
-    in_backward = InBackward()
-
-    def hold_gradients(self) -> ContextManager[None]:
-        """With ``in_backward``: backwards inside keep their gradients, and the next backward (or ``step()``) steps
-        their sum: ``with opt.hold_gradients(): loss_1.backward()``, then ``loss_2.backward(); opt.step()``."""
-        return self._backward.hold() if self._backward is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ state dict
     def __getstate__(self) -> dict[str, Any]:  # torch's keeps only defaults/state/param_groups (deepcopy, pickle)
@@ -275,20 +228,17 @@ class SkewAdam(Optimizer):
             self.in_backward = in_backward
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "skipped_steps": self.skipped_steps}
+        return {**super().state_dict(), "skipped_steps": self.skipped_steps, **zero_layouts(self)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load like torch, after checking everything (`skewadam.validation.check_state_dict`: each saved group with
         the constructor's own checks, each parameter's state against `skewadam.state.state_spec`); on an error
         nothing is changed. Unlike torch, each state tensor keeps its saved dtype (torch casts it to the
         parameter's: fp32 statistics of a bf16 parameter would silently become bf16), and is made contiguous."""
-        groups, states = check_state_dict(state_dict, self.param_groups)
-        state_dict = dict(state_dict)
-        skipped = state_dict.pop("skipped_steps", 0)
-        state_dict.update(param_groups=groups, state=states)
-        super().load_state_dict(state_dict)
+        groups, states = check_state_dict(state_dict, self.param_groups, self.__dict__.get("_zero"))
+        super().load_state_dict({**state_dict, "param_groups": groups, "state": states})  # (torch reads these two)
         _restore_saved_dtypes(self, groups, states)
-        self.skipped_steps = int(skipped)
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -300,14 +250,10 @@ class SkewAdam(Optimizer):
         Example:
             >>> opt.init_state(); dcp.load({"optim": opt.state_dict()}, checkpoint_id=path)
         """
-        for group in self.param_groups:
-            for p in group["params"]:
-                _state_of(self.state[p], p, group)
+        _init_state(self)
 
-    skipped_steps = _Counter("skipped_steps", "_skipped_pending", "Steps skipped for a non-finite gradient (with "
-                             "``in_backward``: steps that skipped any tensor's update).")
-    skipped_tensors = _Counter("skipped_tensors", "_skipped_tensors_pending", "With ``in_backward``: the tensor "
-                               "updates skipped inside backward for a non-finite gradient, counted at ``step()``.")
+    skipped_steps = Counter("skipped_steps", "_skipped_pending", "Steps skipped for a non-finite gradient (with "
+                            "``in_backward``: steps that skipped any tensor's update).")
 
     def _init_group(self, group: dict, index: int, first_id: int, device_steps: bool = False,
                     fresh: Optional[list] = None, only: Optional[int] = None) -> Optional[tuple[list[Tensor], Group]]:
@@ -320,8 +266,10 @@ class SkewAdam(Optimizer):
         key = (id(group["params"]), len(group["params"]), first_id, id(group.get("param_names")), tier, group["bank"],
                group["momentum_dtype"], experts)
         cached = self.__dict__.setdefault("_records", {}).get(index)  # what a record takes from p and its group
-        if cached is None or cached[0] != key:
-            cached = self._records[index] = (key, [None] * len(group["params"]))
+        if cached is None or cached[0] != key:  # new params: those add_param_group saw, or a ZeRO partition
+            cached = self._records[index] = (key, [None] * len(group["params"]), partition_of(self, group, index))
+        if cached[2] is not None:
+            return cached[2].step_records(self, group, index, device_steps, fresh)
         states, make = self.state, ParamTensors._make  # _make: the record without NamedTuple.__new__'s Python call
         for i, p in enumerate(group["params"]) if only is None else ((only, group["params"][only]),):
             grad = p.grad
@@ -359,17 +307,15 @@ class SkewAdam(Optimizer):
         was given. A step that raises has changed nothing: no parameter, state tensor or step count, and no state
         is left allocated by it. With ``in_backward``: count what backward stepped, and step the gradients it did
         not."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         flags = self._backward.finish(self) if self._backward is not None else []
         if flags:
-            _Counter.add(self, "skipped_tensors", stacked(flags).sum())
+            Counter.add(self, "skipped_tensors", stacked(flags).sum())
         if any(p.grad is not None for group in self.param_groups for p in group["params"]):
             flags.append(self._step())
         if flags:
-            _Counter.add(self, "skipped_steps", stacked(flags).any())
+            Counter.add(self, "skipped_steps", stacked(flags).any())
         return loss
 
     def _step(self, only: Optional[tuple[int, int]] = None) -> Tensor:
@@ -387,6 +333,9 @@ class SkewAdam(Optimizer):
                     if w is not None:
                         work.append(StepGroup(w[1], w[0], group["update"], f"param group {index}"))
                 first_id += len(group["params"])
+            if (step := _zero_step(self, fresh)) is not None:  # ZeRO partitions: each rank calls each seam
+                return step.run(lambda: skewadam_(work + [StepGroup(*e) for e in step.empty], backend=backend,
+                                                  reducer=step.reducer, skip_nonfinite=self.skip_nonfinite))
             if self._reducer is None and any(_is_dtensor(p) for g in work for p in g.params):
                 from .distributed import DTensorReducer
 
@@ -397,7 +346,24 @@ class SkewAdam(Optimizer):
                 del self.state[p]
             raise
 
-    __repr__ = _describe
+    __repr__ = describe_optimizer
+
+
+def _init_state(opt: "SkewAdam") -> None:
+    """`SkewAdam.init_state`: every parameter's state (a ZeRO partition's: its pieces'), allocated as a first step
+    allocates it."""
+    for index, group in enumerate(opt.param_groups):
+        if (part := partition_of(opt, group, index)) is not None:
+            part.allocate(opt.state[part.flat], group, kernels.resolve(opt._impl, part.flat.device).device_steps)
+        for p in group["params"] if part is None else ():
+            _state_of(opt.state[p], p, group)
+
+
+def _zero_step(opt: "SkewAdam", fresh: list):
+    """The ZeRO partitions the step of ``fresh`` (`SkewAdam._step`'s list) records, as a `skewadam.zero.ZeroStep`;
+    None without any."""
+    zero = opt.__dict__.get("_zero")
+    return zero.take(fresh) if zero is not None else None
 
 
 def _restore_saved_dtypes(opt: "SkewAdam", groups: list[dict], states: dict) -> None:
@@ -406,13 +372,17 @@ def _restore_saved_dtypes(opt: "SkewAdam", groups: list[dict], states: dict) -> 
     for saved_id, p in zip(chain.from_iterable(g["params"] for g in groups),
                            chain.from_iterable(g["params"] for g in opt.param_groups)):
         state = opt.state[p]
-        for key, value in states.get(saved_id, {}).items():
-            if state[key].dtype != value.dtype:
-                state[key] = value.to(device=state[key].device, copy=True)
-            if not state[key].is_contiguous():  # as the kernels' own state is (some index it so)
-                state[key] = state[key].contiguous()
+        _restore(state, states.get(saved_id, {}))
         if "step" in state and p.device.type != "cpu" and kernels.resolve(opt._impl, p.device).device_steps:
             state["step"] = state["step"].to(_local(p).device)  # torch's load leaves a step count on the host
+
+
+def _restore(state: dict, saved: dict) -> None:
+    for key, value in saved.items():  # (a ZeRO partition's state is a dict per tensor: skewadam.zero)
+        if isinstance(value, dict):
+            _restore(state[key], value)
+        elif state[key].dtype != value.dtype or not state[key].is_contiguous():  # contiguous, as the kernels' own
+            state[key] = value.to(device=state[key].device, copy=True).contiguous()
 
 
 def _fixed(p: Tensor, group: dict, index: int, i: int, first_id: int) -> tuple:

@@ -95,8 +95,9 @@ def apply(recipe: str, kwargs: Mapping[str, Any]) -> dict[str, Any]:
         >>> apply("quality", {"lr": 3e-3})["lr"], apply("quality", {})["orthogonal"]
         (0.003, 'experts')
     """
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}: use one of {', '.join(RECIPES)} (skewadam.recipes.RECIPES)")
+    if not isinstance(recipe, str) or recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}: recipe= takes one name, one of {', '.join(RECIPES)} "
+                         f"(skewadam.recipes.RECIPES)")
     found = RECIPES[recipe]
     out = {"lr": found.lr, **{k: dict(v) if isinstance(v, Mapping) else v for k, v in found.settings.items()}}
     for key, value in kwargs.items():

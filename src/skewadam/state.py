@@ -427,23 +427,27 @@ def _plain_tensors(value: Any) -> Iterable[Tensor]:
         yield value
 
 
-def measure_state(optimizer: torch.optim.Optimizer) -> StateBytes:
-    """Bytes held in ``optimizer.state``, per tier (the param group's ``tier`` key) and per state key.
+def measure_state(optimizer: torch.optim.Optimizer, tiers: Optional[Mapping[int, str]] = None) -> StateBytes:
+    """Bytes held in ``optimizer.state``, per tier (the param group's ``tier`` key, or ``tiers[id(p)]``) and per
+    state key.
 
     Memory is counted once per storage: a tensor shared between parameters once, views by the part of the storage
     they cover (the rest of a storage that views keep alive goes to the first one seen), DTensor state at its local
-    shard's size, tensor subclasses by their inner tensors. Works for any ``torch.optim.Optimizer`` (and anything
-    with its ``param_groups`` and ``state``); non-tensor state (Python numbers) holds no tensor memory and is skipped.
+    shard's size, tensor subclasses by their inner tensors, a dict of state (a ZeRO partition's, one per tensor:
+    `skewadam.zero`) by its keys. Works for any ``torch.optim.Optimizer`` (and anything with its ``param_groups`` and
+    ``state``); non-tensor state (Python numbers) holds no tensor memory and is skipped.
 
     Example:
         >>> opt.step(); measure_state(opt).by_tier
         {'backbone': 1365349700, 'expert': 12582912, 'router': 2097152}
     """
     tier_of = {id(p): str(g.get("tier", UNTIERED)) for g in optimizer.param_groups for p in g["params"]}
+    tier_of.update(tiers or {})
     tally = Tally()
     for p, state in optimizer.state.items():
         tier = tier_of.get(id(p), UNTIERED)
         for key, value in state.items():
-            for t in _plain_tensors(value):
-                tally.add_tensor(tier, key, t)
+            for inner, v in value.items() if isinstance(value, dict) else ((key, value),):
+                for t in _plain_tensors(v):
+                    tally.add_tensor(tier, inner, t)
     return tally.result()

@@ -31,8 +31,8 @@ GROUP_KEYS = frozenset(
 )
 #: Keys added after checkpoints were saved without them, with the value those checkpoints were trained with.
 ADDED_KEYS = {"ns_steps": NS_STEPS, "ns_dtype": None, "ns_interval": 1}
-# Keys other torch APIs put into param groups: named parameters, LR schedulers' bookkeeping.
-FOREIGN_KEYS = frozenset({"param_names", "initial_lr"})
+# Keys other APIs put into param groups: named parameters, LR schedulers' bookkeeping, DeepSpeed-MoE's expert groups.
+FOREIGN_KEYS = frozenset({"param_names", "initial_lr", "moe", "name"})
 # What every group SkewAdam.state_dict() saves holds (``experts`` only where the group has flattened banks).
 SAVED_KEYS = GROUP_KEYS - {"experts"}
 # What decides which optimizer group a saved one is: a checkpoint's must be the optimizer's.
@@ -97,7 +97,8 @@ def foreign_message(saved: dict, idx: int) -> str:
 
 def validate_params(params: Iterable[Any], group: dict, idx: int) -> None:
     """Check each parameter of (resolved) param group ``idx`` (`validate_param`; named ``(name, tensor)`` pairs
-    too), and refuse flattened (FSDP1, ZeRO-3) and Partial shards (`skewadam.distributed.check_layout`)."""
+    too), and refuse flattened (FSDP1, ``deepspeed.zero.Init``) and Partial shards
+    (`skewadam.distributed.check_layout`)."""
     for p in params:
         p = p[1] if isinstance(p, tuple) else p
         if isinstance(p, Tensor):  # (torch's add_param_group refuses anything else itself)
@@ -132,15 +133,17 @@ def validate_param(p: Tensor, group: dict, idx: int) -> None:
         )
 
 
-def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) -> tuple[list[dict], dict]:
+def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict],
+                     zero: Any = None) -> tuple[list[dict], dict]:
     """The param groups and state of ``state_dict`` (an optimizer's), checked for loading
     into an optimizer holding ``param_groups``: each saved group whole (every key SkewAdam saves, none another
     optimizer's; nothing is filled in but the `ADDED_KEYS` an older checkpoint lacks), with the constructor's checks,
     and the group it replaces (the same tier and flattened banks); each parameter's state against `skewadam.state.state_spec`, by value too (a Python-number
     ``step`` of older checkpoints and other tools becomes a tensor, a flattened bank's state in the stacked layout
-    of earlier versions is reshaped to its own, `skewadam.state.TierSpec.spec`); ``skipped_steps``, where present, a
-    whole number >= 0. Returns ``(groups, state)`` to load; raises ValueError naming what does not fit, having
-    changed nothing."""
+    of earlier versions is reshaped to its own, `skewadam.state.TierSpec.spec`); a ZeRO partition's (registered in
+    ``zero``, `skewadam.zero.ZeroSteps`) against its pieces (`skewadam.zero.Partition.check_state`);
+    ``skipped_steps``, where present, a whole number >= 0. Returns ``(groups, state)`` to load; raises ValueError
+    naming what does not fit, having changed nothing."""
     missing = [key for key in ("state", "param_groups") if key not in state_dict]
     if missing:
         raise ValueError(f"the state dict has no {' and no '.join(map(repr, missing))} (it has keys "
@@ -151,7 +154,7 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) ->
                          f"skipped for a non-finite gradient)")
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(param_groups):
-        raise ValueError("loaded state dict has a different number of parameter groups")
+        raise ValueError(_other_groups(saved_groups, param_groups))
     groups = []
     for idx, (saved, group) in enumerate(zip(saved_groups, param_groups)):
         if set(saved) - GROUP_KEYS - FOREIGN_KEYS:
@@ -163,8 +166,7 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) ->
                              f"saves holds them (nothing is filled in from the constructor's values); load an "
                              f"unedited checkpoint, or add the key(s) with the values it was trained with")
         if len(saved["params"]) != len(group["params"]):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
-                             "optimizer's group")
+            raise ValueError(_other_groups(saved_groups, param_groups))
         resolved = resolve_group(saved, {}, idx)
         for key in IDENTITY_KEYS:
             if resolved.get(key) != group.get(key):
@@ -180,6 +182,9 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) ->
             state = states.get(saved_id)
             if not state:
                 continue
+            if zero is not None and (part := zero.of([p])) is not None:
+                part.check_state(state, saved, f"param group {idx} (tier {saved['tier']!r})")
+                continue
             want = spec.spec(p.shape, p.dtype)
             state = dict(state)
             if isinstance(state.get("step"), (int, float)) and want["step"].shape == ():
@@ -192,3 +197,19 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict]) ->
                         f"{idx} (tier {saved['tier']!r})")
             states[saved_id] = state
     return groups, states
+
+
+def _other_groups(saved: list[dict], groups: list[dict]) -> str:
+    """The error refusing a checkpoint whose param groups are not the optimizer's: both, each group in a few words
+    (index, tier, update, size)."""
+    def words(groups: list[dict]) -> str:
+        out = []
+        for i, g in enumerate(groups):
+            n = len(g.get("params", ()))
+            out.append(f"[{i}] {g.get('tier', 'no tier')}{' orthogonal' if g.get('update') == 'orthogonal' else ''} "
+                       f"({n} tensor{'s' * (n != 1)})")
+        return ", ".join(out)
+
+    return (f"the state dict's param groups are not this optimizer's: saved {words(saved)}; this optimizer "
+            f"{words(groups)}. It was saved by an optimizer built with other tiers or another recipe (or over "
+            f"another model): build the optimizer as the checkpoint's was built")

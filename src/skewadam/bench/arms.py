@@ -105,6 +105,8 @@ class Arm:
         kernels: steps with SkewAdam's kernels (`skewadam bench` builds the C++ one before its first run).
         in_backward: steps each tensor inside backward (`skewadam.backward`): the planner counts the gradients in
             flight rather than all of them; no global gradient to clip (``--grad-clip 0``).
+        options: SkewAdam's keyword arguments (its arms'; empty for the others): the planner's ZeRO figures resolve
+            each group's state from them, as the optimizer does.
     """
 
     name: str
@@ -125,6 +127,7 @@ class Arm:
     kernels: bool = False
     in_backward: bool = False
     reduced: Optional[Reduced] = None
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def build(self, model: nn.Module, lr: Optional[float] = None, weight_decay: Optional[float] = None, *,
               impl: str = "auto"):

@@ -12,10 +12,10 @@ import hashlib
 import json
 import math
 import os
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from . import arms
+from .data import check_data_path
 from .presets import known, preset_names
 
 __all__ = ["RunConfig", "BenchConfig", "PRESETS", "ALL", "DEFAULT_OPTIMIZERS", "DEFAULT_STEPS", "DEFAULT_EVAL_INTERVAL",
@@ -78,10 +78,19 @@ class RunConfig:
                              f"or a Hugging Face config.json path")
         if not isinstance(self.overrides, dict) or not all(isinstance(k, str) for k in self.overrides):
             raise ValueError(f"overrides (--set) must map config keys to values, got {self.overrides!r}")
-        if self.data is not None and not Path(self.data).exists():
-            raise ValueError(f"data {self.data!r} does not exist; give a text file or a folder of text files")
+        if self.data is not None:
+            if not isinstance(self.data, (str, os.PathLike)):
+                raise ValueError(f"data (--data) must be a path, got {self.data!r}")
+            check_data_path(self.data)
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+    @property
+    def param_dtype(self) -> Any:
+        """The runs' weight dtype (a ``torch.dtype``): bf16 on CUDA (SkewAdam rounds it stochastically), else fp32."""
+        import torch
+
+        return torch.bfloat16 if self.device == "cuda" else torch.float32
 
     @property
     def resolved_lr(self) -> float:

@@ -19,18 +19,20 @@ in the same order; evaluation uses fixed, evenly spaced windows of the validatio
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import importlib.util
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["Corpus", "Skipped", "VOCAB_SIZE", "SKIPPED_FOLDERS", "load_corpus", "read_documents", "split_documents",
-           "encode", "decode", "get_batch", "eval_batches"]
+__all__ = ["Corpus", "Skipped", "VOCAB_SIZE", "SKIPPED_FOLDERS", "check_data_path", "load_corpus", "read_documents",
+           "split_documents", "encode", "decode", "get_batch", "eval_batches"]
 
 VOCAB_SIZE = 256  # byte tokens
 
@@ -41,7 +43,7 @@ SKIPPED_FOLDERS = ("__pycache__", "site-packages", "dist-packages", "node_module
 
 #: Why a file is not read (a field of `Skipped`) -> how a message says it.
 _REASONS = {"binary": "binary", "not_utf8": "not UTF-8", "empty": "empty", "unreadable": "unreadable",
-            "hidden": "hidden"}
+            "hidden": "hidden", "special": "not a regular file (a FIFO, socket or device, or a broken or looping link)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,7 @@ class Skipped:
     empty: int = 0
     unreadable: int = 0
     hidden: int = 0
+    special: int = 0
     folders: int = 0
 
     def __str__(self) -> str:
@@ -85,12 +88,30 @@ class Corpus:
 
 def encode(text: str) -> Tensor:
     """UTF-8 bytes as a uint8 tensor (token ids 0..255)."""
-    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8)
+    data = text.encode("utf-8")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
 def decode(tokens: Tensor) -> str:
     """Inverse of `encode`; invalid UTF-8 (a cut multi-byte character) is replaced."""
     return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+def check_data_path(path: str | Path) -> None:
+    """Refuse a ``--data`` path that is not a file or a folder, naming what it is (missing, a broken or looping
+    link, a FIFO, a socket, a device) and the fix; `read_documents` reads what passes."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        what = ("is a symbolic link loop" if e.errno == errno.ELOOP else "is a broken symbolic link"
+                if path.is_symlink() else "does not exist" if e.errno == errno.ENOENT
+                else f"is unreadable ({e.strerror})")
+        raise ValueError(f"--data {str(path)!r} {what}; give a text file or a folder of text files") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = ("a FIFO (a named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device")
+        raise ValueError(f"--data {str(path)!r} is {kind}, not a file or a folder; give a text file or a folder of "
+                         f"text files (save a stream to a file first)")
 
 
 def _read_text(path: Path) -> tuple[Optional[str], str]:
@@ -139,14 +160,13 @@ def read_documents(path: Optional[str | Path] = None) -> tuple[list[tuple[str, s
                          for f in genre.iterdir() if f.name.endswith(".md")]
         return sorted(docs), Skipped()
     path = Path(path)
+    check_data_path(path)
     if path.is_file():
         text, why = _read_text(path)
         if text is None:
             raise ValueError(f"--data {str(path)!r} is {_REASONS[why]}, not text; give a UTF-8 text file (convert "
                              f"another encoding with iconv -t UTF-8) or a folder of them")
         return [(path.name, text)], Skipped()
-    if not path.is_dir():
-        raise FileNotFoundError(f"--data {str(path)!r} does not exist; give a text file or a folder of text files")
     docs, counts = [], dict.fromkeys((*_REASONS, "folders"), 0)
     for folder, subdirs, files in os.walk(path):
         kept = [d for d in subdirs if not d.startswith(".") and d not in SKIPPED_FOLDERS]
@@ -154,9 +174,12 @@ def read_documents(path: Optional[str | Path] = None) -> tuple[list[tuple[str, s
         subdirs[:] = kept  # os.walk enters only these
         for name in files:
             file = Path(folder, name)
-            if not file.is_file():  # a socket, a FIFO (opening it would block) or a broken link
-                continue
-            text, why = (None, "hidden") if name.startswith(".") else _read_text(file)
+            if name.startswith("."):
+                text, why = None, "hidden"
+            elif not file.is_file():  # a FIFO (opening it would block), a socket, a device, a broken or looping link
+                text, why = None, "special"
+            else:
+                text, why = _read_text(file)
             if text is None:
                 counts[why] += 1
             else:

@@ -29,6 +29,7 @@ from ..kernels import BACKENDS
 from ..state import StateBytes, Tally, format_bytes
 from ..tiers import Tier
 from . import arms
+from .zero_plan import ZeroPlan, zero_plan
 from .activations import (TOP_K_KEYS, Segment, Unmodelled, activation_segments, backward_peak,
                           backward_peak_stepped, config_value)
 
@@ -92,6 +93,7 @@ class OptimizerPlan:
     in_backward: bool = False  # stepped inside backward: ``grads`` is the most gradient bytes in flight, not all
     reduce_bytes: int = 0  # per rank and step under FSDP2 over `Plan.shards` ranks: its statistics' all-reduces
     newton_schulz_flops: int = 0  # per step: the orthogonal update's matmuls (`skewadam.groups.orthogonal_flops`)
+    zero: Optional[ZeroPlan] = None  # per rank under DeepSpeed ZeRO (`Plan.zero`; SkewAdam's arms)
 
     @property
     def static(self) -> int:
@@ -119,6 +121,7 @@ class Plan:
     shards: int = 1
     kernel: str = "auto"  # SkewAdam's kernel backend whose step temporaries the plan counts (`kernel_for`)
     matmul_flops: Optional[int] = None  # the forward and backward's at batch x seq (`activation_segments`' rules)
+    zero: Optional[int] = None  # a DeepSpeed ZeRO stage over `shards` ranks (`skewadam.bench.zero_plan`)
 
     def __getitem__(self, name: str) -> OptimizerPlan:
         return self.optimizers[arms.get(name).name]
@@ -161,6 +164,15 @@ class Plan:
                 lines += ["", f"bytes each rank {what} (FSDP2 over {self.shards} ranks, Shard(0))"]
                 lines += _table(["optimizer", column, "bytes"], [[n, format_bytes(b), f"{b:,}"]
                                                                   for n, b in sent.items()])
+        zero = {n: o.zero for n, o in self.optimizers.items() if o.zero is not None}
+        if zero:
+            lines += ["", f"DeepSpeed ZeRO stage {self.zero} over {self.shards} ranks "
+                          f"(skewadam.integrations.deepspeed): bytes per rank, state of the rank keeping the most"]
+            lines += _table(["optimizer", "params", "master", "grads", "state", "state x ranks / one process",
+                             "all-reduced per step", "all-reduces"], [
+                [n, *map(format_bytes, (z.params, z.master, z.grads, z.state)),
+                 f"{z.state_ranks / max(self.optimizers[n].state.total, 1):.3f}", f"{z.sent:,}", str(z.collectives)]
+                for n, z in zero.items()])
         flops = {n: o.newton_schulz_flops for n, o in self.optimizers.items() if o.newton_schulz_flops}
         if flops:
             lines += ["", "compute beyond an Adam-style update: Newton-Schulz matmul FLOPs per step (each group's "
@@ -248,6 +260,7 @@ def plan(
     device: Optional[Union[str, torch.device]] = None,
     shards: int = 1,
     in_backward: bool = False,
+    zero: Optional[int] = None,
 ) -> Plan:
     """Plan the memory of training ``model`` with each optimizer arm named (default `skewadam.bench.arms.PLAN_DEFAULT`).
 
@@ -270,6 +283,9 @@ def plan(
             on its expert dim gathers nothing) and those SkewAdam's statistics add to all-reduces per step
             (``reduce_bytes``: per-tensor sums, a matrix's column sums, a flattened bank's per-expert sums, and the
             non-finite flag: one per tensor inside backward). State and memory stay those of one process.
+        zero: a DeepSpeed ZeRO stage (1, 2 or 3) over ``shards`` ranks: SkewAdam's arms get per-rank figures
+            (`skewadam.bench.zero_plan.ZeroPlan`: the weights, master, gradients and state a rank holds, what it
+            all-reduces per step) in place of FSDP2's.
         in_backward: SkewAdam's arms step each tensor inside backward (``SkewAdam(..., in_backward=True)``, as the
             arm ``skewadam-in-backward`` always does): each gradient is freed as soon as backward completes it, so
             the peak holds the largest gradient one backward node produces at once (a tensor's, or a tied
@@ -306,10 +322,11 @@ def plan(
     if missing:
         raise ValueError(f"labels miss trainable parameter(s) {missing[:5]}: label every one (skewadam.classify)")
     trainable = [(n, tuple(p.shape), labels[n]) for n, p in params.items() if p.requires_grad]
-    if shards > 1:  # the flattened banks, whose experts' sums a dim-0 shard cuts
+    if shards > 1 or zero:  # the flattened banks, whose experts' sums a dim-0 shard cuts
         from ..classify import label
 
-        experts = label(model, tiers={n: labels[n] for n, _, _ in trainable}).experts
+        found = label(model, tiers={n: labels[n] for n, _, _ in trainable})
+        experts = found.experts
     else:
         experts = {}
     n_params = sum(p.numel() for p in params.values())
@@ -346,14 +363,18 @@ def plan(
         # the update is gathered in the compute dtype (fp32 for 16-bit weights); an even share of it is the rank's own
         update_bytes = 4 if stepped.itemsize < 4 else stepped.itemsize
         gathered = sum(math.prod(s) for s, _, o in tensors if o and len(s) == 2) * update_bytes * (shards - 1) // shards
-        reduced = 0
-        if shards > 1 and arm.reduced is not None:  # and the 4-byte float32 flag that skips a non-finite step
+        reduced, zero_figures = 0, None
+        if zero:  # ZeRO's figures in place of FSDP2's; a step inside backward is refused under ZeRO
+            gathered = 0
+            if arm.kernels and not inside:
+                zero_figures = zero_plan(arm, found, orth, stage=zero, ranks=shards, itemsize=itemsize)
+        elif shards > 1 and arm.reduced is not None:  # and the 4-byte float32 flag that skips a non-finite step
             reduced = 4 * (len(trainable) if inside else 1) + sum(  # inside backward: a flag per tensor's step
                 arm.reduced(shape, tier, stepped, n in orth, experts.get(n)) for n, shape, tier in trainable)
         flops = orthogonal_flops(model, arm.orthogonal, labels, defaults=arm.options,
                                  tier_options=dict(arm.tier_options)) if arm.orthogonal else 0
         rows[arm.name] = OptimizerPlan(arm.name, arm.label, n_params * itemsize, grads, master, state, activations,
-                                       temporaries, peak, gathered, inside, reduced, flops)
+                                       temporaries, peak, gathered, inside, reduced, flops, zero_figures)
     counted: dict[str, list[str]] = {}
     for arm in chosen:
         counted.setdefault(arm.temporaries, []).append(arm.name)
@@ -376,6 +397,11 @@ def plan(
         "above this on small models unless MALLOC_MMAP_THRESHOLD_ is set, and oneDNN's bf16 matmuls added ~81 MiB "
         "of their own buffers on a 25M-parameter model)",
     ]
+    if zero:
+        assumptions.append(f"ZeRO stage {zero}: DeepSpeed 0.19's partitions under its defaults (stages 1/2: each param "
+                           f"group flattened in order, padded to {2 * shards} elements, cut in {shards}; stage 3: each "
+                           f"tensor cut in {shards}); SkewAdam.from_model's groups, each stepped by one call; fp32 "
+                           f"master weights; the orthogonal tier's cut matrices are sent whole to their owners")
     inside = [n for n, o in rows.items() if o.in_backward]
     if inside:
         assumptions.insert(1, f"in backward ({', '.join(inside)}): each gradient is stepped and freed as soon as "
@@ -387,4 +413,4 @@ def plan(
     if unmodelled:
         assumptions.insert(0, f"no activation or peak estimate: {unmodelled}")
     return Plan(name, n_params, n_trainable, by_tier, param_dtype, batch, seq, k, rows, assumptions, shards, kernel,
-                sum(seg.flops for seg in segments) if segments else None)
+                sum(seg.flops for seg in segments) if segments else None, zero)

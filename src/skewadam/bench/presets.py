@@ -29,7 +29,7 @@ from torch import nn
 from .extras import quiet_imports
 
 __all__ = ["HF_PRESETS", "HFPreset", "load_model", "preset_names", "known", "bench_model", "BenchModel", "lm_losses",
-           "full_size"]
+           "check_trains", "full_size"]
 
 
 class HFPreset(NamedTuple):
@@ -146,7 +146,8 @@ def _build(spec: Union[str, os.PathLike], device: Union[str, torch.device], over
 def _read_config(path: str) -> dict[str, Any]:
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise FileNotFoundError(f"{file}: no such file; pass a Hugging Face config.json or the folder that holds it")
+        what = "not a regular file" if os.path.exists(file) else "no such file"
+        raise FileNotFoundError(f"{file}: {what}; pass a Hugging Face config.json or the folder that holds it")
     try:
         with open(file, encoding="utf-8") as f:
             raw = json.load(f)
@@ -190,23 +191,66 @@ def _hf_model(raw: dict[str, Any], device: Union[str, torch.device], overrides: 
         raise ValueError(f"{origin}: {', '.join(map(repr, unknown))} not a key of its config ({raw['model_type']}); "
                          f"--set takes the config's own keys, e.g. {sizes}")
     raw = {**raw, **overrides}
+    typed = [f"{k}={v!r}" for k, v in raw.items() if _SIZE_KEY.search(k) and isinstance(v, (str, float, bool))]
+    if typed:
+        raise ValueError(f"{origin}: {', '.join(typed)}: sizes and counts are integers (in config.json, 32, not "
+                         f"\"32\"; on the command line, --set hidden_size=32)")
     negative = [f"{k}={v}" for k, v in raw.items() if _SIZE_KEY.search(k) and isinstance(v, int) and v < 0]
     if negative:
         raise ValueError(f"{origin}: negative size(s) {', '.join(negative)}; sizes and counts must be >= 0")
     model_type = raw.pop("model_type")
     for key in ("quantization_config", "torch_dtype", "dtype", "transformers_version"):
         raw.pop(key, None)  # storage and runtime facts: the model is built unquantized, in `load_model`'s dtype
+    from huggingface_hub.errors import StrictDataclassError  # Transformers' configs check their fields' types
+
     try:
         config = transformers.AutoConfig.for_model(model_type, **raw)
-    except ValueError as e:
-        raise ValueError(f"{origin}: {e}") from None
+    except (ValueError, TypeError, StrictDataclassError) as e:
+        raise ValueError(f"{origin}: {' '.join(str(e).split())}") from None
+    _check_structure(config, raw, origin)
     with torch.device(device), quiet_imports():
         for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM, transformers.AutoModel):
             try:
                 return auto.from_config(config)
             except ValueError:
                 continue
+            except (TypeError, StrictDataclassError) as e:
+                raise ValueError(f"{origin}: building the model failed ({' '.join(str(e).split())}): a config value "
+                                 f"of the wrong type?") from None
     raise ValueError(f"{origin}: Transformers has no model class for model_type {model_type!r}")
+
+
+#: Config keys of the expert count and the experts per token, in the spellings of the architectures Transformers has.
+_EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K = ("num_experts_per_tok", "experts_per_token", "moe_top_k")
+
+
+def _check_structure(config: Any, raw: dict[str, Any], origin: str) -> None:
+    """Refuse a Transformers config that builds but cannot run, naming the keys as ``raw`` (the config.json and
+    --set) spells them: no layers, no experts, more experts per token than experts, query heads that the key-value
+    heads do not divide (``num_key_value_heads`` unset takes the config class's default)."""
+    settings = config.to_dict()  # the config's own keys; the aliases of its attribute_map point at them
+    alias = {key: name for name, key in getattr(config, "attribute_map", {}).items() if name in raw}
+
+    def value(keys: tuple[str, ...]) -> Optional[tuple[str, int]]:
+        found = [(alias.get(k, k), settings[k]) for k in keys if isinstance(settings.get(k), int)]
+        return found[0] if found else None
+
+    problems = []
+    if (layers := value(("num_hidden_layers",))) and layers[1] < 1:
+        problems.append("num_hidden_layers=0: the model needs a layer")
+    experts, top_k = value(_EXPERTS), value(_TOP_K)
+    if experts and experts[1] < 1 and top_k and top_k[1] > 0:
+        problems.append(f"{experts[0]}=0 with {top_k[0]}={top_k[1]}: routing needs an expert")
+    elif experts and top_k and top_k[1] > experts[1]:
+        problems.append(f"{top_k[0]}={top_k[1]} > {experts[0]}={experts[1]}: a token cannot go to more experts than "
+                        f"there are")
+    heads, kv = value(("num_attention_heads",)), value(("num_key_value_heads",))
+    if heads and kv and kv[1] > 0 and heads[1] % kv[1]:
+        problems.append(f"num_attention_heads={heads[1]} is not a multiple of num_key_value_heads={kv[1]} (set it, "
+                        f"or --set num_key_value_heads=<a divisor>)")
+    if problems:
+        raise ValueError(f"{origin}: {'; '.join(problems)}")
 
 
 def _default_config(transformers, raw: dict[str, Any]):
@@ -266,6 +310,28 @@ def bench_model(spec: Union[str, os.PathLike], overrides: Optional[dict[str, Any
     coef, top_k = getattr(config, "router_aux_loss_coef", None), _top_k(config)
     floor = coef * top_k if hasattr(config, "output_router_logits") and coef and top_k else None
     return BenchModel(model, T, floor, {"model_type": raw["model_type"], **overrides})
+
+
+def check_trains(built: BenchModel, origin: str) -> None:
+    """One forward and backward of one window through ``built`` (a `bench_model`, on its parameters' device): a
+    config that builds but cannot train, in a way no check of its keys sees, is refused here in one line
+    (ValueError), not in each run.
+
+    Example:
+        >>> check_trains(bench_model("tiny", vocab_size=256), "tiny")
+    """
+    device = next(built.model.parameters()).device
+    x_BT = torch.randint(0, built.config["vocab_size"], (1, built.block_size),
+                         generator=torch.Generator().manual_seed(0)).to(device)
+    try:
+        lm_losses(built.model, x_BT, x_BT).loss.backward()
+    except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"{origin}: builds, but one forward and backward of a {built.block_size}-token window on "
+                         f"{device.type.upper()} failed ({type(e).__name__}: {first}): change the sizes it names"
+                         ) from None
+    finally:
+        built.model.zero_grad(set_to_none=True)
 
 
 def _top_k(config) -> Optional[int]:

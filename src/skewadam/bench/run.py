@@ -21,6 +21,7 @@ import fcntl
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -82,7 +83,12 @@ def _check_resume(out: Path, bench: BenchConfig) -> list[str]:
     identity = _identity(bench.base)
     order = list(bench.optimizers)
     if path.exists():
-        saved = read_log(path, BENCH_SCHEMA)
+        try:
+            saved = read_log(path, BENCH_SCHEMA)
+        except ValueError as e:
+            raise ValueError(f"{e}. It records the settings the runs in {out} share: to resume past it, delete it "
+                             f"(this bench writes it again from its own settings; each finished run whose log is its "
+                             f"own is kept, any other runs again), or use another --out") from None
         base = with_defaults(saved["base"])  # (settings added since it was written: at their defaults)
         diff = {k: (base.get(k), v) for k, v in identity.items() if base.get(k) != v}
         if diff:
@@ -97,8 +103,8 @@ def _check_resume(out: Path, bench: BenchConfig) -> list[str]:
 def preflight(bench: BenchConfig, *, tensorboard: Optional[str] = None, progress: bool = True,
               plots: bool = True) -> list[str]:
     """Everything the runs need, checked once before the first: the optional packages (one BenchError naming all
-    that are missing and the install that brings them), the model (built on the meta device) and, for a user's text
-    or block size, the text's length.
+    that are missing and the install that brings them), the model (built on the runs' device in their dtype, and one
+    forward and backward of one window: `skewadam.bench.presets.check_trains`) and, for a user's text or block size, the text's length.
     Returns what to tell the user before the runs: the model's tier census (`skewadam.groups.describe`: what SkewAdam
     keeps per tier), and a user's corpus in one line (`skewadam.bench.data.Corpus.describe`: documents, tokens,
     files skipped)."""
@@ -121,12 +127,19 @@ def preflight(bench: BenchConfig, *, tensorboard: Optional[str] = None, progress
         raise BenchError(f"missing optional package(s): {'; '.join(absent)}. Install them with "
                          f"pip install 'skewadam[bench]'" + (" 'skewadam[tensorboard]'" if tensorboard else ""))
     from .data import VOCAB_SIZE
-    from .presets import bench_model
+    from .presets import bench_model, check_trains
 
-    # the model as each run builds it, on the meta device: a config, a --set key or a window it cannot take fails here
+    # the model as the runs train it (on their device, in their dtype: a CUDA bench needs no host copy of it), and one
+    # step of it: a config, a --set key or a window it cannot take fails here, not in every run
     built = bench_model(bench.base.model, bench.base.overrides, vocab_size=VOCAB_SIZE,
-                        block_size=bench.base.block_size, device="meta")
+                        block_size=bench.base.block_size, device=bench.base.device, dtype=bench.base.param_dtype)
+    check_trains(built, bench.base.model)
     block, lines = built.block_size, [_census(built.model)]
+    del built
+    if bench.base.device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()  # the runs are other processes: hand them the memory back
     if bench.base.data is not None or bench.base.block_size is not None:
         from .data import eval_batches, get_batch, load_corpus
 
@@ -221,6 +234,10 @@ def _run_all(bench, out: Path, tensorboard, progress: bool, jobs: int, echo) -> 
             echo(f"[{i}/{len(runs)}] {run_name(cfg)}: done earlier, skipped")
     _build_kernel(bench, [cfg for _, cfg in todo])
 
+    running: set[subprocess.Popen] = set()
+    stopping = threading.Lock()  # held to start a run, and to stop them all on Ctrl-C
+    stopped = threading.Event()
+
     def one(i: int, cfg: RunConfig) -> Optional[str]:
         """Run one config in a fresh process; its name if it failed."""
         name = run_name(cfg)
@@ -230,7 +247,17 @@ def _run_all(bench, out: Path, tensorboard, progress: bool, jobs: int, echo) -> 
                          "tensorboard": tensorboard, "parent_pid": os.getpid(),
                          "progress": _progress(progress, jobs)})
         t0 = time.perf_counter()
-        rc = subprocess.run([sys.executable, "-m", "skewadam.bench.train", str(job)], env=_child_env()).returncode
+        with stopping:
+            if stopped.is_set():
+                return None
+            # its own process group: a terminal's Ctrl-C reaches the bench alone, which stops the runs quietly
+            proc = subprocess.Popen([sys.executable, "-m", "skewadam.bench.train", str(job)], env=_child_env(),
+                                    process_group=0)
+            running.add(proc)
+        rc = proc.wait()
+        running.discard(proc)
+        if stopped.is_set():
+            return None
         problem = _log_problem(log_path, cfg) if rc == 0 else "no log"
         if problem:
             rc = rc or f"0, but {problem}"
@@ -243,5 +270,14 @@ def _run_all(bench, out: Path, tensorboard, progress: bool, jobs: int, echo) -> 
              f"{time.perf_counter() - t0:.0f} s" + (f"; DIVERGED: {flag}" if flag else ""))
         return None
 
-    with ThreadPoolExecutor(jobs) as pool:
+    pool = ThreadPoolExecutor(jobs)
+    try:
         return [name for name in pool.map(lambda a: one(*a), todo) if name]
+    except KeyboardInterrupt:
+        with stopping:
+            stopped.set()
+            for proc in running:
+                proc.terminate()
+        raise
+    finally:
+        pool.shutdown(cancel_futures=True)

@@ -210,7 +210,7 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
     torch.manual_seed(cfg.seed)
     built = bench_model(cfg.model, cfg.overrides, vocab_size=corpus.vocab_size, block_size=cfg.block_size)
     T = built.block_size
-    model = built.model.to(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = built.model.to(device=device, dtype=cfg.param_dtype)
     init_checksum = sum(p.double().sum().item() for p in model.parameters())
     data_gen = torch.Generator().manual_seed(cfg.seed)
     val_batches = [(x.to(device), y.to(device))

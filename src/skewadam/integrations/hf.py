@@ -24,7 +24,7 @@ Stepping inside backward (``optimizer_kwargs={"in_backward": True}``, `skewadam.
 soon as backward completes its gradient, and the gradient freed. What Trainer would do after backward is handled
 before training: its global clipping (``max_grad_norm``, on by default at 1.0) would see no gradient, so it is turned
 off with a warning (SkewAdam RMS-clips each update unit at 1.0 anyway); ``gradient_accumulation_steps > 1``, fp16
-loss scaling (``fp16=True``: the hooks would step scaled gradients) and DDP (``world_size > 1`` without FSDP: it
+loss scaling (``fp16=True``: under its GradScaler every gradient is held to the step, nothing saved) and DDP (``world_size > 1`` without FSDP: it
 all-reduces after the hooks) are refused naming the fix. `SkewAdamFactory`, which sees no `TrainingArguments`, refuses
 ``in_backward``.
 
@@ -121,7 +121,8 @@ def check_in_backward(args: Any) -> None:
                      f"stepped at once, so micro-batches cannot be summed first; use gradient_accumulation_steps=1 "
                      f"with a larger per_device_train_batch_size")
     if args.fp16:
-        fixes.append("fp16=True scales the loss, and the hooks would step scaled gradients; use bf16=True")
+        fixes.append("fp16=True scales the loss: under a GradScaler SkewAdam holds every gradient to the step (nothing "
+                     "saved); use bf16=True")
     if args.world_size > 1 and not args.fsdp:
         fixes.append(f"world_size={args.world_size} without FSDP is DDP, which all-reduces gradients after the hooks "
                      f"have stepped them; shard with FSDP2 (fsdp_version 2), whose hooks run after the reduce-scatter")
@@ -198,7 +199,9 @@ class SkewAdamTrainer(Trainer):
     them (and any `SkewAdam.from_model` option: ``tier_options``, ``rules``, ``eps_mode``, ...). The scheduler
     is Trainer's (``args.lr_scheduler_type``). A SkewAdam passed through ``optimizers=(opt, sched)`` is used as
     is. Checkpoints saved in a converted layout (fused MoE experts; see `skewadam.integrations.hf`) are loaded through
-    `load_pretrained_weights` when resuming and for ``load_best_model_at_end``.
+    `load_pretrained_weights` when resuming and for ``load_best_model_at_end``. With DeepSpeed
+    (``TrainingArguments(deepspeed=config)``, or Accelerate's DeepSpeed plugin), ZeRO's partitions are stepped as
+    pieces of SkewAdam's tensors (`skewadam.integrations.deepspeed.prepare_with`).
 
     Args:
         *args: those of `transformers.Trainer`.
@@ -214,6 +217,10 @@ class SkewAdamTrainer(Trainer):
             )
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         super().__init__(*args, **kwargs)
+        if self.is_deepspeed_enabled:  # ZeRO hands SkewAdam flat partitions: step them as pieces of its tensors
+            from .deepspeed import prepare_with
+
+            prepare_with(self.accelerator)
 
     def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
         if self.optimizer is None:

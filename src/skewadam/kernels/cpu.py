@@ -1,10 +1,11 @@
 """SkewAdam's update as a C++ kernel for CPU tensors, with the same pass functions as `skewadam.kernels.eager`.
 
-The kernel (``csrc/skewadam_cpu.cpp``) runs the three passes of `skewadam.kernels.eager` over blocks of rows on
-ATen's thread pool, with the same math in the same dtype, so the distributed seam (reductions between passes) works
-unchanged. For one process, `step_` runs the whole step in one call and fuses passes 2 and 3: a bank slice or tensor
-that fits in a core's L2 cache is read from memory once for both; the result is bitwise equal to the three passes.
-Partial sums are added in a fixed block order, so results do not depend on the number of threads.
+The kernel (``csrc/skewadam_cpu.cpp`` and the headers it includes) runs the three passes of
+`skewadam.kernels.eager` over blocks of rows on ATen's thread pool, with the same math in the same dtype, so the
+distributed seam (reductions between passes) works unchanged. For one process, `step_` runs the whole step in one
+call, each unit's passes scheduled so that a pass finds in a core's L2 cache what the pass before it read
+(`skewadam.kernels.traffic` has the bytes); the result is bitwise equal to the three passes. Partial sums are added
+in a fixed block order, so results depend neither on the number of threads nor on the schedule.
 
 What is bitwise eager's, on any x86-64 (both compute it with the same IEEE operations, each rounded on its own: the
 kernel is built with ``-ffp-contract=off``, eager avoids the fused ``torch.lerp``, and the int8 code takes a correctly
@@ -28,6 +29,7 @@ to the eager path with a one-line warning when it cannot (no compiler, no ninja)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -51,16 +53,17 @@ __all__ = [
 ]
 
 
-_SOURCE = Path(__file__).with_name("csrc") / "skewadam_cpu.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+#: The kernel's files: one translation unit, skewadam_cpu.cpp, and the headers it includes (csrc/*.h).
+_SOURCES = (_CSRC / "skewadam_cpu.cpp", *sorted(_CSRC.glob("*.h")))
 
 
 #: Elements per work item (a run of rows of one matrix, or of elements of one unit).
 BLOCK = 1 << 15
 #: Rows per block at least: bounds pass 1's column partials of a matrix at 1/64 of its elements.
 MIN_BLOCK_ROWS = 64
-#: `step_` does a unit whole on one thread (passes 2 and 3 back to back, its gradient in a core's L2 cache) when its
-#: pass-3 source (momentum, else gradient) takes at most this many bytes: 1.25 MiB.
-FUSE_BYTES = 5 << 18
+#: A core's L2 cache where the OS does not say (`cache_bytes`): 1 MiB, the smallest of current server cores.
+DEFAULT_CACHE = 1 << 20
 
 
 def _defines() -> list[str]:
@@ -68,7 +71,6 @@ def _defines() -> list[str]:
     return [
         f"-DSKEWADAM_BLOCK={BLOCK}",
         f"-DSKEWADAM_MIN_BLOCK_ROWS={MIN_BLOCK_ROWS}",
-        f"-DSKEWADAM_FUSE_BYTES={FUSE_BYTES}",
         f"-DSKEWADAM_QBLOCK={quant.BLOCK}",
         f"-DSKEWADAM_QMAX={float(quant.QMAX).hex()}",
         f"-DSKEWADAM_MOMENTUM_STREAM={quant.MOMENTUM_STREAM:#x}u",
@@ -121,9 +123,9 @@ def _build_dir() -> tuple[str, str]:
 
     from torch.utils import cpp_extension
 
-    parts = [_SOURCE.read_bytes(), " ".join(_CFLAGS + _LDFLAGS), os.environ.get("CXX", "c++"), torch.__version__,
-             os.path.dirname(os.path.realpath(torch.__file__)), os.path.realpath(sys.executable), sys.version,
-             sysconfig.get_paths()["include"], _cpu_id()]
+    parts = [*(x for f in _SOURCES for x in (f.name, f.read_bytes())), " ".join(_CFLAGS + _LDFLAGS),
+             os.environ.get("CXX", "c++"), torch.__version__, os.path.dirname(os.path.realpath(torch.__file__)),
+             os.path.realpath(sys.executable), sys.version, sysconfig.get_paths()["include"], _cpu_id()]
     digest = hashlib.sha256(b"\0".join(x if isinstance(x, bytes) else x.encode() for x in parts)).hexdigest()[:16]
     name = f"skewadam_cpu_{digest}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
@@ -143,24 +145,26 @@ def _load():
 
     name, build_dir = _build_dir()
     os.makedirs(build_dir, exist_ok=True)
-    # Compile a copy kept in the build folder: build.ninja then names no checkout, so a worktree, a reinstall or a
-    # branch switch (which touches the source's mtime) reuses the build instead of recompiling.
-    source = Path(build_dir, _SOURCE.name)
-    if not source.exists():  # its content is part of the folder's name: an existing copy is the same source
-        tmp = source.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(_SOURCE.read_bytes())
-        try:
-            os.link(tmp, source)  # atomic, and never replaces (a newer mtime would make ninja rebuild)
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink()
+    # Compile copies kept in the build folder: build.ninja then names no checkout, so a worktree, a reinstall or a
+    # branch switch (which touches the sources' mtimes) reuses the build instead of recompiling.
+    for src in _SOURCES:
+        copy = Path(build_dir, src.name)
+        if not copy.exists():  # its content is part of the folder's name: an existing copy is the same file
+            tmp = copy.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(src.read_bytes())
+            try:
+                os.link(tmp, copy)  # atomic, and never replaces (a newer mtime would make ninja rebuild)
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
     cached = built()
     if not cached:
         print(f"skewadam: compiling SkewAdam's C++ kernel, once per environment, ~1 min (into {build_dir})",
               file=sys.stderr, flush=True)
     start = time.perf_counter()
-    lib = cpp_extension.load(name, [str(source)], extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
+    lib = cpp_extension.load(name, [str(Path(build_dir, _SOURCES[0].name))], extra_cflags=list(_CFLAGS),
+                             extra_ldflags=list(_LDFLAGS),
                              build_directory=build_dir)  # copies: torch appends its own flags to the lists
     if not cached:
         print(f"skewadam: compiled the C++ kernel in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
@@ -241,17 +245,33 @@ def apply_updates_(group: Group, moments: Sequence[Moments], *, skip: Optional[T
     _call("apply_updates", [group], _seeded(group), list(moments), skip)
 
 
-def step_(groups: Sequence[Group], *, skip_nonfinite: bool) -> Tensor:
+def step_(groups: Sequence[Group], *, skip_nonfinite: bool, cache: Optional[int] = None) -> Tensor:
     """The whole step of one process (no reduction seam), in one call: passes 1-3 of every group.
 
     Bitwise equal to `grad_stats`, `update_moments_` and `apply_updates_` run in turn, but the statistics never become
-    tensors, and passes 2 and 3 run back to back on each unit that fits in a core's L2 cache (whose row and column
-    sums pass 1 keeps, so the gradient is read from memory twice, not three times).
+    tensors, and each unit's passes are scheduled by what fits in a core's L2 cache of ``cache`` bytes (default
+    `cache_bytes`): a factored unit without momentum whose gradient fits does pass 2 right after its pass 1, other
+    units whose pass-2 streams fit do passes 2 and 3 back to back (`skewadam.kernels.traffic` has the bytes each
+    schedule moves). Pass 1 keeps every factored parameter's row and column sums, so a gradient is read from memory
+    twice, not three times.
 
     Returns:
         A 0-d bool tensor: True, having written nothing, if ``skip_nonfinite`` and some gradient holds inf or NaN.
     """
-    return _call("step", groups, [_seeded(g) for g in groups], skip_nonfinite)
+    return _call("step", groups, [_seeded(g) for g in groups], skip_nonfinite, cache or cache_bytes())
+
+
+@functools.lru_cache(maxsize=None)
+def cache_bytes() -> int:
+    """The L2 cache of one core (Linux: ``/sys/devices/system/cpu/cpu0/cache``), else `DEFAULT_CACHE`."""
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            if (index / "level").read_text().strip() == "2" and (index / "type").read_text().strip() != "Instruction":
+                size = (index / "size").read_text().strip()  # e.g. "1024K"
+                return int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0)
+        except (OSError, ValueError):
+            break
+    return DEFAULT_CACHE
 
 
 def stochastic_round_bf16(x: Tensor, key: int) -> Tensor:
@@ -261,27 +281,19 @@ def stochastic_round_bf16(x: Tensor, key: int) -> Tensor:
 
 def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dtype: torch.dtype) -> int:
     """Bytes `step_` allocates for parameters ``[(shape, bank), ...]``, an upper bound (the state is not known here):
-    the row and column statistics pass 1 keeps for the factored parameters whose units it fuses (every tensor whose
-    units are matrices and would fit `FUSE_BYTES` at one byte per element), per matrix ``[R, C]`` ``2 + R + C`` sums
-    in float64 (plus ``C`` per block of rows when it has several) and ``R + C`` denominators in the statistics dtype,
-    each parameter's 64-byte aligned; and the statistics of one batch of split units (fp64 slots: the larger of 1/16
-    of the largest unit's elements, `BLOCK`, and one unit's statistics); 64 bytes for the result and empty buffers.
-    Not counted: row- and unit-sized scratch outside torch's allocator (~0.02 MiB per step measured) and contiguous
-    copies of non-contiguous tensors."""
+    the row and column statistics pass 1 keeps for the factored parameters (every tensor whose units are matrices),
+    per matrix ``[R, C]`` ``2 + R + C`` sums in float64 (plus ``C`` per block of rows when it has several) and
+    ``R + C`` denominators in the statistics dtype, each parameter's 64-byte aligned; 64 bytes for the result and
+    empty buffers. Not counted: row- and unit-sized scratch outside torch's allocator (~0.02 MiB per step measured)
+    and contiguous copies of non-contiguous tensors."""
     itemsize = (torch.float32 if param_dtype == torch.bfloat16 else param_dtype).itemsize
-    kept, split, largest = 0, 0, 0
+    kept = 0
     for shape, bank in tensors:
         shape = tuple(int(s) for s in shape)
-        unit = shape[1:] if bank else shape
-        numel = math.prod(unit)
-        largest = max(largest, numel)
-        if len(unit) < 2:
+        if len(shape) - bool(bank) < 2:
             continue
         R, C = shape[-2:]
         blocks = -(-R // max(1, min(R, max(MIN_BLOCK_ROWS, BLOCK // max(C, 1)))))
         per_matrix = 8 * (2 + R + C + (blocks * C if blocks > 1 else 0)) + itemsize * (R + C)  # bytes
-        if numel <= FUSE_BYTES:
-            kept += -(-math.prod(shape[:-2]) * per_matrix // 64) * 64
-        if numel * 8 > FUSE_BYTES:  # too large to fuse with some momentum: split
-            split = max(split, -(-math.prod(unit[:-2]) * per_matrix // 8))
-    return kept + (8 * max(largest // 16, BLOCK, split) if split else 0) + (64 if tensors else 0)
+        kept += -(-math.prod(shape[:-2]) * per_matrix // 64) * 64
+    return kept + (64 if tensors else 0)

@@ -20,7 +20,7 @@ from typing import Union
 import torch
 from torch import Tensor
 
-__all__ = ["mix32", "rounding_key", "stochastic_round_bf16"]
+__all__ = ["mix32", "rounding_key", "part_stream", "stochastic_round_bf16"]
 
 _M32 = 0xFFFFFFFF
 _MUL1 = 0x7FEB352D  # multipliers of the "lowbias32" family, both < 2^31
@@ -48,6 +48,14 @@ def rounding_key(seed: int, param_index: int, step: Key) -> Key:
     """The per-(parameter, step) key; ``step`` is the parameter's step count after this update (summed over a bank's
     slices), a Python int or an integer tensor (then the key is a 0-d int64 tensor on its device)."""
     return mix32(mix32(mix32(seed) ^ param_index) + step)
+
+
+def part_stream(index: int, first: int) -> int:
+    """The stream (``param_index`` of `rounding_key`) of the part of parameter ``index`` that starts at its element
+    ``first`` (row-major), when a tensor is stepped in parts (shards, partitions): ``index`` itself for the part
+    starting at element 0, so that one process draws what it always drew, else ``index`` mixed with ``first``, so
+    that parts draw independent bits (the same local positions would otherwise round alike)."""
+    return index if first == 0 else index ^ mix32(mix32(first) ^ (first >> 32))
 
 
 def _mix32_(x: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,8 @@ the parameters' device; a CPU tensor's value is read on the host, which is no de
 on the device too (``BACKENDS["triton"].skip_on_host`` is False).
 
 Memory traffic per element of an expert bank (factored, no momentum): ``g`` read by pass 1, by pass 2 (``sum u^2``),
-and by pass 3 with ``p`` read and written: 20 bytes in fp32 (fused AdamW: 28), 10 in bf16. Transient memory: the
+and by pass 3 with ``p`` read and written: 20 bytes in fp32 (fused AdamW: 28), 10 in bf16 (every tier:
+`skewadam.kernels.traffic.triton`). Transient memory: the
 statistics (rows, columns, units), the column partials of matrices cut into several strips, one float per item, and
 the tables (`step_transient_bytes`); in `step_` ``rinv``/``cinv`` overwrite the row and column sums they are
 computed from. A non-contiguous parameter, gradient or state tensor is also copied (and written back if the pass

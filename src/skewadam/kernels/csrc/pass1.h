@@ -1,0 +1,261 @@
+// Pass 1 (sums of g^2), the step counts and the factored second moment's EMAs.
+// Part of skewadam_cpu.cpp, one translation unit that includes these files in order (its first comment says
+// what the kernel does).
+#pragma once
+
+#include "params.h"
+
+namespace {
+
+// ------------------------------------------------------------------------------------------------ pass 1
+// Pass 1's sums are double: the square of an fp32 or bf16 value is exact there and no sum of finite ones overflows.
+// Converting every element to double would make pass 1 twice as slow, so a block of fp32 or bf16 elements is summed
+// in float first (as fast as fp32 sums ever were) and its float sums are kept, as doubles, when each lies in
+// [kSafeMin, FLT_MAX]: then no square overflowed, and what underflowed (< 2^-150 an element, < 2^-119 a sum) moves a
+// sum of at least 2^-90 by less than its float rounding, so they agree with the double sums to float rounding. A
+// block with a sum outside (a gradient above ~1e19, a row or column of tiny or no nonzero elements) is summed again
+// in double.
+constexpr float kSafeMin = 0x1p-90f;
+
+// Whether sums x[0..n) all lie in [kSafeMin, FLT_MAX] (a NaN passes: the double sums would be NaN as well).
+inline bool safe(const float* x, int64_t n) {
+  float lo = std::numeric_limits<float>::max(), hi = kSafeMin;
+  for (int64_t i = 0; i < n; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+  }
+  return lo >= kSafeMin && hi <= std::numeric_limits<float>::max();
+}
+
+// Pass 1, NS rows of n elements `stride` apart, in A: each row's sum of g^2 into out[s * out_stride], column sums
+// into col.
+template <class E, class A, int NS>
+inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t n, A* __restrict col,
+                    A* __restrict out, int64_t out_stride) {
+  A acc[NS][kLanes] = {};
+  for_lanes<4>(n, [&](int64_t jk, int k) {
+    A c = col[jk];
+    for (int s = 0; s < NS; ++s) {
+      const A x = E::load(g[s * stride + jk]);
+      acc[s][k] = madd(x, x, acc[s][k]);
+      c = madd(x, x, c);
+    }
+    col[jk] = c;
+  });
+  for (int s = 0; s < NS; ++s) out[s * out_stride] = lanes_sum(acc[s]);
+}
+
+// Pass 1, NS runs of n elements `stride` apart: sum of x^2 into acc, in A.
+template <class E, class A, int NS>
+inline void p1_run(const typename E::raw* __restrict g, int64_t stride, int64_t n, A* __restrict acc) {
+  for_lanes(n, [&](int64_t jk, int k) {
+    A sq[NS];
+    for (int s = 0; s < NS; ++s) {
+      const A x = E::load(g[s * stride + jk]);
+      sq[s] = x * x;
+    }
+    acc[k] += tree_sum<NS>(sq);
+  });
+}
+
+// The contiguous elements [e0, e1) of block b.
+void block_elems(const Geo& G, int64_t b, int64_t& e0, int64_t& e1) {
+  if (!G.factored) return G.range(b, e0, e1);
+  int64_t m, i0, i1;
+  G.rows(b, m, i0, i1);
+  e0 = (m * G.R + i0) * G.C;
+  e1 = (m * G.R + i1) * G.C;
+}
+
+// Sum of x^2 over block b of a tensor of q's layout (its gradient or parameter), in A.
+template <class E, class A>
+A sumsq_as(const Param& q, const void* x, int64_t b) {
+  int64_t e0, e1;
+  block_elems(q.geo, b, e0, e1);
+  A acc[kLanes] = {};
+  run_groups(e0, e1, [&](auto ns, int64_t e, int64_t n, int64_t stride) {
+    p1_run<E, A, decltype(ns)::value>(at_<typename E::raw>(x) + e, stride, n, acc);
+  });
+  return lanes_sum(acc);
+}
+
+// Sum of x^2 over block b (in float where safe, see above).
+template <class E>
+double sumsq_block(const Param& q, const void* x, int64_t b) {
+  if constexpr (std::is_same_v<typename E::T, float>) {
+    const float sum = sumsq_as<E, float>(q, x, b);
+    if (safe(&sum, 1)) return sum;
+  }
+  return sumsq_as<E, double>(q, x, b);
+}
+
+// Max |g| over block b of an fp64 gradient (> 0 iff some element is nonzero, where its sum of squares can underflow).
+double absmax_block(const Param& q, int64_t b) {
+  int64_t e0, e1;
+  block_elems(q.geo, b, e0, e1);
+  const double* g = at_<double>(q.g);
+  double mx[kLanes] = {};
+  for_lanes(e1 - e0, [&](int64_t j, int k) { mx[k] = std::max(mx[k], std::abs(g[e0 + j])); });
+  return *std::max_element(mx, mx + kLanes);
+}
+
+// Factored block b in A: its rows' sums of g^2 into rows (its first row's first) and its column partials into col
+// (C of them).
+template <class E, class A>
+void p1_block_as(const Param& q, int64_t b, A* rows, A* col) {
+  const Geo& G = q.geo;
+  const auto* g = at_<typename E::raw>(q.g);
+  int64_t m, i0, i1;
+  G.rows(b, m, i0, i1);
+  const int64_t C = G.C;
+  std::fill_n(col, C, A(0));
+  row_groups(i0, i1, [&](auto ns, int64_t i, int64_t qr) {
+    p1_rows<E, A, decltype(ns)::value>(g + (m * G.R + i) * C, qr * C, C, col, rows + (i - i0), qr);
+  });
+}
+
+// Factored block b: its rows' sums of g^2 and its column partials (or, for a one-block matrix, the column sums), in
+// float where safe (see above).
+template <class E>
+void p1_block(const Param& q, const Stats& s, int64_t b) {
+  const Geo& G = q.geo;
+  int64_t m, i0, i1;
+  G.rows(b, m, i0, i1);
+  const int64_t C = G.C;
+  double* row = s.at(s.row, m, G.R);
+  double* col = G.blocks_per_mat > 1 ? s.at(s.colp, m, G.blocks_per_mat * C) + (b % G.blocks_per_mat) * C
+                                     : s.at(s.col, m, C);
+  if constexpr (std::is_same_v<typename E::T, float>) {
+    thread_local std::vector<float> scratch;  // the block's float sums: its rows', then its columns'
+    scratch.resize(size_t(G.rows_per_block + C));
+    float *rowf = scratch.data(), *colf = scratch.data() + G.rows_per_block;
+    p1_block_as<E, float>(q, b, rowf, colf);
+    if (safe(rowf, i1 - i0) && safe(colf, C)) {
+      std::copy(rowf, rowf + (i1 - i0), row + i0);
+      std::copy_n(colf, C, col);
+      return;
+    }
+  }
+  p1_block_as<E, double>(q, b, row + i0, col);
+}
+
+// Pass 1 of block b (the one-process step keeps a fused factored parameter's row and column sums in q.st); fp64
+// parameters also its max |g|, a relative step its sum of p^2.
+template <class E>
+void p1_any(Param& q, int64_t b, bool relative_step) {
+  if (q.st.rc)
+    p1_block<E>(q, q.st, b);
+  else
+    q.partial[b] = sumsq_block<E>(q, q.g, b);
+  if constexpr (std::is_same_v<typename E::raw, double>) q.max_partial[b] = absmax_block(q, b);
+  if (relative_step) q.p_partial[b] = sumsq_block<E>(q, q.p, b);
+}
+
+// Matrices [m_begin, m_end): column sums from their block partials (in block order; zero for a matrix with no local
+// rows, a shard's empty share), rc and rvs.
+template <class T>
+void p1_finish(const Param& q, const Stats& s, int64_t m_begin, int64_t m_end) {
+  const Geo& G = q.geo;
+  const int64_t R = G.R, C = G.C;
+  const T* rv = at_<T>(q.row_var);
+  for (int64_t m = m_begin; m < m_end; ++m) {
+    double* col = s.at(s.col, m, C);
+    if (G.blocks_per_mat == 0) std::fill_n(col, C, 0.0);
+    if (G.blocks_per_mat > 1) {
+      const double* cp = s.at(s.colp, m, G.blocks_per_mat * C);
+      std::copy_n(cp, C, col);
+      for (int64_t k = 1; k < G.blocks_per_mat; ++k)
+        for (int64_t j = 0; j < C; ++j) col[j] += cp[k * C + j];
+    }
+    const double* row = s.at(s.row, m, R);
+    double sr = 0, sv = 0;
+    for (int64_t i = 0; i < R; ++i) {
+      sr += row[i];
+      sv += double(rv[m * R + i]);
+    }
+    *s.at(s.rc, m, 1) = sr;
+    *s.at(s.rvs, m, 1) = sv;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ step counts
+// The rounding keys of this step (bf16 parameters, bf16 momentum), from the step counts after it.
+void set_keys(Param& q, const Hyper& h) {
+  if (q.dtype != at::kBFloat16 && q.mfmt != kMomBF16) return;
+  double t = 0;  // the step count after this update, summed over bank slices: rounding_key's `step`
+  for (int64_t u = 0; u < (q.geo.bank ? q.geo.units : 1); ++u) t += double(q.step[u]);
+  q.key = rounding_key(h.seed, q.stream, int64_t(t));
+  q.mkey = mix32(q.key + kMomentumStream);  // bf16 momentum: quant.store_momentum_'s key
+}
+
+// Unit u's part of a step's count: whether it steps (a unit with elements; a bank slice also needs a nonzero gradient
+// element: types.active_units), the second moment's beta, the bias correction; returns its step count after this step
+// (count_steps stores it). Needs pass 1's sums of unit u and q's per-unit vectors sized (count_steps sizes them).
+float unit_count(Param& q, const Hyper& h, int64_t u) {
+  const Geo& G = q.geo;
+  // an expert that saw no token has an all-zero slice: leave it
+  const bool on = G.ng > 0 && (!G.bank || (q.absmax ? q.absmax : q.sumsq)[u] > 0.0);
+  q.active[u] = on;
+  const float step = q.step[u] + float(on);
+  // sqrt(1 - beta2^t) / (1 - beta1^t) in double (1 - beta in float32 is off by ~1e-5 relative); beta2_decay d:
+  // beta2 = 1 - t^d and no second-moment correction (the schedule's average is unbiased)
+  const double t = G.bank ? std::max(double(step), 1.0) : double(step);
+  q.beta2[u] = h.beta2_decay ? 1.0 - std::pow(t, *h.beta2_decay) : h.beta2;
+  double c = h.beta2_decay ? 1.0 : std::sqrt(1.0 - std::pow(h.beta2, t));
+  if (q.mfmt != kMomNone) c /= 1.0 - std::pow(h.beta1, t);
+  q.corr[u] = c;
+  q.scale[u] = h.relative_step ? c * std::max(kRelativeStepEps, std::sqrt(q.p_sumsq[u] / G.ng)) : c;
+  return step;
+}
+
+void size_counts(Param& q) {
+  const int64_t n = q.geo.units;
+  q.active.assign(n, 0);
+  q.corr.assign(n, 0.0);
+  q.scale.assign(n, 0.0);
+  q.beta2.assign(n, 0.0);
+}
+
+// Per unit: active, step count (stored), bias correction; the bf16 rounding keys.
+void count_steps(Param& q, const Hyper& h) {
+  size_counts(q);
+  for (int64_t u = 0; u < q.geo.units; ++u) q.step[u] = unit_count(q, h, u);
+  set_keys(q, h);
+}
+
+// Matrices [m_begin, m_end): the factored EMAs' new values (active units only), in double from pass 1's double sums,
+// each rounded once into T, stored into the state if kState; if kInverses, the row inverse denominators in double
+// from the new values, rounded once (a row's ratio to the mean can be below T's range where rinv is not), the column
+// ones in T. (`step` computes the inverses of a unit before the non-finite check, and stores its state after it.)
+template <class T, bool kState, bool kInverses>
+void update_factored(const Param& q, const Stats& s, const Hyper& h, int64_t m_begin, int64_t m_end) {
+  const Geo& G = q.geo;
+  const int64_t R = G.R, C = G.C;
+  const double add = h.add_mode ? h.eps : 0.0, floor = h.add_mode ? 0.0 : h.eps, Radd = G.Rg * add;
+  const T fl = T(floor);  // (eps_mode "add": floor 0, and max(x, 0) is x for the x >= 0 here, NaN kept)
+  for (int64_t m = m_begin; m < m_end; ++m) {
+    const int64_t unit = G.unit_of_mat(m);
+    const bool on = q.active[unit];
+    if (!kInverses && !on) continue;  // nothing to store
+    const Ema<double> ema(q.beta2[unit]);
+    T* rv = at_<T>(q.row_var) + m * R;
+    T* cv = at_<T>(q.col_var) + m * C;
+    const double *row = s.at(s.row, m, R), *col = s.at(s.col, m, C);
+    T *rinv = s.at<T>(s.rinv, m, R), *cinv = s.at<T>(s.cinv, m, C);
+    const double rvs = *s.at(s.rvs, m, 1), rc = *s.at(s.rc, m, 1);
+    const double rmean = (on ? ema(rvs, rc / G.Cg + Radd) : rvs) / G.Rg;
+    const double rm = std::max(rmean, h.add_mode ? std::numeric_limits<double>::min() : kRowMeanFloor);
+    for (int64_t i = 0; i < R; ++i) {
+      const T r = on ? T(ema(double(rv[i]), row[i] / G.Cg + add)) : rv[i];
+      if constexpr (kState) rv[i] = r;
+      if constexpr (kInverses) rinv[i] = T(1.0 / std::sqrt(std::max(double(r) / rm, floor)));
+    }
+    for (int64_t j = 0; j < C; ++j) {
+      const T c = on ? T(ema(double(cv[j]), col[j] / G.Rg + add)) : cv[j];
+      if constexpr (kState) cv[j] = c;
+      if constexpr (kInverses) cinv[j] = T(1) / std::sqrt(std::max(c, fl));
+    }
+  }
+}
+
+}  // namespace

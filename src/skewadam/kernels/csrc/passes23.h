@@ -1,0 +1,206 @@
+// Passes 2 and 3: the update direction, the moments and sum of u^2, the weights.
+// Part of skewadam_cpu.cpp, one translation unit that includes these files in order (its first comment says
+// what the kernel does).
+#pragma once
+
+#include "momentum.h"
+
+namespace {
+
+// ------------------------------------------------------------------------------------------------ passes 2 and 3
+// The direction u of the update, given its source src (momentum or gradient) and the unit's scale c (pass 2: the bias
+// correction; pass 3: times the clip and -lr, so that `plus` is the new weight before rounding, base + u: one
+// multiply fewer per element than -lr * u + base). Like the codecs, a direction's array comes in as a __restrict
+// parameter d (FactoredDir: cinv from the span's first column, indexed by column j; FullDir: v from the span's first
+// element, indexed by element i). `moment`: what pass 2 updates element-wise before forming u.
+template <class T, int NS>
+struct FactoredDir {  // u = src * (rinv_i * c) * cinv_j, rs[s] = rinv_i * c for the row of run s
+  using Ptr = const T*;
+  T rs[NS];
+  static FactoredDir rows(const T* rinv, int64_t i, int64_t qr, T c) {  // runs s at rows i + s * qr
+    FactoredDir d;
+    for (int s = 0; s < NS; ++s) d.rs[s] = rinv[i + s * qr] * c;
+    return d;
+  }
+  void moment(Ptr, int64_t, T) const {}
+  T u(Ptr __restrict cinv, int s, int64_t j, int64_t, T src) const { return src * rs[s] * cinv[j]; }
+  T plus(Ptr __restrict cinv, int s, int64_t j, int64_t, T src, T base) const {
+    return madd(src * rs[s], cinv[j], base);
+  }
+};
+
+template <class T>
+struct FullDir {  // u = src * c / sqrt(max(v_i, floor)); pass 2 first moves v_i towards x^2 + add, in double
+  using Ptr = T*;
+  T c, floor;
+  double add;
+  Ema<double> ema;
+  void moment(Ptr __restrict v, int64_t i, T x) const {
+    const double xd = x;
+    v[i] = T(ema(double(v[i]), xd * xd + add));
+  }
+  T u(Ptr __restrict v, int, int64_t, int64_t i, T src) const { return src * c / std::sqrt(std::max(v[i], floor)); }
+  T plus(Ptr __restrict v, int s, int64_t j, int64_t i, T src, T base) const { return u(v, s, j, i, src) + base; }
+};
+
+// Pass 2 on a span: the moments of each element, then u, its square added to acc. It stays a call (noinline): inlined
+// into the block's lambdas, GCC loses its __restrict and keeps acc on the stack, storing it every element (measured:
+// pass 2 of an expert bank 40% slower). Pass 3 is best inlined (as a call, its bf16 rounding loop is not vectorised).
+template <class E, int NS, class Sp, class Dir>
+[[gnu::noinline]] void p2_span(const typename E::raw* __restrict g, decltype(std::declval<const Sp&>().ptr()) __restrict m,
+                    typename Dir::Ptr __restrict d, int64_t stride, int64_t n, const Sp sp, const Dir dir,
+                    typename E::T* __restrict acc) {
+  using T = typename E::T;
+  for_lanes(n, [&](int64_t j, int k) {
+    T sq[NS];
+    for (int s = 0; s < NS; ++s) {
+      const int64_t i = s * stride + j;
+      const T x = E::load(g[i]);
+      dir.moment(d, i, x);
+      const T u = dir.u(d, s, j, i, sp.next(m, i, s, j, x));
+      sq[s] = u * u;
+    }
+    acc[k] += tree_sum<NS>(sq);
+  });
+}
+
+// Pass 3 on a span: p = p*decay - lr * u (bf16: rounded stochastically); dir's scale holds -lr.
+template <class E, int NS, class Sp, class Dir>
+inline void p3_span(typename E::raw* __restrict p, decltype(std::declval<const Sp&>().ptr()) __restrict m,
+                    typename Dir::Ptr __restrict d, int64_t stride, int64_t n, const Sp sp, const Dir dir,
+                    typename E::T decay, const Rounder* rnd) {
+  using T = typename E::T;
+  const auto next = [&](int s, int64_t j, int64_t i, T src, T old) { return dir.plus(d, s, j, i, src, old * decay); };
+  write_runs<E, NS>(
+      p, stride, n, rnd,
+      [&](int s, uint32_t j) {
+        const int64_t i = s * stride + j;
+        return next(s, j, i, sp.src(m, i, s, j), E::load(p[i]));
+      },
+      [&](int s, uint32_t k) {
+        const int64_t j = 2 * int64_t(k), i = s * stride + j;
+        const auto [s0, s1] = sp.src_pair(m, i);
+        const auto [p0, p1] = load_pair<E>(p + i);
+        return std::pair{next(s, j, i, s0, p0), next(s, j + 1, i + 1, s1, p1)};
+      });
+}
+
+// Block b of a factored parameter as spans: f(ns, e, stride, n, m, i, qr, c0) for NS rows i, i + qr, ... of matrix m,
+// columns [c0, c0 + n). A chunked codec gets one row at a time, cut at its int8 blocks.
+template <bool kChunked, class F>
+inline void factored_spans(const Geo& G, int64_t b, const F& f) {
+  int64_t m, i0, i1;
+  G.rows(b, m, i0, i1);
+  const int64_t C = G.C;
+  if constexpr (kChunked) {
+    for (int64_t i = i0; i < i1; ++i)
+      for (int64_t c0 = 0; c0 < C; c0 += kQBlock)
+        f(Int<1>{}, (m * G.R + i) * C + c0, int64_t(0), std::min(kQBlock, C - c0), m, i, int64_t(0), c0);
+  } else {
+    row_groups(i0, i1, [&](auto ns, int64_t i, int64_t qr) {
+      f(ns, (m * G.R + i) * C, qr * C, C, m, i, qr, int64_t(0));
+    });
+  }
+}
+
+// Block b of a full parameter as spans: f(ns, e, stride, n). A chunked codec's cut at its int8 blocks (int8 blocks of
+// a full tensor hold whole rows of q.mC elements: make_geo's `align`).
+template <bool kChunked, class F>
+inline void full_spans(const Param& q, int64_t b, const F& f) {
+  int64_t e0, e1;
+  q.geo.range(b, e0, e1);
+  if constexpr (kChunked) {
+    for (int64_t e = e0; e < e1;) {
+      const int64_t n = std::min(kQBlock, q.mC - e % q.mC);
+      f(Int<1>{}, e, int64_t(0), n);
+      e += n;
+    }
+  } else {
+    run_groups(e0, e1, [&](auto ns, int64_t e, int64_t n, int64_t stride) { f(ns, e, stride, n); });
+  }
+}
+
+// Pass 2, one block: the first moment (and full second moment) EMAs in place; returns the block's sum of u^2.
+template <class E>
+double p2_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
+  using T = typename E::T;
+  const Geo& G = q.geo;
+  const auto* g = at_<typename E::raw>(q.g);
+  T acc[kLanes] = {};
+  T buf[kQBlock];  // int8: a block's new momentum, decoded
+  with_momentum<E>(q, h, [&](const auto& mom) {
+    constexpr bool kChunked = std::decay_t<decltype(mom)>::kChunked;
+    if (G.factored) {
+      factored_spans<kChunked>(G, b, [&](auto ns, int64_t e, int64_t stride, int64_t n, int64_t mt, int64_t i,
+                                         int64_t qr, int64_t c0) {
+        constexpr int NS = decltype(ns)::value;
+        const auto dir = FactoredDir<T, NS>::rows(st.at<T>(st.rinv, mt, G.R), i, qr, T(q.corr[G.unit_of_mat(mt)]));
+        const auto sp = update_span<NS>(mom, e, stride, n, buf);
+        p2_span<E, NS>(g + e, sp.ptr(), st.at<T>(st.cinv, mt, G.C) + c0, stride, n, sp, dir, acc);
+      });
+    } else {
+      const int64_t u = b / G.blocks_per_unit;
+      const FullDir<T> dir{T(q.corr[u]), h.add_mode ? T(0) : T(h.eps), h.add_mode ? h.eps : 0.0,
+                           Ema<double>(q.beta2[u])};
+      full_spans<kChunked>(q, b, [&](auto ns, int64_t e, int64_t stride, int64_t n) {
+        constexpr int NS = decltype(ns)::value;
+        const auto sp = update_span<NS>(mom, e, stride, n, buf);
+        p2_span<E, NS>(g + e, sp.ptr(), at_<T>(q.v) + e, stride, n, sp, dir, acc);
+      });
+    }
+  });
+  return double(lanes_sum(acc));
+}
+
+// Pass 3, one block: p = p*(1 - lr*wd) - lr * u * clip (bf16: rounded stochastically).
+template <class E>
+void p3_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
+  using T = typename E::T;
+  const Geo& G = q.geo;
+  auto* p = at_<typename E::raw>(q.p);
+  const T decay = T(1.0 - h.lr * h.weight_decay), nlr = T(-h.lr);
+  with_momentum<E>(q, h, [&](const auto& mom) {
+    constexpr bool kChunked = std::decay_t<decltype(mom)>::kChunked;
+    if (G.factored) {
+      factored_spans<kChunked>(G, b, [&](auto ns, int64_t e, int64_t stride, int64_t n, int64_t mt, int64_t i,
+                                         int64_t qr, int64_t c0) {
+        constexpr int NS = decltype(ns)::value;
+        const int64_t u = G.unit_of_mat(mt);
+        const T cc = T(q.scale[u]) * T(q.clip[u]) * nlr;
+        const auto dir = FactoredDir<T, NS>::rows(st.at<T>(st.rinv, mt, G.R), i, qr, cc);
+        Rounder rnd[NS];
+        for (int s = 0; s < NS; ++s) rnd[s] = rounder(e + s * stride, q.key);
+        const auto sp = mom.template read_span<NS>(e, stride);
+        p3_span<E, NS>(p + e, sp.ptr(), st.at<T>(st.cinv, mt, G.C) + c0, stride, n, sp, dir, decay, rnd);
+      });
+    } else {
+      const int64_t u = b / G.blocks_per_unit;
+      const FullDir<T> dir{T(q.scale[u]) * T(q.clip[u]) * nlr, h.add_mode ? T(0) : T(h.eps), 0.0,
+                           Ema<double>(0.0)};  // (pass 3 updates no moment)
+      full_spans<kChunked>(q, b, [&](auto ns, int64_t e, int64_t stride, int64_t n) {
+        constexpr int NS = decltype(ns)::value;
+        Rounder rnd[NS];
+        for (int s = 0; s < NS; ++s) rnd[s] = rounder(e + s * stride, q.key);
+        const auto sp = mom.template read_span<NS>(e, stride);
+        p3_span<E, NS>(p + e, sp.ptr(), at_<T>(q.v) + e, stride, n, sp, dir, decay, rnd);
+      });
+    }
+  });
+}
+
+// Sum of unit u's block partials (of g^2 or u^2; `partial`: of another sum), in block order.
+template <class T>
+T unit_sum(const Param& q, int64_t u, const std::vector<double>* partial = nullptr) {
+  const std::vector<double>& part = partial ? *partial : q.partial;
+  double s = 0;
+  for (int64_t k = 0; k < q.geo.blocks_per_unit; ++k) s += part[u * q.geo.blocks_per_unit + k];
+  return T(s);
+}
+
+// 1 / max(1, rms(u)), as eager computes it in T.
+template <class T>
+double clip_of(T u_sumsq, double n) {
+  return double(T(1) / std::max(std::sqrt(u_sumsq / T(n)), T(1)));
+}
+
+}  // namespace
