@@ -55,8 +55,11 @@ def test_plan_bench_and_bench_step_take_the_same_names_and_no_aliases(capsys):
 
 
 def test_the_arms_the_study_found_no_better_and_the_kernel_arm_are_gone():
-    """Their results stay in docs/study; the kernel is ``--impl``, not an arm."""
-    gone = ("skewadam-beta2-decay", "skewadam-orthogonal-lr3x", "skewadam-orthogonal-lr10x", "skewadam-eager")
+    """Their results stay in docs/study (the cheaper quality recipe's screen: docs/study/cheaper.md); the kernel is
+    ``--impl``, not an arm."""
+    gone = ("skewadam-beta2-decay", "skewadam-orthogonal-lr3x", "skewadam-orthogonal-lr10x", "skewadam-eager",
+            "skewadam-quality-bf16", "skewadam-quality-bf16-ns3", "skewadam-quality-bf16-ns4",
+            "skewadam-quality-bf16-every2", "skewadam-quality-bf16-every4", "skewadam-quality-every4")
     assert not set(gone) & set(arms.ARMS)
     assert not any(f.name == "orthogonal_lr" for f in dataclasses.fields(arms.Arm))
     from skewadam.bench.config import PRESETS

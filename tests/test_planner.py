@@ -438,28 +438,29 @@ def test_the_plan_counts_newton_schulz_flops_per_step_for_arms_that_orthogonalis
 
     with torch.device("meta"):
         model = load_model("paper-6.78b")
-    p = plan(model, optimizers=["skewadam-quality", "muon", "skewadam"])
-    assert p["skewadam-quality"].newton_schulz_flops == orthogonal_flops(model, "experts") > 0
+    p = plan(model, optimizers=["skewadam-quality-fp32", "muon", "skewadam"])
+    assert p["skewadam-quality-fp32"].newton_schulz_flops == orthogonal_flops(model, "experts") > 0
     assert p["muon"].newton_schulz_flops == orthogonal_flops(model, True) > 0
     assert p["skewadam"].newton_schulz_flops == 0
-    assert "skewadam-quality  8.06e+14" in str(p)
+    assert "skewadam-quality-fp32  8.06e+14" in str(p)
 
 
 def test_the_plan_counts_each_groups_newton_schulz_steps_and_interval(monkeypatch):
-    """An arm that runs 3 iterations everywhere and orthogonalises its expert slices every 4th step: the hidden
-    matrices' FLOPs x 3/5, the expert slices' x 3/5 / 4 (per step, on average), from the arm's own settings."""
+    """The quality arm orthogonalises its expert slices every 4th step: their FLOPs / 4 per step on average; with 3
+    iterations everywhere, the hidden matrices' x 3/5 and the expert slices' x 3/5 / 4; from the arm's own
+    settings."""
     from skewadam.groups import orthogonal_flops
 
     with torch.device("meta"):
         model = load_model("paper-6.78b")
     quality = arms.ARMS["skewadam-quality"]
-    cheaper = dataclasses.replace(quality, name="quality-every-4th", options={**quality.options, "ns_steps": 3},
-                                  tier_options={"expert": {"use_momentum": True, "ns_interval": 4}})
+    cheaper = dataclasses.replace(quality, name="quality-3-steps", options={**quality.options, "ns_steps": 3})
     monkeypatch.setitem(arms.ARMS, cheaper.name, cheaper)
     hidden, both = orthogonal_flops(model, True), orthogonal_flops(model, "experts")
-    p = plan(model, optimizers=[cheaper.name, "skewadam-quality"])
+    p = plan(model, optimizers=[cheaper.name, "skewadam-quality", "skewadam-quality-fp32"])
     assert p[cheaper.name].newton_schulz_flops == hidden // 5 * 3 + (both - hidden) // 5 * 3 // 4
-    assert p["skewadam-quality"].newton_schulz_flops == both
+    assert p["skewadam-quality"].newton_schulz_flops == hidden + (both - hidden) // 4
+    assert p["skewadam-quality-fp32"].newton_schulz_flops == both
 
 
 def test_the_forward_and_backward_flops_the_plan_estimates_are_torchs_count_of_the_matmuls():

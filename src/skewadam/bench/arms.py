@@ -30,8 +30,12 @@ kernel.
 | skewadam-orthogonal-experts | skewadam-orthogonal + expert banks orthogonalised per expert from the gradient  |
 | skewadam-orthogonal-experts-momentum | skewadam-orthogonal-experts, expert slices with Nesterov momentum too   |
 |                           | (Muon per expert; over a 0.15x budget where experts are most of the model)        |
-| skewadam-quality          | the recipe "quality": that, every momentum block-wise int8 (the best of the     |
-|                           | study); lr 3e-2, its best at the bench's 200 steps (the recipe's 1e-2: 1,000)     |
+| skewadam-quality          | the recipe "quality": that, every momentum block-wise int8, Newton-Schulz in      |
+|                           | bf16 where the device multiplies bf16 natively (ns_dtype="auto"), expert slices   |
+|                           | orthogonalised every 4th step (ns_interval=4); lr 3e-2, its best at the bench's   |
+|                           | 200 steps (the recipe's 1e-2: 1,000)                                              |
+| skewadam-quality-fp32     | the quality recipe before issue 35 (docs/study/cheaper.md): Newton-Schulz in the  |
+|                           | parameters' dtype, every matrix every step                                        |
 | skewadam-relative-step    | skewadam, update x max(1e-3, rms(p)) per unit (Adafactor's relative step)         |
 | skewadam-in-backward      | skewadam stepped inside backward (in_backward=True): each gradient freed as soon  |
 |                           | as backward completes it; skewadam's bits; trains at --grad-clip 0 (no clip)      |
@@ -353,28 +357,12 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
               "skewadam-orthogonal-experts, expert slices with Nesterov momentum", orthogonal="experts",
               tier_options={"expert": {"use_momentum": True}}, lr=3e-2),  # its int8 twin's best (not swept itself)
     _skewadam("skewadam-quality", "SkewAdam's quality recipe: hidden matrices and expert slices orthogonal from int8 "
-              "Nesterov momentum",
-              options={"momentum_dtype": "int8"}, orthogonal="experts", tier_options={"expert": {"use_momentum": True}},
-              lr=3e-2),
-    # candidates for a cheaper quality recipe (issue 35): its settings, Newton-Schulz changed
-    _skewadam("skewadam-quality-bf16", "skewadam-quality, Newton-Schulz in bf16 (torch Muon's dtype)",
-              options={"momentum_dtype": "int8", "ns_dtype": "bf16"}, orthogonal="experts",
-              tier_options={"expert": {"use_momentum": True}}, lr=3e-2),
-    _skewadam("skewadam-quality-bf16-ns3", "skewadam-quality-bf16, 3 Newton-Schulz steps",
-              options={"momentum_dtype": "int8", "ns_dtype": "bf16", "ns_steps": 3}, orthogonal="experts",
-              tier_options={"expert": {"use_momentum": True}}, lr=3e-2),
-    _skewadam("skewadam-quality-bf16-ns4", "skewadam-quality-bf16, 4 Newton-Schulz steps",
-              options={"momentum_dtype": "int8", "ns_dtype": "bf16", "ns_steps": 4}, orthogonal="experts",
-              tier_options={"expert": {"use_momentum": True}}, lr=3e-2),
-    _skewadam("skewadam-quality-bf16-every2", "skewadam-quality-bf16, expert slices orthogonalised every 2nd step "
-              "(2 steps' update at once)", options={"momentum_dtype": "int8", "ns_dtype": "bf16"}, orthogonal="experts",
-              tier_options={"expert": {"use_momentum": True, "ns_interval": 2}}, lr=3e-2),
-    _skewadam("skewadam-quality-bf16-every4", "skewadam-quality-bf16, expert slices orthogonalised every 4th step "
-              "(4 steps' update at once)", options={"momentum_dtype": "int8", "ns_dtype": "bf16"}, orthogonal="experts",
+              "Nesterov momentum, Newton-Schulz in bf16 where the device multiplies it natively, expert slices "
+              "every 4th step", options={"momentum_dtype": "int8", "ns_dtype": "auto"}, orthogonal="experts",
               tier_options={"expert": {"use_momentum": True, "ns_interval": 4}}, lr=3e-2),
-    _skewadam("skewadam-quality-every4", "skewadam-quality, expert slices orthogonalised every 4th step (4 steps' "
-              "update at once), Newton-Schulz in the parameters' dtype", options={"momentum_dtype": "int8"},
-              orthogonal="experts", tier_options={"expert": {"use_momentum": True, "ns_interval": 4}}, lr=3e-2),
+    _skewadam("skewadam-quality-fp32", "the quality recipe before issue 35: skewadam-quality with Newton-Schulz in the "
+              "parameters' dtype on every matrix every step", options={"momentum_dtype": "int8"}, orthogonal="experts",
+              tier_options={"expert": {"use_momentum": True}}, lr=3e-2),
     _skewadam("skewadam-relative-step", "SkewAdam, update x max(1e-3, rms(p)) (Adafactor's relative step)",
               options={"relative_step": True}),
     # skewadam's math in another place (bench --optimizers all leaves it out: it trains only at --grad-clip 0)
