@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from skewadam import SkewAdam, plan
 from skewadam.classify import label
 from skewadam.groups import describe, orthogonal_flops, orthogonal_names, split_kwargs
-from skewadam.kernels import orthogonal
+from skewadam.kernels import orthogonal as orthogonal_kernel
 from skewadam.kernels.orthogonal import newton_schulz
 from skewadam.bench.models import MoETransformer, get_config
 from skewadam.recipes import RECIPES, apply
@@ -68,11 +68,11 @@ def test_the_quality_recipe_runs_newton_schulz_in_bf16_exactly_where_the_cpu_mul
                                                                                                      native):
     """``ns_dtype="auto"``: bf16 on a CPU with AVX512-BF16 or AMX as torch reports it, fp32 (the fp32 weights' dtype)
     on one that emulates bf16; both asserted here whatever this machine's CPU is."""
-    orthogonal.bf16_matmuls.cache_clear()
+    orthogonal_kernel.bf16_matmuls.cache_clear()
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    seen, original = [], orthogonal.newton_schulz_
-    monkeypatch.setattr(orthogonal, "newton_schulz_", lambda x, *a: seen.append(x.dtype) or original(x, *a))
+    seen, original = [], orthogonal_kernel.newton_schulz_
+    monkeypatch.setattr(orthogonal_kernel, "newton_schulz_", lambda x, *a: seen.append(x.dtype) or original(x, *a))
     try:
         model = _model()
         opt = SkewAdam.from_model(model, recipe="quality", log=False)
@@ -80,7 +80,7 @@ def test_the_quality_recipe_runs_newton_schulz_in_bf16_exactly_where_the_cpu_mul
             p.grad = torch.randn_like(p)
         opt.step()
     finally:
-        orthogonal.bf16_matmuls.cache_clear()
+        orthogonal_kernel.bf16_matmuls.cache_clear()
     assert seen and set(seen) == {torch.bfloat16 if native else torch.float32}
 
 
