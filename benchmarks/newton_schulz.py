@@ -1,7 +1,8 @@
 """What Newton-Schulz sees and what cheaper forms of it cost: the figures of docs/study/cheaper.md.
 
-``spectra``: trains the bench model (preset ``cpu``, the embedded Shakespeare, 16 x 128 tokens) with the quality arm
-for ``--steps`` steps (lr 1e-2 after 10 warm-up steps, grad clip 1), captures every matrix the orthogonal update hands
+``spectra``: trains the bench model (preset ``cpu``, the embedded Shakespeare, 16 x 128 tokens) with the quality
+recipe as it was when these figures were taken (arm ``skewadam-quality-fp32``: every matrix every step, fp32) for
+``--steps`` steps (lr 1e-2 after 10 warm-up steps, grad clip 1), captures every matrix the orthogonal update hands
 Newton-Schulz at the steps ``--at``, and prints the quantiles of their singular values over their Frobenius norm
 (float64 SVD), then those of Muon's iteration's output after 2 to 5 iterations: the quintic acts on each singular
 value on its own, so the output's spectrum is the polynomial applied to the input's.
@@ -37,10 +38,10 @@ def _q(x: torch.Tensor) -> str:
 
 
 def capture(steps: int, at: list[int]) -> list[torch.Tensor]:
-    """The matrices the quality arm hands Newton-Schulz at the steps ``at`` of a ``steps``-step run, in float64."""
+    """The matrices the fp32 quality arm hands Newton-Schulz at the steps ``at`` of a ``steps``-step run, in float64."""
     torch.manual_seed(0)
     model = MoETransformer(get_config("cpu"))
-    opt = arms.get("skewadam-quality").build(model, lr=1e-2)
+    opt = arms.get("skewadam-quality-fp32").build(model, lr=1e-2)
     corpus, gen = load_corpus(None), torch.Generator().manual_seed(0)
     captured, capturing = [], [False]
     plain = orthogonal.newton_schulz_

@@ -316,8 +316,8 @@ def param_groups(
     ``update="orthogonal"`` (Muon's update, momentum ``ORTHOGONAL_MOMENTUM``), ``"experts"`` also the expert
     matrices (an expert group with ``update="orthogonal"``, no momentum: per expert, from the gradient);
     ``orthogonal_options`` overrides those groups' settings (applied after ``tier_options``):
-    ``{"use_momentum": True}`` with ``"experts"`` gives the expert slices Nesterov momentum too (the study's best with
-    ``momentum_dtype="int8"``, arm ``skewadam-quality``).
+    ``{"use_momentum": True}`` with ``"experts"`` gives the expert slices Nesterov momentum too (with
+    ``momentum_dtype="int8"`` the basis of the ``quality`` recipe, `skewadam.recipes`).
 
     Example:
         >>> opt = SkewAdam(param_groups(model, weight_decay=0.1, exempt_1d=True), lr=3e-4)
