@@ -55,8 +55,11 @@ def test_plan_bench_and_bench_step_take_the_same_names_and_no_aliases(capsys):
 
 
 def test_the_arms_the_study_found_no_better_and_the_kernel_arm_are_gone():
-    """Their results stay in docs/study; the kernel is ``--impl``, not an arm."""
-    gone = ("skewadam-beta2-decay", "skewadam-orthogonal-lr3x", "skewadam-orthogonal-lr10x", "skewadam-eager")
+    """Their results stay in docs/study (the cheaper quality recipe's screen: docs/study/cheaper.md); the kernel is
+    ``--impl``, not an arm."""
+    gone = ("skewadam-beta2-decay", "skewadam-orthogonal-lr3x", "skewadam-orthogonal-lr10x", "skewadam-eager",
+            "skewadam-quality-bf16", "skewadam-quality-bf16-ns3", "skewadam-quality-bf16-ns4",
+            "skewadam-quality-bf16-every2", "skewadam-quality-bf16-every4", "skewadam-quality-every4")
     assert not set(gone) & set(arms.ARMS)
     assert not any(f.name == "orthogonal_lr" for f in dataclasses.fields(arms.Arm))
     from skewadam.bench.config import PRESETS
@@ -260,6 +263,22 @@ def test_bench_step_prints_times_ratios_and_memory(capsys):
     # the bench's arms too, built with their own param groups (Muon's hidden matrices, the int8 momentum)
     assert _bench_step_rows(["--optimizers", "muon", "skewadam-lean"], capsys) == ["skewadam", "muon",
                                                                                   "skewadam-lean"]
+
+
+def test_bench_step_times_a_bench_batchs_forward_and_backward_and_gives_each_steps_share(capsys):
+    """The forward and backward of one --batch-size batch runs in the same rounds; each step is printed as a multiple
+    of it and as its share of a training step (forward, backward, step); --batch-size 0 leaves it out."""
+    out = _cli(["bench-step", "--preset", "tiny", "--rounds", "2", "--steps", "2", "--warmup", "1", "--optimizers",
+                "skewadam-quality"], capsys)
+    fb = float(re.search(r"forward\+backward of one 16 x 32 batch: ([\d.]+) ms", out).group(1))
+    lines = out.splitlines()
+    rows = lines[next(i for i, line in enumerate(lines) if line.startswith("optimizer")) + 1:]
+    assert [row.split()[0] for row in rows] == ["skewadam", "skewadam-quality"]
+    for row in (row.split() for row in rows):
+        t, times, share = float(row[1]), float(row[-2].rstrip("x")), float(row[-1].rstrip("%"))
+        assert times == pytest.approx(t / fb, rel=0.02, abs=0.01) and abs(share - 100 * t / (t + fb)) <= 1
+    out = _cli(["bench-step", "--preset", "tiny", "--rounds", "1", "--steps", "1", "--batch-size", "0"], capsys)
+    assert "forward+backward" not in out and "share" not in out
 
 
 # ------------------------------------------------------------------------------- a user's mistake: one line

@@ -438,11 +438,55 @@ def test_the_plan_counts_newton_schulz_flops_per_step_for_arms_that_orthogonalis
 
     with torch.device("meta"):
         model = load_model("paper-6.78b")
-    p = plan(model, optimizers=["skewadam-quality", "muon", "skewadam"])
-    assert p["skewadam-quality"].newton_schulz_flops == orthogonal_flops(model, "experts") > 0
+    p = plan(model, optimizers=["skewadam-quality-fp32", "muon", "skewadam"])
+    assert p["skewadam-quality-fp32"].newton_schulz_flops == orthogonal_flops(model, "experts") > 0
     assert p["muon"].newton_schulz_flops == orthogonal_flops(model, True) > 0
     assert p["skewadam"].newton_schulz_flops == 0
-    assert "skewadam-quality  8.06e+14" in str(p)
+    assert "skewadam-quality-fp32  8.06e+14" in str(p)
+
+
+def test_the_plan_counts_each_groups_newton_schulz_steps_and_interval(monkeypatch):
+    """The quality arm orthogonalises its expert slices every 4th step: their FLOPs / 4 per step on average; with 3
+    iterations everywhere, the hidden matrices' x 3/5 and the expert slices' x 3/5 / 4; from the arm's own
+    settings."""
+    from skewadam.groups import orthogonal_flops
+
+    with torch.device("meta"):
+        model = load_model("paper-6.78b")
+    quality = arms.ARMS["skewadam-quality"]
+    cheaper = dataclasses.replace(quality, name="quality-3-steps", options={**quality.options, "ns_steps": 3})
+    monkeypatch.setitem(arms.ARMS, cheaper.name, cheaper)
+    hidden, both = orthogonal_flops(model, True), orthogonal_flops(model, "experts")
+    p = plan(model, optimizers=[cheaper.name, "skewadam-quality", "skewadam-quality-fp32"])
+    assert p[cheaper.name].newton_schulz_flops == hidden // 5 * 3 + (both - hidden) // 5 * 3 // 4
+    assert p["skewadam-quality"].newton_schulz_flops == hidden + (both - hidden) // 4
+    assert p["skewadam-quality-fp32"].newton_schulz_flops == both
+
+
+def test_the_forward_and_backward_flops_the_plan_estimates_are_torchs_count_of_the_matmuls():
+    """The estimate (6 x tokens x each weight's size, a routed expert's tokens x top_k / n_experts) against
+    FlopCounterMode over a real forward and backward of the reference model: equal, once the expert matmuls torch
+    does not count (``F.grouped_mm``) are added by hand; attention's T x T products are in neither."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from skewadam.bench.models import MoETransformer, get_config
+
+    cfg = get_config("cpu")
+    torch.manual_seed(0)
+    model = MoETransformer(cfg)
+    batch, tokens = 3, torch.randint(0, cfg.vocab_size, (3, cfg.block_size))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(tokens, tokens).loss.backward()
+    assert set(map(str, counter.get_flop_counts()["Global"])) == {"aten.mm"}
+    experts = sum(p[0].numel() for n, p in model.named_parameters() if ".experts." in n)  # one slice of each bank
+    routed = 6 * batch * cfg.block_size * cfg.top_k * experts
+    p = plan(model, batch=batch, seq=cfg.block_size, optimizers=["skewadam-quality"])
+    assert p.matmul_flops == counter.get_total_flops() + routed
+    share = p["skewadam-quality"].newton_schulz_flops / (p["skewadam-quality"].newton_schulz_flops + p.matmul_flops)
+    text = str(p)
+    row = next(line for line in text[text.index("Newton-Schulz"):].splitlines() if line.startswith("skewadam-quality"))
+    assert row.split()[-1] == f"{share:.0%}"  # the estimated share, printed
 
 
 @pytest.mark.parametrize("model", ["paper-6.78b", "mixtral-8x7b", "qwen3-30b-a3b"])

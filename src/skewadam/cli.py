@@ -2,8 +2,7 @@
 
 Subcommands: ``tiers`` (`skewadam.classify`), ``plan`` (`skewadam.bench.planner`, ``--measure``:
 `skewadam.bench.measure`), ``bench`` and ``report`` (`skewadam.bench`), ``bench-step`` (`skewadam.bench.bench_step`);
-the kernel choices of ``--impl`` are `skewadam.kernels.BACKENDS`'. Optimizer names are
-the arms of `skewadam.bench.arms`, the same for every subcommand.
+``--impl`` chooses among `skewadam.kernels.BACKENDS`; optimizer names are the arms of `skewadam.bench.arms`.
 
 A user's mistake (a bad value, a missing file, malformed JSON, a missing optional package) is one line on stderr and
 exit status 1; ``--debug`` or ``SKEWADAM_DEBUG=1`` shows its traceback. Anything else (a bug) keeps its traceback.
@@ -417,6 +416,8 @@ def _add_bench_step(sub) -> None:
                    help="write a buffer of this many MiB before each timed step, so the step starts with cold caches")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of every optimizer (default: 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights and gradients (default: 0)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences of the batch whose forward and backward "
+                   "is timed beside the steps (default: 16, the bench's; 0: none)")
     p.add_argument("--roofline", action="store_true", help="instead: SkewAdam, fused AdamW and a.add_(b) per tier "
                    "and C++ path on fixed tensors, as GB/s of the bytes each moves (skewadam.bench.roofline)")
     p.add_argument("--momentum", choices=("fp32", "bf16", "int8"), default="fp32", help="with --roofline: its momentum")
@@ -432,8 +433,8 @@ def _bench_step(args: argparse.Namespace) -> int:
     for flag in ("rounds", "steps", "threads"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"skewadam bench-step: --{flag} must be >= 1, got {getattr(args, flag)}")
-    if args.warmup < 0 or args.flush_mb < 0:
-        raise SystemExit("skewadam bench-step: --warmup and --flush-mb must be >= 0")
+    if args.warmup < 0 or args.flush_mb < 0 or args.batch_size < 0:
+        raise SystemExit("skewadam bench-step: --warmup, --flush-mb and --batch-size must be >= 0")
     torch.set_num_threads(args.threads)
     if args.roofline:
         return _roofline(args)
@@ -445,7 +446,7 @@ def _bench_step(args: argparse.Namespace) -> int:
         res = bench_step(
             preset=args.preset, overrides=parse_sets(args.set, json_values=False), dtype=args.dtype,
             optimizers=names, rounds=args.rounds, steps=args.steps, warmup=args.warmup, impl=args.impl,
-            clock=args.clock, flush_mb=args.flush_mb, lr=args.lr, seed=args.seed,
+            clock=args.clock, flush_mb=args.flush_mb, lr=args.lr, seed=args.seed, batch_size=args.batch_size,
         )
     except ValueError as e:
         raise SystemExit(f"skewadam bench-step: {e}") from None

@@ -5,7 +5,8 @@ the hyperparameters) and calls `skewadam_`; so can anything that holds records o
 stepping one parameter as soon as its gradient is complete (one `StepGroup` per call, each call with its own skip
 decision). A step is, for every backend of `skewadam.kernels.BACKENDS`:
 
-1. every check of every group: the hyperparameters (`skewadam.kernels.types.check_group`), then each backend's pass 1
+1. every check of every group: the hyperparameters (`skewadam.kernels.types.check_group`; an orthogonal group's
+   Newton-Schulz settings, `skewadam.kernels.orthogonal.check_options`), then each backend's pass 1
    (`grad_stats`, which checks every record it reads and writes nothing; the orthogonal update's is
    `skewadam.kernels.orthogonal.grad_stats`). A step that raises has written nothing: the error is the one shared
    check's (`skewadam.kernels.types.check`) whatever the backend's own message;
@@ -83,6 +84,8 @@ def skewadam_(groups: Sequence[StepGroup], *, backend: Union[Backend, str] = "au
     kernel = backend.load()
     for g in groups:
         check_group(g.record, g.where)
+        if g.update == "orthogonal":
+            orthogonal.check_options(g.record, g.where)
     adam = [g for g in groups if g.update != "orthogonal"]
     orth = [g for g in groups if g.update == "orthogonal"]
     try:

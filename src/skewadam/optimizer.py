@@ -20,7 +20,7 @@ from . import kernels
 from .backward import BackwardMode, BackwardSteps, Counter, check_trainer, stacked
 from .functional import Reducer, StepGroup, skewadam_
 from .groups import describe_optimizer
-from .kernels.types import Group, ParamTensors
+from .kernels.types import NS_STEPS, Group, ParamTensors
 from .state import StateBytes, flat_bank_merged, is_bank, measure_state, state_flags
 from .validation import check_state_dict, resolve_group, validate_params
 from .zero import partition_of, zero_layouts
@@ -124,6 +124,10 @@ class SkewAdam(BackwardMode, Optimizer):
         impl: the kernel backend, ``"auto"`` or a name of `skewadam.kernels.BACKENDS` (`skewadam.kernels.resolve`:
             ``SKEWADAM_IMPL`` if set, else the preferred backend available on the parameters' device); same math.
         update: ``"adam"`` (the tiers' update) or ``"orthogonal"`` (above; matrices and banks of matrices only).
+        ns_steps: the orthogonal update's Newton-Schulz iterations. Default 5.
+        ns_dtype: its dtype: None (the parameter's rule), ``"fp32"``, ``"bf16"`` or ``"auto"`` (bf16 where the
+            device multiplies it natively).
+        ns_interval: 1 (every step) or k: each matrix orthogonalised every k of its steps, k steps' update at once.
         relative_step: Adafactor's option (off by default): the update term scaled by ``max(1e-3, rms(p))`` per unit.
         beta2_decay: Adafactor's option (off by default): ``beta2_t = 1 - t^beta2_decay`` (e.g. -0.8), uncorrected.
         in_backward: step each parameter inside backward as soon as its gradient is complete, and free it
@@ -146,25 +150,21 @@ class SkewAdam(BackwardMode, Optimizer):
         eps: Optional[float] = None,
         weight_decay: float = 0.0,
         *,
-        eps_mode: str = "add",
-        tier: str = "backbone",
-        use_momentum: Optional[bool] = None,
-        use_factored: Optional[bool] = None,
-        bank: Optional[bool] = None,
-        momentum_dtype: str = "fp32",
-        seed: int = 0,
+        eps_mode: str = "add", tier: str = "backbone",
+        use_momentum: Optional[bool] = None, use_factored: Optional[bool] = None, bank: Optional[bool] = None,
+        momentum_dtype: str = "fp32", seed: int = 0,
         skip_nonfinite: bool = True,
         impl: str = "auto",
         update: str = "adam",
-        relative_step: bool = False,
-        beta2_decay: Optional[float] = None,
+        relative_step: bool = False, beta2_decay: Optional[float] = None,
+        ns_steps: int = NS_STEPS, ns_dtype: Optional[str] = None, ns_interval: int = 1,
         in_backward: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode, tier=tier,
-            use_momentum=use_momentum, use_factored=use_factored, bank=bank, seed=seed,
-            momentum_dtype=momentum_dtype, update=update, relative_step=relative_step, beta2_decay=beta2_decay,
-        )
+            use_momentum=use_momentum, use_factored=use_factored, bank=bank, seed=seed, momentum_dtype=momentum_dtype,
+            update=update, relative_step=relative_step, beta2_decay=beta2_decay, ns_steps=ns_steps,
+            ns_dtype=ns_dtype, ns_interval=ns_interval)
         if impl not in kernels.IMPLS:
             raise ValueError(f"Invalid impl: {impl!r} (expected one of {kernels.IMPLS})")
         self._impl = impl
@@ -299,7 +299,8 @@ class SkewAdam(BackwardMode, Optimizer):
             return None
         b1, b2 = group["betas"]
         return params, Group(tensors, group["lr"], b1, b2, group["eps"], group["eps_mode"], group["weight_decay"],
-                             group["seed"], group["relative_step"], group["beta2_decay"])
+                             group["seed"], group["relative_step"], group["beta2_decay"], group["ns_steps"],
+                             group["ns_dtype"], group["ns_interval"])
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:

@@ -120,6 +120,7 @@ class Plan:
     assumptions: list[str]
     shards: int = 1
     kernel: str = "auto"  # SkewAdam's kernel backend whose step temporaries the plan counts (`kernel_for`)
+    matmul_flops: Optional[int] = None  # the forward and backward's at batch x seq (`activation_segments`' rules)
     zero: Optional[int] = None  # a DeepSpeed ZeRO stage over `shards` ranks (`skewadam.bench.zero_plan`)
 
     def __getitem__(self, name: str) -> OptimizerPlan:
@@ -174,9 +175,16 @@ class Plan:
                 for n, z in zero.items()])
         flops = {n: o.newton_schulz_flops for n, o in self.optimizers.items() if o.newton_schulz_flops}
         if flops:
-            lines += ["", "compute beyond an Adam-style update: Newton-Schulz matmul FLOPs per step (5 iterations over "
-                          "every orthogonalised matrix; one process)"]
-            lines += _table(["optimizer", "FLOPs"], [[n, f"{f:.3g}"] for n, f in flops.items()])
+            lines += ["", "compute beyond an Adam-style update: Newton-Schulz matmul FLOPs per step (each group's "
+                          "iterations over every matrix it orthogonalises, on average over its interval; one process)"]
+            if self.matmul_flops:
+                fb = self.matmul_flops
+                lines += [f"against the forward and backward's matmuls at batch {self.batch} x {self.seq}: {fb:.3g} "
+                          "FLOPs (6 x the tokens each weight sees x its size, attention's T x T products left out); "
+                          "share: of a training step's FLOPs, an estimate of its time at one FLOP rate for both"]
+            lines += _table(["optimizer", "FLOPs", *(["x fwd+bwd", "share"] if self.matmul_flops else [])], [
+                [n, f"{f:.3g}", *([f"{f / self.matmul_flops:.2f}x", f"{f / (f + self.matmul_flops):.0%}"]
+                                  if self.matmul_flops else [])] for n, f in flops.items()])
         lines += ["", "optimizers:", *(f"  {n}: {o.label}" for n, o in self.optimizers.items())]
         lines += ["assumptions:", *(f"  - {a}" for a in self.assumptions)]
         return "\n".join(lines)
@@ -363,7 +371,8 @@ def plan(
         elif shards > 1 and arm.reduced is not None:  # and the 4-byte float32 flag that skips a non-finite step
             reduced = 4 * (len(trainable) if inside else 1) + sum(  # inside backward: a flag per tensor's step
                 arm.reduced(shape, tier, stepped, n in orth, experts.get(n)) for n, shape, tier in trainable)
-        flops = orthogonal_flops(model, arm.orthogonal, labels) if arm.orthogonal else 0
+        flops = orthogonal_flops(model, arm.orthogonal, labels, defaults=arm.options,
+                                 tier_options=dict(arm.tier_options)) if arm.orthogonal else 0
         rows[arm.name] = OptimizerPlan(arm.name, arm.label, n_params * itemsize, grads, master, state, activations,
                                        temporaries, peak, gathered, inside, reduced, flops, zero_figures)
     counted: dict[str, list[str]] = {}
@@ -404,4 +413,4 @@ def plan(
     if unmodelled:
         assumptions.insert(0, f"no activation or peak estimate: {unmodelled}")
     return Plan(name, n_params, n_trainable, by_tier, param_dtype, batch, seq, k, rows, assumptions, shards, kernel,
-                zero)
+                sum(seg.flops for seg in segments) if segments else None, zero)

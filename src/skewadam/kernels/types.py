@@ -63,7 +63,7 @@ from torch import Tensor
 
 from ..state import num_blocks
 
-__all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS",
+__all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "NS_STEPS", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS",
            "EPS_MODES", "PARAM_DTYPES", "unit_dims", "active_units", "unit_numel", "stat_dims", "check_param_dtype",
            "check", "check_lr", "check_group", "all_finite"]
 
@@ -78,6 +78,8 @@ class MomFmt(enum.IntEnum):
     NONE = 3  # no momentum
 
 
+#: Newton-Schulz iterations of the orthogonal update unless a group sets ``ns_steps`` (Muon's 5).
+NS_STEPS = 5
 #: The paper's guard on ``mean_i(row_var)`` in ``eps_mode="floor"``.
 ROW_MEAN_FLOOR = 1e-15
 #: Adafactor's eps2: the floor of the parameter RMS that scales a relative step (``Group.relative_step``).
@@ -111,7 +113,8 @@ class Group(NamedTuple):
     Adafactor's options (arXiv 1804.04235, as `torch.optim.Adafactor` has them), per unit: ``relative_step`` scales
     the update term (not the weight decay) by ``max(RELATIVE_STEP_EPS, rms(p))`` of the parameter before the step;
     ``beta2_decay`` (``d <= 0``) replaces ``beta2`` by ``1 - t**d`` at the unit's new step count ``t`` and drops the
-    second moment's bias correction.
+    second moment's bias correction. The ``ns_*`` fields shape the orthogonal update's Newton-Schulz
+    (`skewadam.kernels.orthogonal`; the Adam-style kernels ignore them): its iterations, dtype and interval (every how many of a matrix's steps it is orthogonalised).
     """
 
     params: Sequence[ParamTensors]
@@ -124,6 +127,9 @@ class Group(NamedTuple):
     seed: int
     relative_step: bool = False
     beta2_decay: Optional[float] = None
+    ns_steps: int = NS_STEPS
+    ns_dtype: Optional[str] = None
+    ns_interval: int = 1
 
 
 class GradStats(NamedTuple):
