@@ -67,13 +67,15 @@ def test_the_arms_the_study_found_no_better_and_the_kernel_arm_are_gone():
     assert not any(set(gone) & set(preset().optimizers) for preset in PRESETS.values())
 
 
-def test_the_readme_lists_the_registrys_names_and_its_commands_use_them():
-    """The docs are the registry's fourth user: the README's list of names is `arms.names()`, in its order, and every
-    optimizer a README command names is a current name, not an alias."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    listing = text[text.index("Optimizer names are the same"):]
+def test_the_docs_list_the_registrys_names_and_the_readmes_commands_use_them():
+    """The docs are the registry's fourth user: the bench guide's list of names is `arms.names()`, in its order, and
+    every optimizer a README command names is a current name, not an alias."""
+    root = Path(__file__).resolve().parents[1]
+    guide = (root / "docs" / "guide" / "bench.md").read_text()
+    listing = guide[guide.index("Optimizer names are the same"):]
     listing = listing[listing.index(":"):listing.index("\n\n")]
     assert re.findall(r"`([\w+-]+)`", listing) == arms.names()
+    text = (root / "README.md").read_text()
     commands = re.findall(r"--optimizers? ((?:[a-z][\w+-]*[ ,\n]*)+)", text)
     named = [n for c in commands for n in re.split(r"[ ,\n]+", c.strip()) if n != "all"]
     assert len(named) >= 10 and all(n in arms.ARMS for n in named), named
