@@ -541,7 +541,7 @@ def test_each_bench_module_imports_only_those_listed_above_it_in_the_package_doc
                 wrong += [f"{path.stem} imports {n}" for n in names if path.stem != "__init__"
                           and order.index(n.split(".")[0]) >= order.index(path.stem)]
             if isinstance(node, ast.ImportFrom) and node.level == 2 and path.stem in ("arms", "planner"):
-                if (node.module or "").split(".")[0] in ("optimizer", "steppers", "functional") or \
+                if (node.module or "").split(".")[0] in ("optimizer", "functional") or \
                         (node.module or "").startswith("kernels."):
                     wrong.append(f"{path.stem} imports ..{node.module} at module level")
     assert not wrong, wrong
