@@ -9,7 +9,7 @@ its parameters keep. This class holds the param groups, checks them (`skewadam.v
 from __future__ import annotations
 
 from itertools import chain
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -20,7 +20,7 @@ from . import kernels
 from .backward import BackwardMode, BackwardSteps, Counter, check_trainer, stacked
 from .functional import Reducer, StepGroup, skewadam_
 from .groups import describe_optimizer
-from .kernels.types import NS_STEPS, Group, ParamTensors
+from .kernels.types import NS_STEPS, STATE_KEYS, Group, ParamTensors
 from .state import StateBytes, flat_bank_merged, is_bank, measure_state, state_flags
 from .validation import check_state_dict, resolve_group, validate_params
 from .zero import partition_of, zero_layouts
@@ -35,8 +35,6 @@ __all__ = ["SkewAdam"]
 #: Types that are never DTensors: checked first, since ``isinstance(t, DTensor)`` costs ~0.3 us (its metaclass), a
 #: few times per parameter per step.
 _PLAIN = (Tensor, torch.nn.Parameter, type(None))
-_STATE_FIELDS = ParamTensors._fields[3:8]  # the records' optional state (exp_avg ... col_var): state dict keys
-_STATE_KEYS = ("step", *_STATE_FIELDS)
 
 
 def _is_dtensor(t: Optional[Tensor]) -> bool:
@@ -278,19 +276,19 @@ class SkewAdam(BackwardMode, Optimizer):
             if grad.is_sparse:
                 raise TypeError(f"SkewAdam does not support sparse gradients (param group {index}, tier {tier!r}); "
                                 "use a dense embedding (sparse=False)")
-            fixed = cached[1][i]  # (id(p), shape, dtype, DTensor?, bank, rounding stream, name, pieces) while held
-            if fixed is None or fixed[0] != id(p) or fixed[1] != p.shape or fixed[2] is not p.dtype:
+            fixed = cached[1][i]  # what the record takes from p and its group, while they hold
+            if fixed is None or fixed.id != id(p) or fixed.shape != p.shape or fixed.dtype is not p.dtype:
                 fixed = cached[1][i] = _fixed(p, group, index, i, first_id)
             state = (not device_steps and states.get(p)) or _state_of(states[p], p, group, device_steps, fresh)
-            local = (p, grad, state["step"], *map(state.get, _STATE_FIELDS))
-            if fixed[3]:  # a DTensor: the kernels step the local shards (their state is sharded as p is)
+            local = (p, grad, state["step"], *map(state.get, STATE_KEYS))
+            if fixed.dtensor:  # a DTensor: the kernels step the local shards (their state is sharded as p is)
                 from .distributed import check_grad
 
                 check_grad(p)
                 local = tuple(map(_local, local))
             if experts is None:
                 params.append(p)
-                tensors.append(make((*local, fixed[1], *fixed[4:7])))
+                tensors.append(make((*local, fixed.shape, fixed.bank, fixed.stream, fixed.name)))
             else:  # a flattened bank [E*D, ...]: its local rows as banks [k, rows, ...], each named by p (the reducer)
                 tensors += (records := _flat_records(local, fixed))
                 params += [p] * len(records)
@@ -385,10 +383,21 @@ def _restore(state: dict, saved: dict) -> None:
             state[key] = value.to(device=state[key].device, copy=True).contiguous()
 
 
-def _fixed(p: Tensor, group: dict, index: int, i: int, first_id: int) -> tuple:
-    """What the record of parameter ``i`` of group ``index`` takes from ``p`` and its group while they hold: ``(id,
-    shape, dtype, DTensor?, bank flag, rounding stream, name, pieces)``; errors name a flattened bank by its own shape
-    and its view's; ``pieces``: a flattened bank's ``(piece, rounding stream)`` (`_flat_records`), else None."""
+class _Fixed(NamedTuple):
+    """What the record of a parameter takes from it and its group while they hold (`_fixed`)."""
+
+    id: int  # id(p): the cache holds while the group holds this very parameter
+    shape: torch.Size  # the global shape
+    dtype: torch.dtype
+    dtensor: bool
+    bank: bool
+    stream: int  # its stochastic-rounding stream
+    name: str  # how errors name it (a flattened bank by its own shape and its view's)
+    pieces: Optional[tuple]  # a flattened bank's ``((piece, rounding stream), ...)`` (`_flat_records`), else None
+
+
+def _fixed(p: Tensor, group: dict, index: int, i: int, first_id: int) -> _Fixed:
+    """What the record of parameter ``i`` of group ``index`` takes from ``p`` and its group while they hold."""
     names, experts = group.get("param_names"), group.get("experts")
     name = f"param_groups[{index}]['params'][{i}]" + (f" ({names[i]!r})" if names else "")
     bank = experts is not None or is_bank(p.ndim, group["tier"], group["bank"])
@@ -403,7 +412,7 @@ def _fixed(p: Tensor, group: dict, index: int, i: int, first_id: int) -> tuple:
         else:
             found = ((0, experts, 0, p.shape[0] // experts),)
         pieces = tuple((pc, _rounding_stream(p, first_id + i, group["momentum_dtype"], pc[2])) for pc in found)
-    return id(p), p.shape, p.dtype, _is_dtensor(p), bank, stream, name, pieces
+    return _Fixed(id(p), p.shape, p.dtype, _is_dtensor(p), bank, stream, name, pieces)
 
 
 def _state_of(state: dict, p: Tensor, group: dict, device_steps: bool = False, fresh: Optional[list] = None) -> dict:
@@ -423,18 +432,19 @@ def _state_of(state: dict, p: Tensor, group: dict, device_steps: bool = False, f
     return state
 
 
-def _flat_records(local: tuple, fixed: tuple) -> list[ParamTensors]:
+def _flat_records(local: tuple, fixed: _Fixed) -> list[ParamTensors]:
     """A flattened bank's records from its local tensors ``(param, grad, step, exp_avg, ..., col_var)``: one bank per
     piece of its local rows (`skewadam.distributed.flat_bank_pieces`; the whole bank on one process), ``[k, rows,
     ...]`` of global shape ``(k, D, ...)``: views of the parameter, gradient and the state kept in its row layout (steps
     write them), and the piece's experts of the state kept per expert (`skewadam.state.flat_bank_merged`)."""
-    shape, name, pieces = fixed[1], fixed[6], fixed[7]
+    shape, name, pieces = fixed.shape, fixed.name, fixed.pieces
     param, grad, *state = local
     experts = sum(pc[1] for pc, _ in pieces)
     if not param.is_contiguous():
         raise ValueError(f"{name}: experts={experts} needs a contiguous parameter, got strides {param.stride()}")
-    rows_layout = [flat_bank_merged(key, param.ndim + 1) for key in _STATE_KEYS]
-    for key, t, rows in zip(_STATE_KEYS, state, rows_layout):
+    keys = ("step", *STATE_KEYS)
+    rows_layout = [flat_bank_merged(key, param.ndim + 1) for key in keys]
+    for key, t, rows in zip(keys, state, rows_layout):
         want = (param.ndim, param.shape[0]) if rows else (1 if key == "step" else param.ndim + 1, experts)
         if t is not None and (t.ndim, t.shape[0] if t.ndim else 0) != want:
             raise ValueError(f"{name}: state {key!r} has shape {tuple(t.shape)}, a flattened bank keeps it with "

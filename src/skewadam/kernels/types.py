@@ -107,6 +107,10 @@ class ParamTensors(NamedTuple):
     name: str = ""  # how errors name the parameter, e.g. "param_groups[0]['params'][3] ('tok_emb.weight')"
 
 
+#: The optional state of a record, in `ParamTensors`' order after ``step``: the state dict keys beside ``step``.
+STATE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "row_var", "col_var")
+
+
 class Group(NamedTuple):
     """One param group: its parameters and hyperparameters. ``lr`` may be a 0-d (or 1-element) tensor.
 
