@@ -112,6 +112,29 @@ def test_the_step_inside_backward_is_bitwise_the_regular_step(impl, dtype, momen
     _assert_same(*runs)
 
 
+def test_the_hooks_reach_their_optimizer_only_through_the_param_stepper_interface():
+    """`BackwardSteps` (the lower layer) asks its optimizer for param groups and `ParamStepper.step_parameter` alone:
+    an object with just those gets each parameter's step, with its complete gradient, as backward completes it, and
+    the gradient is freed after; the skip flags it returns are what the hooks record."""
+    class Stepper:
+        def __init__(self, params):
+            self.param_groups, self.calls = [{"params": params}], []
+
+        def step_parameter(self, group: int, position: int) -> torch.Tensor:
+            self.calls.append((group, position, self.param_groups[group]["params"][position].grad.clone()))
+            return torch.tensor(position == 1)
+
+    w, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.zeros(3))
+    stepper = Stepper([w, b])
+    steps = BackwardSteps(stepper)
+    (w * w * 2 + b).sum().backward()
+    assert sorted((g, i) for g, i, _ in stepper.calls) == [(0, 0), (0, 1)]
+    grads = {i: grad for _, i, grad in stepper.calls}
+    assert torch.equal(grads[0], torch.full((3,), 4.0)) and torch.equal(grads[1], torch.ones(3))
+    assert w.grad is None and b.grad is None and sorted(bool(f) for f in steps.skipped) == [False, True]
+    steps.remove()
+
+
 @pytest.mark.parametrize("impl", KERNELS)
 def test_a_tensor_lr_and_a_step_closure_step_inside_backward_as_the_regular_step(impl):
     """A 0-d tensor lr that a schedule writes into, and ``step(closure)`` whose closure runs the backward (Lightning's

@@ -316,9 +316,14 @@ class SkewAdam(BackwardMode, Optimizer):
             Counter.add(self, "skipped_steps", stacked(flags).any())
         return loss
 
+    def step_parameter(self, group: int, position: int) -> Tensor:
+        """Step parameter ``position`` of param group ``group`` alone, as `step` would (the gradient hooks' step,
+        `skewadam.backward.ParamStepper`); returns its skip flag, a 0-d bool tensor on its device."""
+        return self._step(only=(group, position))
+
     def _step(self, only: Optional[tuple[int, int]] = None) -> Tensor:
         """`skewadam.functional.skewadam_` over every parameter with a gradient, or (``only``: ``(group index,
-        position)``, what a gradient hook steps) over that one; returns its skip flag."""
+        position)``) over that one; returns its skip flag."""
         first = self.param_groups[only[0]]["params"][only[1]] if only is not None else next(
             p for group in self.param_groups for p in group["params"] if p.grad is not None)
         backend = kernels.resolve(self._impl, _local(first).device)
