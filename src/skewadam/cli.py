@@ -156,7 +156,7 @@ def _add_plan(sub) -> None:
 
 def _plan(args: argparse.Namespace) -> int:
     from .bench.planner import plan
-    from .kernels import BACKENDS
+    from .kernels import BACKENDS, resolve
     from .state import format_bytes
 
     overrides = parse_sets(args.set)
@@ -164,10 +164,10 @@ def _plan(args: argparse.Namespace) -> int:
     optimizers = args.optimizer
     if args.measure and args.measure not in (optimizers or arms.PLAN_DEFAULT):  # its row in the table
         optimizers = [*(optimizers or arms.PLAN_DEFAULT), args.measure]
-    try:
+    try:  # --measure: planned with the backend its steps run (resolving builds it), else from the registry alone
         result = plan(model, batch=args.batch, seq=args.seq, param_dtype=args.param_dtype, top_k=args.top_k,
-                      optimizers=optimizers, impl=args.impl, device=args.device, shards=args.shards,
-                      in_backward=args.in_backward, zero=args.zero)
+                      optimizers=optimizers, impl=resolve(args.impl, args.device).name if args.measure else args.impl,
+                      device=args.device, shards=args.shards, in_backward=args.in_backward, zero=args.zero)
         result = dataclasses.replace(result, model=args.model)
         measured = None
         if args.measure:

@@ -12,7 +12,8 @@ module asks which backends exist, where they run and what they cost.
 `resolve` picks one for ``impl`` (``"auto"``, or a backend's name) and a device: ``"auto"`` is the
 ``SKEWADAM_IMPL`` environment variable when set, else the first backend of `BACKENDS` whose ``auto`` devices include
 the device and that is available there (the C++ kernel on CPU when it builds, with one warning line when it cannot;
-Triton on CUDA when triton imports), else eager.
+Triton on CUDA when triton imports), else eager. ``build=False`` answers from the registry alone, importing and
+building nothing: the backend a machine where it is installed would run (the planner's question).
 
 Example:
     >>> resolve("auto", torch.device("cpu")).name   # 'cpp' where the C++ kernel builds, else 'eager'
@@ -118,11 +119,16 @@ def impls(interpreted: bool = False) -> list[str]:
     return out
 
 
-def resolve(impl: str, device: torch.device | str) -> Backend:
+def resolve(impl: str, device: torch.device | str, *, build: bool = True) -> Backend:
     """The backend that runs tensors on ``device`` under the choice ``impl`` (``"auto"`` or a backend's name).
+
+    ``build=False``: decided from the registry alone, nothing imported or built (the C++ extension is not compiled):
+    the backend ``impl`` names, or the one ``"auto"`` prefers on ``device``'s type, as a machine where it is
+    installed runs it; a named backend that does not run on ``device`` is refused either way.
 
     Example:
         >>> resolve("auto", torch.device("cuda")).name  # 'triton', or 'eager' where triton does not import
+        >>> resolve("auto", "cpu", build=False).name     # 'cpp', whether or not it builds here
     """
     device = torch.device(device)
     if impl == "auto":
@@ -133,11 +139,11 @@ def resolve(impl: str, device: torch.device | str) -> Backend:
         raise ValueError(f"Invalid impl: {impl!r} (expected one of {IMPLS})")
     if impl == "auto":
         for backend in BACKENDS.values():
-            if device.type in backend.auto and backend.available(device, warn=True):
+            if device.type in backend.auto and (not build or backend.available(device, warn=True)):
                 return backend
         return BACKENDS["eager"]
     backend = BACKENDS[impl]
-    if backend.available(device):
+    if (not build and backend.runs_on(device)) or (build and backend.available(device)):
         return backend
     others = ", ".join(f"impl={b.name!r} ({b.summary})" for b in BACKENDS.values() if b.name != impl)
     if not backend.runs_on(device):
