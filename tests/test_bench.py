@@ -475,7 +475,7 @@ def test_the_bench_builds_the_cpp_kernel_before_its_first_run_and_only_when_need
 
     calls = []
     monkeypatch.setattr(cpu, "built", lambda: False)
-    monkeypatch.setattr(kernels, "select", lambda impl, device: calls.append((impl, device.type)))
+    monkeypatch.setattr(kernels, "resolve_backend", lambda impl, device: calls.append((impl, device.type)))
     monkeypatch.setattr(bench_mod.subprocess, "Popen", lambda *a, **k: calls.append("run") or _Failed())
     monkeypatch.delenv("SKEWADAM_IMPL", raising=False)
     run_bench(BenchConfig(base=get_preset("smoke").base, optimizers=("adamw", "skewadam")), tmp_path / "a",

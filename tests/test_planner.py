@@ -1,5 +1,5 @@
 """The planner (`skewadam.bench.planner.plan`) against the real optimizers' state, the peak estimate against tracked
-tensor bytes and real runs (`skewadam.bench.measure`), the kernel backends it plans, and the presets.
+tensor bytes and real runs (`skewadam.bench.measure`), the backends it plans, and the presets.
 
 Shape legend: V vocab, D model width, F FFN hidden, E experts, N tokens.
 """
@@ -25,7 +25,7 @@ from skewadam.bench.measure import measure_peak, train_steps
 from skewadam.bench.planner import format_bytes, plan
 from skewadam.bench.presets import HF_PRESETS, load_model, preset_names
 from skewadam.classify import classify
-from skewadam.kernels import BACKENDS, Backend, resolve
+from skewadam.kernels import BACKENDS, Backend, resolve_backend
 from skewadam.state import measure_state
 
 from allocations import Allocations
@@ -240,27 +240,28 @@ def test_skewadam_step_temporaries_are_what_each_backend_reports(impl, monkeypat
     model = load_model("tiny")
     p = plan(model, param_dtype="bf16", optimizers=["skewadam"], impl=impl)
     [(name, tensors, dtype)] = asked
-    assert name == impl == p.kernel and dtype == torch.bfloat16 and len(tensors) == len(list(model.parameters()))
+    assert name == impl == p.backend and dtype == torch.bfloat16 and len(tensors) == len(list(model.parameters()))
     assert p["skewadam"].step_temporaries == original(BACKENDS[impl], tensors, torch.bfloat16) > 0
     assert {s for s, bank in tensors if bank} == {tuple(p.shape) for p in model.parameters() if p.ndim >= 3}
-    assert f"SkewAdam's kernel: {impl}" in str(p)
+    assert f"SkewAdam's backend: {impl}" in str(p)
 
 
-def test_plan_names_the_kernel_skewadam_runs_on_the_device_where_it_is_installed(monkeypatch):
-    """``auto`` plans the backend `skewadam.kernels.resolve` prefers on the device's type, from the registry alone
-    (``build=False``): the C++ kernel on CPU, Triton on CUDA, with or without a GPU here; where it builds or imports,
-    that is what SkewAdam runs. ``SKEWADAM_IMPL`` and bad choices are the resolver's, on any device."""
+def test_plan_names_the_backend_skewadam_runs_on_the_device_where_it_is_installed(monkeypatch):
+    """``auto`` plans the backend `skewadam.kernels.resolve_backend` prefers on the device's type, from the registry
+    alone (``build=False``): the C++ kernel on CPU, Triton on CUDA, with or without a GPU here; where it builds or
+    imports, that is what SkewAdam runs. ``SKEWADAM_IMPL`` and bad choices are the resolver's, on any device."""
     monkeypatch.delenv("SKEWADAM_IMPL", raising=False)
-    assert plan("tiny", optimizers=["skewadam"]).kernel == resolve("auto", "cpu", build=False).name == "cpp"
+    assert plan("tiny", optimizers=["skewadam"]).backend == resolve_backend("auto", "cpu", build=False).name == "cpp"
     if BACKENDS["cpp"].available("cpu"):
-        assert resolve("auto", "cpu").name == "cpp"
+        assert resolve_backend("auto", "cpu").name == "cpp"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert plan("tiny", optimizers=["skewadam"], device="cuda").kernel == "triton"
+    assert plan("tiny", optimizers=["skewadam"], device="cuda").backend == "triton"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(BACKENDS["triton"].load(), "available", lambda device="cuda": True)
-    assert resolve("auto", "cuda").name == "triton" == plan("tiny", optimizers=["skewadam"], device="cuda").kernel
+    assert resolve_backend("auto", "cuda").name == "triton"
+    assert plan("tiny", optimizers=["skewadam"], device="cuda").backend == "triton"
     monkeypatch.setenv("SKEWADAM_IMPL", "eager")
-    assert plan("tiny", optimizers=["skewadam"], device="cuda").kernel == "eager"
+    assert plan("tiny", optimizers=["skewadam"], device="cuda").backend == "eager"
     with pytest.raises(ValueError, match="impl='cpp' runs on CPU tensors .*got tensors on cuda"):
         plan("tiny", impl="cpp", device="cuda")
     with pytest.raises(ValueError, match=r"Invalid impl: 'cuda' \(expected one of \('auto', 'triton', 'cpp', 'eager'"):
@@ -300,7 +301,7 @@ def test_the_planner_imports_no_optimizer_and_no_kernel_module():
         assert not [m for m in loaded if m in heavy or m.startswith(others)], loaded
         assert "skewadam.kernels.eager" in loaded and "torch.utils.cpp_extension" not in sys.modules
         p = planner.plan("paper-6.78b")
-        assert p.kernel == "cpp" and p["skewadam"].step_temporaries > 0
+        assert p.backend == "cpp" and p["skewadam"].step_temporaries > 0
         loaded = ours()
         assert not [m for m in loaded if m in heavy or m.startswith("skewadam.kernels.tri")], loaded
         assert "torch.utils.cpp_extension" not in sys.modules and sys.modules["skewadam.kernels.cpu"]._lib is None
@@ -344,7 +345,7 @@ def test_peak_estimate_is_within_5_percent_of_tracked_tensor_bytes(optimizer, pa
     if impl == "eager-chunked":
         impl = "eager"
         monkeypatch.setattr(eager, "CHUNK_NUMEL", 2 * 128 * 64)
-    if impl not in kernels.impls():
+    if impl not in kernels.cpu_backends():
         pytest.skip("the C++ kernel does not build here")
     monkeypatch.setenv("SKEWADAM_IMPL", impl)
     overrides = dict(vocab_size=1024, block_size=64, d_model=64, n_head=4, n_kv_head=2, d_ff=128, d_expert=128,

@@ -3,7 +3,7 @@ r"""`SkewAdam`: tiered optimizer state for Mixture-of-Experts training.
 Each param group belongs to a tier (``backbone``, ``expert``, ``router``; `skewadam.tiers`) that sets which state
 its parameters keep. This class holds the param groups, checks them (`skewadam.validation`, at construction and at
 `SkewAdam.load_state_dict`), allocates state lazily (`skewadam.state.state_spec`) and gathers one record per group
-(`skewadam.kernels.types.Group`); `skewadam.functional.skewadam_` runs the step over them, for every kernel backend.
+(`skewadam.kernels.types.Group`); `skewadam.functional.skewadam_` runs the step over them, for every backend.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class SkewAdam(BackwardMode, Optimizer):
         skip_nonfinite: if any gradient holds inf/NaN, skip the whole step (weights and state untouched) and count
             it in ``skipped_steps``, as AMP's GradScaler does; on the device where the backend can (no host sync).
             With ``in_backward``, that tensor's update alone (``skipped_tensors``).
-        impl: the kernel backend, ``"auto"`` or a name of `skewadam.kernels.BACKENDS` (`skewadam.kernels.resolve`:
+        impl: the backend, ``"auto"`` or a name of `skewadam.kernels.BACKENDS` (`skewadam.kernels.resolve_backend`:
             ``SKEWADAM_IMPL`` if set, else the preferred backend available on the parameters' device); same math.
         update: ``"adam"`` (the tiers' update) or ``"orthogonal"`` (above; matrices and banks of matrices only).
         ns_steps, ns_dtype, ns_interval: the orthogonal update's Newton-Schulz iterations (5), dtype (None: the
@@ -162,8 +162,8 @@ class SkewAdam(BackwardMode, Optimizer):
             use_momentum=use_momentum, use_factored=use_factored, bank=bank, seed=seed, momentum_dtype=momentum_dtype,
             update=update, relative_step=relative_step, beta2_decay=beta2_decay, ns_steps=ns_steps,
             ns_dtype=ns_dtype, ns_interval=ns_interval)
-        if impl not in kernels.IMPLS:
-            raise ValueError(f"Invalid impl: {impl!r} (expected one of {kernels.IMPLS})")
+        if impl not in kernels.BACKEND_CHOICES:
+            raise ValueError(f"Invalid impl: {impl!r} (expected one of {kernels.BACKEND_CHOICES})")
         self._impl = impl
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_steps = 0
@@ -326,7 +326,7 @@ class SkewAdam(BackwardMode, Optimizer):
         position)``) over that one; returns its skip flag."""
         first = self.param_groups[only[0]]["params"][only[1]] if only is not None else next(
             p for group in self.param_groups for p in group["params"] if p.grad is not None)
-        backend = kernels.resolve(self._impl, _local(first).device)
+        backend = kernels.resolve_backend(self._impl, _local(first).device)
         work, fresh, first_id = [], [], 0
         try:
             for index, group in enumerate(self.param_groups):
@@ -357,7 +357,8 @@ def _init_state(opt: "SkewAdam") -> None:
     allocates it."""
     for index, group in enumerate(opt.param_groups):
         if (part := partition_of(opt, group, index)) is not None:
-            part.allocate(opt.state[part.flat], group, kernels.resolve(opt._impl, part.flat.device).device_steps)
+            backend = kernels.resolve_backend(opt._impl, part.flat.device)
+            part.allocate(opt.state[part.flat], group, backend.device_steps)
         for p in group["params"] if part is None else ():
             _state_of(opt.state[p], p, group)
 
@@ -376,7 +377,7 @@ def _restore_saved_dtypes(opt: "SkewAdam", groups: list[dict], states: dict) -> 
                            chain.from_iterable(g["params"] for g in opt.param_groups)):
         state = opt.state[p]
         _restore(state, states.get(saved_id, {}))
-        if "step" in state and p.device.type != "cpu" and kernels.resolve(opt._impl, p.device).device_steps:
+        if "step" in state and p.device.type != "cpu" and kernels.resolve_backend(opt._impl, p.device).device_steps:
             state["step"] = state["step"].to(_local(p).device)  # torch's load leaves a step count on the host
 
 
