@@ -122,9 +122,10 @@ class SkewAdam(BackwardMode, Optimizer):
         impl: the backend, ``"auto"`` or a name of `skewadam.kernels.BACKENDS` (`skewadam.kernels.resolve_backend`:
             ``SKEWADAM_IMPL`` if set, else the preferred backend available on the parameters' device); same math.
         update: ``"adam"`` (the tiers' update) or ``"orthogonal"`` (above; matrices and banks of matrices only).
-        ns_steps, ns_dtype, ns_interval: the orthogonal update's Newton-Schulz iterations (5), dtype (None: the
-            parameter's rule; ``"bf16"``; ``"auto"``: bf16 where the device multiplies it natively) and interval (1:
-            every step; k: each matrix orthogonalised every k of its steps, k steps' update at once).
+        ns_steps: the orthogonal update's Newton-Schulz iterations (5).
+        ns_dtype: their dtype (None: the parameter's rule; ``"bf16"``; ``"auto"``: bf16 where the device multiplies
+            it natively).
+        ns_interval: 1: every step; k: each matrix orthogonalised every k of its steps, k steps' update at once.
         relative_step: Adafactor's option (off by default): the update term scaled by ``max(1e-3, rms(p))`` per unit.
         beta2_decay: Adafactor's option (off by default): ``beta2_t = 1 - t^beta2_decay`` (e.g. -0.8), uncorrected.
         in_backward: step each parameter inside backward as soon as its gradient is complete, and free it
