@@ -475,7 +475,7 @@ def test_the_bench_builds_the_cpp_kernel_before_its_first_run_and_only_when_need
 
     calls = []
     monkeypatch.setattr(cpu, "built", lambda: False)
-    monkeypatch.setattr(kernels, "select", lambda impl, device: calls.append((impl, device.type)))
+    monkeypatch.setattr(kernels, "resolve_backend", lambda impl, device: calls.append((impl, device.type)))
     monkeypatch.setattr(bench_mod.subprocess, "Popen", lambda *a, **k: calls.append("run") or _Failed())
     monkeypatch.delenv("SKEWADAM_IMPL", raising=False)
     run_bench(BenchConfig(base=get_preset("smoke").base, optimizers=("adamw", "skewadam")), tmp_path / "a",
@@ -541,7 +541,7 @@ def test_each_bench_module_imports_only_those_listed_above_it_in_the_package_doc
                 wrong += [f"{path.stem} imports {n}" for n in names if path.stem != "__init__"
                           and order.index(n.split(".")[0]) >= order.index(path.stem)]
             if isinstance(node, ast.ImportFrom) and node.level == 2 and path.stem in ("arms", "planner"):
-                if (node.module or "").split(".")[0] in ("optimizer", "steppers", "functional") or \
+                if (node.module or "").split(".")[0] in ("optimizer", "functional") or \
                         (node.module or "").startswith("kernels."):
                     wrong.append(f"{path.stem} imports ..{node.module} at module level")
     assert not wrong, wrong

@@ -17,7 +17,7 @@ import pytest
 from skewadam.bench import arms
 from skewadam.bench.config import ALL
 from skewadam.cli import build_parser, main, parse_lrs, parse_optimizers
-from skewadam.kernels import BACKENDS, IMPLS, resolve
+from skewadam.kernels import resolve_backend
 
 
 def _cli(argv, capsys) -> str:
@@ -515,9 +515,9 @@ def test_bench_step_defaults_to_one_thread_cpu_time_and_prints_the_spread_cpu_an
     row = next(line for line in out.splitlines() if line.startswith("adamw "))
     q1, q3, lo, hi = map(float, re.search(r"x\s+([\d.]+)-([\d.]+)\s+([\d.]+)-([\d.]+)", row).groups())
     assert lo <= q1 <= q3 <= hi
-    assert f"({os.cpu_count()} CPUs; {' '.join(isa) or 'baseline instruction set'}); SkewAdam kernel: " in out
-    kernel = resolve("auto", "cpu")
-    assert f"SkewAdam kernel: {kernel.name} ({kernel.summary})" in out
+    assert f"({os.cpu_count()} CPUs; {' '.join(isa) or 'baseline instruction set'}); SkewAdam backend: " in out
+    backend = resolve_backend("auto", "cpu")
+    assert f"SkewAdam backend: {backend.name} ({backend.summary})" in out
     flags = open("/proc/cpuinfo").read()
     assert all(f" {flag}" in flags for flag in isa)  # read from the CPU, not made up
 
@@ -530,8 +530,8 @@ def test_plan_measure_names_the_estimate_it_compares_with_and_shows_progress(cap
     assert "vs the estimate in the table (row adamw, column peak, --impl" in line
     assert re.search(r"^adamw\s", out, re.M)  # the row it names is in the table
     estimate = line.split("--impl ")[1].split(")")[0]
-    assert estimate == resolve("auto", "cpu").name
-    assert f"SkewAdam's kernel: {estimate}" in out  # the table was planned with the kernel that was measured
+    assert estimate == resolve_backend("auto", "cpu").name
+    assert f"SkewAdam's backend: {estimate}" in out  # the table was planned with the backend that was measured
     assert "measuring adamw on cpu" in err and "step 2/2" in err  # as it goes, on stderr
 
 

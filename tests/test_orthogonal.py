@@ -134,7 +134,7 @@ OPTIONS = {"relative_step": {"relative_step": True}, "beta2_decay": {"beta2_deca
            "both": {"relative_step": True, "beta2_decay": -0.8}}
 
 
-@pytest.mark.parametrize("impl", kernels.impls())
+@pytest.mark.parametrize("impl", kernels.cpu_backends())
 @pytest.mark.parametrize("options", list(OPTIONS.values()), ids=list(OPTIONS))
 @pytest.mark.parametrize("case", list(ADAFACTOR_CASES.values()), ids=list(ADAFACTOR_CASES))
 def test_adafactor_options_match_float64_reference(case, options, impl):

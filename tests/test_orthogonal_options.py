@@ -40,7 +40,7 @@ OPTION_CASES = {
 }
 
 
-@pytest.mark.parametrize("impl", kernels.impls())
+@pytest.mark.parametrize("impl", kernels.cpu_backends())
 @pytest.mark.parametrize("chunk", [None, 50], ids=["one_chunk", "chunks_of_2_matrices"])
 @pytest.mark.parametrize("case", list(OPTION_CASES.values()), ids=list(OPTION_CASES))
 def test_newton_schulz_options_match_float64_reference(monkeypatch, case, chunk, impl):

@@ -12,7 +12,7 @@ in the same rounds, so each optimizer's step is also given as a multiple of it a
 that stays steady on a machine shared with other work: with several threads a descheduled thread stalls the others at every
 parallel region, and wall time counts other processes' turns on the CPU.
 
-The report names SkewAdam's kernel backend (`skewadam.kernels.resolve`'s choice for ``--impl`` on CPU), the CPU and
+The report names SkewAdam's backend (`skewadam.kernels.resolve_backend`'s choice for ``--impl`` on CPU), the CPU and
 its instruction sets (this CPU's AVX-512 / AVX2 / FMA flags from ``/proc/cpuinfo``: a compiled kernel is built for
 them, ``-march=native``), since the kernel's speed depends on them.
 
@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..kernels import BACKENDS, resolve
+from ..kernels import BACKENDS, resolve_backend
 from ..state import format_bytes
 from . import arms
 from .models import MoETransformer, get_config
@@ -130,12 +130,12 @@ def bench_step(
     batch_size: int = 16,
 ) -> dict[str, Any]:
     """Time ``optimizers`` (arms of `skewadam.bench.arms`, built as the bench builds them, at ``lr``; ``impl`` is the
-    kernel backend of their SkewAdam arms) stepping copies of the model preset, and the forward and backward of one
+    backend of their SkewAdam arms) stepping copies of the model preset, and the forward and backward of one
     batch of ``batch_size`` sequences (0: not timed); return times, ratios and memory.
 
     Returns:
         The settings, the model's ``params``, ``tensors`` and ``largest`` tensor (elements), the SkewAdam
-        ``kernel`` used on CPU (a backend's name), the ``cpu`` model and its ``isa`` flags (`cpu_info`), the load
+        ``backend`` used on CPU (its name), the ``cpu`` model and its ``isa`` flags (`cpu_info`), the load
         average before and after, ``fwd_bwd_s`` (median over rounds; None when not timed) and ``results``: per
         optimizer ``median_s``, ``ratio`` (paired median of the first optimizer's time over this one's), ``ratios``
         (one per round) and ``transient_bytes``.
@@ -157,7 +157,7 @@ def bench_step(
     if batch_size < 0:
         raise ValueError(f"batch_size must be >= 0 (0: no forward and backward timed), got {batch_size}")
     timer = time.perf_counter if clock == "wall" else time.process_time
-    kernel = resolve(impl, torch.device("cpu")).name  # what its SkewAdam arms step with; raises if it cannot run
+    backend = resolve_backend(impl, torch.device("cpu")).name  # what its SkewAdam arms step with; raises if none runs
     torch.manual_seed(seed)
     cfg = get_config(preset, **(overrides or {}))
     base = MoETransformer(cfg).to(DTYPES[dtype])
@@ -168,7 +168,7 @@ def bench_step(
         model = copy.deepcopy(base)
         for p, q in zip(model.parameters(), base.parameters()):
             p.grad = q.grad.clone()  # deepcopy does not copy .grad
-        opts[name] = arms.ARMS[name].build(model, lr, impl=kernel)
+        opts[name] = arms.ARMS[name].build(model, lr, impl=backend)
     first = optimizers[0]
     memory = {}
     for name, opt in opts.items():
@@ -206,7 +206,7 @@ def bench_step(
     model_name, isa = cpu_info()
     return {
         "preset": preset, "overrides": dict(overrides or {}), "dtype": dtype, "clock": clock,
-        "kernel": kernel,
+        "backend": backend,
         "threads": torch.get_num_threads(), "params": sum(p.numel() for p in params), "tensors": len(params),
         "largest": max(p.numel() for p in params), "load": (load_before, os.getloadavg()), "rounds": rounds,
         "steps": steps, "cpu": model_name, "isa": isa, "batch_size": batch_size, "block_size": cfg.block_size,
@@ -237,7 +237,7 @@ def format_report(res: dict[str, Any]) -> str:
         f"{res['params']:,} parameters, {res['dtype']}; largest tensor {res['largest']:,} elements "
         f"({format_bytes(res['largest'] * 4)} as fp32)",
         f"CPU: {res['cpu']} ({os.cpu_count()} CPUs; {' '.join(res['isa']) or 'baseline instruction set'}); SkewAdam "
-        f"kernel: {res['kernel']} ({BACKENDS[res['kernel']].summary})",
+        f"backend: {res['backend']} ({BACKENDS[res['backend']].summary})",
         f"{res['threads']} thread{'s' if res['threads'] != 1 else ''}, {res['clock']} clock, {res['rounds']} "
         f"interleaved rounds x {res['steps']} steps, load average {l1:.1f} -> {l2:.1f}",
     ]

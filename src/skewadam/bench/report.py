@@ -187,7 +187,7 @@ def full_size_peaks(model: str, optimizers: list[str]) -> tuple[Optional[tuple[s
     except (ValueError, OSError, ImportError) as e:
         return None, f"{spec} could not be planned ({e})"
     peaks = {o: row.peak for o, row in p.optimizers.items() if row.peak is not None}
-    what = f"{spec} ({p.params / 1e9:.2f}B), bf16, batch 1 x {p.seq}, {p.kernel} kernel"
+    what = f"{spec} ({p.params / 1e9:.2f}B), bf16, batch 1 x {p.seq}, {p.backend} backend"
     return (what, peaks), ""
 
 

@@ -42,6 +42,7 @@ from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..state import state_dtype_for
 from . import types
 from .eager import step_key
 from .quant import load_momentum, store_momentum_
@@ -133,10 +134,6 @@ def rms_scale(shape: Sequence[int]) -> float:
     return 0.2 * math.sqrt(max(shape[-2], shape[-1]))
 
 
-def _compute_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if param_dtype == torch.bfloat16 else param_dtype
-
-
 class _Piece(NamedTuple):
     """Part of one tensor that one batched Newton-Schulz takes: slices ``rows`` of dim 0 (a bank's experts; all of
     a matrix), or the whole tensor where its matrices are gathered across shards."""
@@ -192,7 +189,7 @@ def grad_stats(group: Group) -> list[Tensor]:
     out = []
     for pt in group.params:
         g = pt.grad
-        dtype = _compute_dtype(g.dtype)
+        dtype = state_dtype_for(g.dtype)
         if g.numel() == 0:  # an empty local shard (amax has no identity)
             out.append(torch.zeros(_unit_shape(pt), dtype=dtype, device=g.device))
         else:
@@ -347,7 +344,7 @@ def nesterov_(g: Tensor, m: Optional[Tensor], scale: Optional[Tensor], active: O
     (``g``'s shape, any float dtype: rounded to it) if given, else into a new tensor of the compute dtype; with
     ``update=False`` only the momentum moves (None is returned). Block by block (`_blocks`): the same values as whole
     tensors, with temporaries that stay in cache."""
-    dtype = _compute_dtype(g.dtype)
+    dtype = state_dtype_for(g.dtype)
     u = None if not update else torch.empty(g.shape, dtype=dtype, device=g.device) if out is None else out
     if m is None and u is None:
         return None
@@ -374,7 +371,7 @@ def apply_(p: Tensor, o: Tensor, active: Optional[Tensor], *, shape: Sequence[in
     weights rounded stochastically (``key``, ``offset``); where ``active`` is False (an idle bank slice, a skipped
     step) ``p`` is kept. ``lr`` may be a one-element tensor on ``p``'s device (read there: no host sync). Block by
     block (`_blocks`), as `nesterov_`."""
-    dtype = _compute_dtype(p.dtype)
+    dtype = state_dtype_for(p.dtype)
     if isinstance(lr, Tensor):
         lr = lr.detach().reshape(()).to(torch.float64)
         decay, alpha = (1.0 - lr * weight_decay).to(dtype), (-lr * rms_scale(shape)).to(dtype)
@@ -403,7 +400,7 @@ def step_transient_bytes(shapes: Sequence[Sequence[int]], param_dtype: torch.dty
     ``choices``; ``"auto"`` as the parameter's rule: the larger, where the device is not known); then its result
     and 4 blocks (`BLOCK_NUMEL`) in the compute dtype (the result's block, decay, update, mask).
     Measured on torch 2.13 CPU (tests/test_planner.py, tracked tensor bytes)."""
-    compute = _compute_dtype(param_dtype).itemsize
+    compute = state_dtype_for(param_dtype).itemsize
     stacks: dict[tuple, int] = defaultdict(int)
     for s, choice in zip(shapes, choices or [None] * len(shapes)):
         stacks[(*s[-2:], ns_dtype(param_dtype, choice).itemsize)] += math.prod(s[:-2])

@@ -61,7 +61,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ..state import num_blocks
+from ..state import num_blocks, state_dtype_for
 
 __all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "NS_STEPS", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS",
            "EPS_MODES", "PARAM_DTYPES", "unit_dims", "active_units", "unit_numel", "stat_dims", "check_param_dtype",
@@ -105,6 +105,10 @@ class ParamTensors(NamedTuple):
     bank: bool  # dim 0 holds separate experts (units)
     stream: int  # index of the stochastic-rounding stream (`skewadam.kernels.rounding.rounding_key`)
     name: str = ""  # how errors name the parameter, e.g. "param_groups[0]['params'][3] ('tok_emb.weight')"
+
+
+#: The optional state of a record, in `ParamTensors`' order after ``step``: the state dict keys beside ``step``.
+STATE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "row_var", "col_var")
 
 
 class Group(NamedTuple):
@@ -194,10 +198,6 @@ def _shape(t) -> object:
     return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
 
 
-def _stats_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if param_dtype == torch.bfloat16 else param_dtype
-
-
 def check_param_dtype(dtype: torch.dtype, where: str) -> None:
     """Raise TypeError naming ``where`` unless ``dtype`` is one the kernels step (`PARAM_DTYPES`), with the fix."""
     if dtype in PARAM_DTYPES:
@@ -236,7 +236,7 @@ def check(pt: ParamTensors, *, second_moment: bool = True) -> None:
         raise ValueError(f"{name}: local shape {p} does not fit the global shape {tuple(pt.shape)}")
     if pt.bank and not p:
         raise ValueError(f"{name}: a bank needs a leading expert dim, got a 0-d parameter")
-    stats = _stats_dtype(param.dtype)
+    stats = state_dtype_for(param.dtype)
     want: dict[str, tuple[Optional[tuple[int, ...]], tuple[torch.dtype, ...]]] = {
         "step": (p[:1] if pt.bank else None, (torch.float32,)), "exp_avg": (None, ()), "exp_avg_scale": (None, ()),
         "exp_avg_sq": (None, ()), "row_var": (None, ()), "col_var": (None, ())}
