@@ -4,7 +4,7 @@ An `Arm` says how to build the optimizer over a model (`Arm.build`: one param gr
 `skewadam.groups.param_groups`, the arm's lr and weight decay) and, for the planner, what memory it keeps: the
 state of one trainable tensor, whether it keeps an fp32 master copy of 16-bit parameters, and the temporaries of its
 ``step()``. SkewAdam's arms take their state from `skewadam.state` under the arm's settings, and their temporaries
-from the kernel backend that runs them (`skewadam.kernels.BACKENDS`: each backend's ``step_transient_bytes``).
+from the backend that runs them (`skewadam.kernels.BACKENDS`: each backend's ``step_transient_bytes``).
 Builders import their optimizer when they run, so the planner reads this registry without importing SkewAdam or a
 kernel.
 
@@ -72,7 +72,7 @@ Builder = Callable[[list[dict[str, Any]], float, str], Any]
 #: in the dtype of the tensor the optimizer steps (the fp32 master copy when the arm keeps one); ``orthogonal``: the
 #: arm's ``orthogonal`` setting selects it (`skewadam.groups.orthogonal_names`).
 TensorState = Callable[[tuple[int, ...], str, torch.dtype, bool], list[tuple[str, StateTensor]]]
-#: ``([(shape, tier, orthogonal), ...], stepped dtype, SkewAdam's kernel backend by name) -> bytes``: the peak
+#: ``([(shape, tier, orthogonal), ...], stepped dtype, SkewAdam's backend by name) -> bytes``: the peak
 #: temporaries of one step.
 Transient = Callable[[Sequence[tuple[tuple[int, ...], str, bool]], torch.dtype, str], int]
 
@@ -314,7 +314,7 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
     return Arm(name, label, make, state, transient, master=False, tier_options=tier_options, options=options,
                kernels=True, lr=lr, orthogonal=orthogonal, variant_of=variant_of,
                in_backward=bool(options.get("in_backward")), reduced=reduced,
-               temporaries="as its kernel backend counts them (`step_transient_bytes` of skewadam.kernels.BACKENDS) "
+               temporaries="as its backend counts them (`step_transient_bytes` of skewadam.kernels.BACKENDS) "
                "and, for orthogonal groups, skewadam.kernels.orthogonal (the stacked Newton-Schulz iterates): the "
                "larger of the two")
 
