@@ -65,7 +65,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="time: wall time or this process's CPU")
-    ap.add_argument("--impl", default="auto", help="SkewAdam's kernel backend")
+    ap.add_argument("--impl", default="auto", help="SkewAdam's backend")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="gpu: model config overrides (ints)")
     ap.add_argument("--dry-run", action="store_true", help="gpu: CPU tensors, Triton's interpreter, the tiny model")
     return ap.parse_args(argv)
@@ -146,7 +146,8 @@ def step_time(args: argparse.Namespace) -> dict[str, Any]:
               f"{os.getloadavg()[0]:.1f}", flush=True)
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     return {"what": "time", "model": "cpu", "batch": batch, "seq": args.seq, "threads": args.threads,
-            "clock": args.clock, "impl": kernels.resolve(args.impl, "cpu").name, "rounds": args.rounds, "steps": args.steps,
+            "clock": args.clock, "impl": kernels.resolve_backend(args.impl, "cpu").name, "rounds": args.rounds,
+            "steps": args.steps,
             "regular_ms": 1e3 * statistics.median(times["regular"]),
             "in_backward_ms": 1e3 * statistics.median(times["in_backward"]),
             "ratio": statistics.median(ratios), "ratio_iqr": [q[0], q[2]], "ratio_range": [min(ratios), max(ratios)]}

@@ -82,7 +82,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--steps", type=int, default=5, help="steps timed per optimizer and round (their median counts)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--impl", default="cpp", help="SkewAdam's kernel backend (default: the C++ kernel)")
+    p.add_argument("--impl", default="cpp", help="SkewAdam's backend (default: the C++ kernel)")
     args = p.parse_args()
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -115,7 +115,7 @@ def main() -> None:
     n = sum(torch.Size(s).numel() for _, s, _ in PARAMS)
     print(f"ZeRO-Offload CPU step, {n:,} fp32 parameters in {len(PARAMS)} tensors (3 flat partitions), "
           f"{torch.get_num_threads()} thread(s), CPU time, {args.rounds} rounds x {args.steps} steps, "
-          f"SkewAdam's kernel: {args.impl}")
+          f"SkewAdam's backend: {args.impl}")
     print(f"{'optimizer':<22} {'step (ms)':>10} {'SkewAdam / this':>16} {'state':>11}")
     for name in names:
         print(f"{name:<22} {1e3 * statistics.median(times[name]):>10.2f} {statistics.median(ratios[name]):>16.3f} "

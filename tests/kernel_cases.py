@@ -2,7 +2,7 @@
 parameters every kernel steps and their gradients, and records built from `state_spec` for the tests that call a
 kernel's passes without the optimizer.
 
-- `impl`: a fixture over `skewadam.kernels.impls(interpreted=True)`, every kernel usable here (without a GPU, the
+- `impl`: a fixture over `skewadam.kernels.cpu_backends(interpreted=True)`, every kernel usable here (without a GPU, the
   Triton kernel in Triton's interpreter: tests/conftest.py sets it); `three_pass`: one process's whole-step call, and
   the three passes of the distributed seam (`IDENTITY`: a reducer that sums nothing). Import them into a test module.
 - `SPECS` ``(shape, tier, overrides)``: every rank, every tier, momentum and factoring switched both ways, banks on
@@ -28,7 +28,7 @@ __all__ = ["impl", "three_pass", "IDENTITY", "SPECS", "LARGE", "ZERO_SPECS", "LI
            "make_states", "HP", "record_group", "eager_step"]
 
 
-@pytest.fixture(params=kernels.impls(interpreted=True))
+@pytest.fixture(params=kernels.cpu_backends(interpreted=True))
 def impl(request) -> str:
     return request.param
 

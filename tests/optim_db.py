@@ -3,7 +3,7 @@
 `CASES` is a table of `Case(kwargs, desc)`: constructor keyword arguments that change the code path (tier, explicit
 state flags, bank handling, eps mode, weight decay). `DTYPES` lists the parameter dtypes each case runs in, and the
 autouse fixture `every_impl` (import it into a test module) runs each test of the module on every kernel available
-here (`skewadam.kernels.impls()`), as ``impl="auto"`` selects it.
+here (`skewadam.kernels.cpu_backends()`), as ``impl="auto"`` selects it.
 `make_params` builds one parameter of every rank the optimizer must handle (0-d to a 4-D conv weight), optionally
 non-contiguous, and `make_grads` fills their gradients from a seeded generator.
 
@@ -47,7 +47,7 @@ CASES: list[Case] = [
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 
 
-@pytest.fixture(autouse=True, params=kernels.impls())
+@pytest.fixture(autouse=True, params=kernels.cpu_backends())
 def every_impl(request, monkeypatch) -> str:
     """The kernel this run of the test uses: ``SKEWADAM_IMPL``, which ``impl="auto"`` (the default) follows."""
     monkeypatch.setenv("SKEWADAM_IMPL", request.param)

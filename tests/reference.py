@@ -95,11 +95,14 @@ def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
 class RefOrthogonal:
     """The orthogonal tier: ``p <- p (1 - lr wd) - lr 0.2 sqrt(max(A, B)) NS(u)`` with Nesterov momentum
     ``m <- mu m + (1 - mu) g``, ``u = (1 - mu) g + mu m`` (or ``u = g`` without momentum); a bank's slices are
-    separate matrices, and a slice whose gradient is all zero is left untouched."""
+    separate matrices, and a slice whose gradient is all zero is left untouched. ``steps``: `newton_schulz`'s;
+    ``interval`` k: a matrix's weights move only at its steps t = k, 2k, ..., by
+    ``p <- p (1 - k lr wd) - k lr 0.2 sqrt(max(A, B)) NS(u)``, its momentum at every step."""
 
-    def __init__(self, value: torch.Tensor, *, momentum: bool, bank: bool):
+    def __init__(self, value: torch.Tensor, *, momentum: bool, bank: bool, steps: int = 5, interval: int = 1):
         self.value = value.detach().to(torch.float64).clone()
         self.bank = bank
+        self.steps, self.interval = steps, interval
         n = self.value.shape[0] if bank else 1
         self.m = [torch.zeros(self.value.shape[1:] if bank else self.value.shape, dtype=torch.float64)
                   for _ in range(n)] if momentum else None
@@ -117,8 +120,12 @@ class RefOrthogonal:
                 u = (1 - mu) * g + mu * self.m[e]
             else:
                 u = g
+            if self.t[e] % self.interval:
+                continue
             p = self.value[e] if self.bank else self.value
-            new = p * (1 - lr * weight_decay) - lr * 0.2 * math.sqrt(max(g.shape)) * newton_schulz(u)
+            k_lr = self.interval * lr
+            new = p * (1 - k_lr * weight_decay) - k_lr * 0.2 * math.sqrt(max(g.shape)) * newton_schulz(
+                u, self.steps)
             if self.bank:
                 self.value[e] = new
             else:

@@ -236,6 +236,24 @@ def test_a_damaged_log_is_run_again_and_reported_by_name(tmp_path, capsys):
     assert any("done earlier, skipped" in line for line in lines)
 
 
+def test_the_report_gives_each_optimizers_share_of_the_step_and_its_newton_schulz_flops(two_seeds, tmp_path):
+    """The share is measured (the step's time over the training step's, summed after the first 2 steps); FLOPs come
+    from the log (`orthogonal_flops` at the run's settings): n/a where a log predates them or a run has no step
+    after the warm-up."""
+    out = _copy(two_seeds, tmp_path / "out")
+    for seed in (0, 1):
+        _edit(out / "runs" / f"adamw_lr0.001_seed{seed}.json", lambda log: log.update(steps=[
+            {"step": i, "loss": 1.0, "balance_loss": 0.1, "step_time_s": 1.0, "opt_time_s": 0.2 + 0.1 * (i > 2)}
+            for i in range(1, 7)]) or log["summary"].update(newton_schulz_flops=1.5e9))
+    header, rule, row = report.results_table(report.summarize(logs.load_runs(out)[0])).splitlines()
+    cells = dict(zip(header.strip("| ").split(" | "), row.strip("| ").split(" | ")))
+    assert cells["opt share"] == "30%" and cells["NS FLOPs"] == "1.5e+09"  # no ratio to itself: no "(1.00x)"
+    _edit(out / "runs" / "adamw_lr0.001_seed1.json", lambda log: log["summary"].pop("newton_schulz_flops"))
+    _edit(out / "runs" / "adamw_lr0.001_seed0.json", lambda log: log.update(steps=log["steps"][:2]))
+    text = report.render(out, plots=False)
+    assert "| n/a | n/a |" in text and "skipped" not in text
+
+
 # ------------------------------------------------------------------------------- logs by schema and identity
 @pytest.fixture(scope="module")
 def two_seeds(tmp_path_factory) -> Path:
@@ -457,7 +475,7 @@ def test_the_bench_builds_the_cpp_kernel_before_its_first_run_and_only_when_need
 
     calls = []
     monkeypatch.setattr(cpu, "built", lambda: False)
-    monkeypatch.setattr(kernels, "select", lambda impl, device: calls.append((impl, device.type)))
+    monkeypatch.setattr(kernels, "resolve_backend", lambda impl, device: calls.append((impl, device.type)))
     monkeypatch.setattr(bench_mod.subprocess, "Popen", lambda *a, **k: calls.append("run") or _Failed())
     monkeypatch.delenv("SKEWADAM_IMPL", raising=False)
     run_bench(BenchConfig(base=get_preset("smoke").base, optimizers=("adamw", "skewadam")), tmp_path / "a",
@@ -523,7 +541,7 @@ def test_each_bench_module_imports_only_those_listed_above_it_in_the_package_doc
                 wrong += [f"{path.stem} imports {n}" for n in names if path.stem != "__init__"
                           and order.index(n.split(".")[0]) >= order.index(path.stem)]
             if isinstance(node, ast.ImportFrom) and node.level == 2 and path.stem in ("arms", "planner"):
-                if (node.module or "").split(".")[0] in ("optimizer", "steppers", "functional") or \
+                if (node.module or "").split(".")[0] in ("optimizer", "functional") or \
                         (node.module or "").startswith("kernels."):
                     wrong.append(f"{path.stem} imports ..{node.module} at module level")
     assert not wrong, wrong

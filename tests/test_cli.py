@@ -17,7 +17,7 @@ import pytest
 from skewadam.bench import arms
 from skewadam.bench.config import ALL
 from skewadam.cli import build_parser, main, parse_lrs, parse_optimizers
-from skewadam.kernels import BACKENDS, IMPLS, resolve
+from skewadam.kernels import resolve_backend
 
 
 def _cli(argv, capsys) -> str:
@@ -55,8 +55,11 @@ def test_plan_bench_and_bench_step_take_the_same_names_and_no_aliases(capsys):
 
 
 def test_the_arms_the_study_found_no_better_and_the_kernel_arm_are_gone():
-    """Their results stay in docs/study; the kernel is ``--impl``, not an arm."""
-    gone = ("skewadam-beta2-decay", "skewadam-orthogonal-lr3x", "skewadam-orthogonal-lr10x", "skewadam-eager")
+    """Their results stay in docs/study (the cheaper quality recipe's screen: docs/study/cheaper.md); the kernel is
+    ``--impl``, not an arm."""
+    gone = ("skewadam-beta2-decay", "skewadam-orthogonal-lr3x", "skewadam-orthogonal-lr10x", "skewadam-eager",
+            "skewadam-quality-bf16", "skewadam-quality-bf16-ns3", "skewadam-quality-bf16-ns4",
+            "skewadam-quality-bf16-every2", "skewadam-quality-bf16-every4", "skewadam-quality-every4")
     assert not set(gone) & set(arms.ARMS)
     assert not any(f.name == "orthogonal_lr" for f in dataclasses.fields(arms.Arm))
     from skewadam.bench.config import PRESETS
@@ -64,13 +67,15 @@ def test_the_arms_the_study_found_no_better_and_the_kernel_arm_are_gone():
     assert not any(set(gone) & set(preset().optimizers) for preset in PRESETS.values())
 
 
-def test_the_readme_lists_the_registrys_names_and_its_commands_use_them():
-    """The docs are the registry's fourth user: the README's list of names is `arms.names()`, in its order, and every
-    optimizer a README command names is a current name, not an alias."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    listing = text[text.index("Optimizer names are the same"):]
+def test_the_docs_list_the_registrys_names_and_the_readmes_commands_use_them():
+    """The docs are the registry's fourth user: the bench guide's list of names is `arms.names()`, in its order, and
+    every optimizer a README command names is a current name, not an alias."""
+    root = Path(__file__).resolve().parents[1]
+    guide = (root / "docs" / "guide" / "bench.md").read_text()
+    listing = guide[guide.index("Optimizer names are the same"):]
     listing = listing[listing.index(":"):listing.index("\n\n")]
     assert re.findall(r"`([\w+-]+)`", listing) == arms.names()
+    text = (root / "README.md").read_text()
     commands = re.findall(r"--optimizers? ((?:[a-z][\w+-]*[ ,\n]*)+)", text)
     named = [n for c in commands for n in re.split(r"[ ,\n]+", c.strip()) if n != "all"]
     assert len(named) >= 10 and all(n in arms.ARMS for n in named), named
@@ -260,6 +265,22 @@ def test_bench_step_prints_times_ratios_and_memory(capsys):
     # the bench's arms too, built with their own param groups (Muon's hidden matrices, the int8 momentum)
     assert _bench_step_rows(["--optimizers", "muon", "skewadam-lean"], capsys) == ["skewadam", "muon",
                                                                                   "skewadam-lean"]
+
+
+def test_bench_step_times_a_bench_batchs_forward_and_backward_and_gives_each_steps_share(capsys):
+    """The forward and backward of one --batch-size batch runs in the same rounds; each step is printed as a multiple
+    of it and as its share of a training step (forward, backward, step); --batch-size 0 leaves it out."""
+    out = _cli(["bench-step", "--preset", "tiny", "--rounds", "2", "--steps", "2", "--warmup", "1", "--optimizers",
+                "skewadam-quality"], capsys)
+    fb = float(re.search(r"forward\+backward of one 16 x 32 batch: ([\d.]+) ms", out).group(1))
+    lines = out.splitlines()
+    rows = lines[next(i for i, line in enumerate(lines) if line.startswith("optimizer")) + 1:]
+    assert [row.split()[0] for row in rows] == ["skewadam", "skewadam-quality"]
+    for row in (row.split() for row in rows):
+        t, times, share = float(row[1]), float(row[-2].rstrip("x")), float(row[-1].rstrip("%"))
+        assert times == pytest.approx(t / fb, rel=0.02, abs=0.01) and abs(share - 100 * t / (t + fb)) <= 1
+    out = _cli(["bench-step", "--preset", "tiny", "--rounds", "1", "--steps", "1", "--batch-size", "0"], capsys)
+    assert "forward+backward" not in out and "share" not in out
 
 
 # ------------------------------------------------------------------------------- a user's mistake: one line
@@ -494,9 +515,9 @@ def test_bench_step_defaults_to_one_thread_cpu_time_and_prints_the_spread_cpu_an
     row = next(line for line in out.splitlines() if line.startswith("adamw "))
     q1, q3, lo, hi = map(float, re.search(r"x\s+([\d.]+)-([\d.]+)\s+([\d.]+)-([\d.]+)", row).groups())
     assert lo <= q1 <= q3 <= hi
-    assert f"({os.cpu_count()} CPUs; {' '.join(isa) or 'baseline instruction set'}); SkewAdam kernel: " in out
-    kernel = resolve("auto", "cpu")
-    assert f"SkewAdam kernel: {kernel.name} ({kernel.summary})" in out
+    assert f"({os.cpu_count()} CPUs; {' '.join(isa) or 'baseline instruction set'}); SkewAdam backend: " in out
+    backend = resolve_backend("auto", "cpu")
+    assert f"SkewAdam backend: {backend.name} ({backend.summary})" in out
     flags = open("/proc/cpuinfo").read()
     assert all(f" {flag}" in flags for flag in isa)  # read from the CPU, not made up
 
@@ -509,8 +530,8 @@ def test_plan_measure_names_the_estimate_it_compares_with_and_shows_progress(cap
     assert "vs the estimate in the table (row adamw, column peak, --impl" in line
     assert re.search(r"^adamw\s", out, re.M)  # the row it names is in the table
     estimate = line.split("--impl ")[1].split(")")[0]
-    assert estimate == resolve("auto", "cpu").name
-    assert f"SkewAdam's kernel: {estimate}" in out  # the table was planned with the kernel that was measured
+    assert estimate == resolve_backend("auto", "cpu").name
+    assert f"SkewAdam's backend: {estimate}" in out  # the table was planned with the backend that was measured
     assert "measuring adamw on cpu" in err and "step 2/2" in err  # as it goes, on stderr
 
 

@@ -18,7 +18,7 @@ from skewadam import SkewAdam, kernels, plan
 from skewadam.kernels.quant import BLOCK, dequantize, num_blocks, quantize_
 from skewadam.state import is_bank
 
-CPP = "cpp" in kernels.impls()
+CPP = "cpp" in kernels.cpu_backends()
 needs_cpp = pytest.mark.skipif(not CPP, reason="the C++ CPU kernel does not build here")
 
 
@@ -98,7 +98,7 @@ def test_compact_momentum_trains_like_fp32_momentum(momentum_dtype):
     assert ((w - w32).norm() / w32.norm()).item() < 0.05
 
 
-@pytest.mark.parametrize("impl", kernels.impls())
+@pytest.mark.parametrize("impl", kernels.cpu_backends())
 @pytest.mark.parametrize("momentum_dtype", ["int8", "bf16"])
 def test_compact_momentum_state_dict_round_trip_is_bitwise(momentum_dtype, impl):
     w, b, opt, _ = _train(momentum_dtype, steps=5, dtype=torch.bfloat16, impl=impl)
@@ -217,7 +217,7 @@ def test_cpp_fused_step_is_bitwise_the_three_pass_path_with_compact_momentum(mom
             assert torch.equal(value, opt_p.state[y][key]), (shape, key)
 
 
-@pytest.mark.parametrize("impl", kernels.impls())
+@pytest.mark.parametrize("impl", kernels.cpu_backends())
 @pytest.mark.parametrize("momentum_dtype", ["bf16", "int8"])
 def test_idle_bank_slice_keeps_its_compact_momentum_bytes_and_scales(momentum_dtype, impl):
     specs = [s for s in COMPACT_SPECS if s[1] == "expert" and s[2].get("bank") is not False]

@@ -9,9 +9,6 @@ How a page's code is run (the contract a docs writer follows):
   where it stands: the small model a block calls ``model``, a dataset, an import. Keep it minimal.
 - ``<!-- docs-test: compile-only REASON -->`` right before a block: the block is compiled, not run (it needs a GPU
   or several processes); REASON says which.
-- README.md cannot carry such comments before its rewrite: its setups are in `SETUP_BESIDE`, keyed by a line of
-  the block they precede, and the README blocks known to fail are in `KNOWN_FAILING` (each must still fail: a
-  fixed block fails the test until its entry goes).
 - ```bash blocks: comments and line continuations are read as a shell would; commands joined by ``&&`` are
   checked one by one. ``skewadam plan`` (without ``--measure``), ``skewadam tiers``, any ``--help`` and
   ``skewadam bench --preset smoke`` run in-process; every other ``skewadam`` command, every ``python SCRIPT`` and
@@ -37,61 +34,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The pages whose code runs: the README, the site's home and guide, and the next README (docs/README.next.md).
-PAGES = sorted({ROOT / "README.md", ROOT / "docs" / "index.md", ROOT / "docs" / "README.next.md",
+#: The pages whose code runs: the README, the site's home, its development page and the guide.
+PAGES = sorted({ROOT / "README.md", ROOT / "docs" / "index.md", ROOT / "docs" / "development.md",
                 *(ROOT / "docs" / "guide").glob("*.md")})
-PAGES = [p for p in PAGES if p.exists()]
-
-_SMALL_MOE = """
-import torch
-import skewadam
-from skewadam import SkewAdam
-from skewadam.bench.models import MoETransformer, get_config
-torch.manual_seed(0)
-net = MoETransformer(get_config("tiny"))
-class LM(torch.nn.Module):  # model(batch).loss, as the README's loop calls it
-    def __init__(self, net):
-        super().__init__()
-        self.net = net
-    def forward(self, batch):
-        return self.net(batch[:, :-1], batch[:, 1:])
-model = LM(net)
-loader = [torch.randint(0, 256, (2, 33)) for _ in range(3)]
-labels = skewadam.classify(model)
-backbone_params = [p for n, p in model.named_parameters() if labels[n] == "backbone"]
-expert_params = [p for n, p in model.named_parameters() if labels[n] == "expert"]
-router_params = [p for n, p in model.named_parameters() if labels[n] == "router"]
-"""
-_HF_MOE = """
-import torch
-from transformers import MixtralConfig, MixtralForCausalLM, Trainer, TrainingArguments
-torch.manual_seed(0)
-model = MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4))
-ds = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (4, 16))]
-args = TrainingArguments(output_dir="out", max_steps=2, per_device_train_batch_size=2, report_to=[])
-"""
-
-#: Setups of README.md's blocks (it cannot carry docs-test comments before its rewrite): {first line: code}.
-SETUP_BESIDE: dict[str, dict[str, str]] = {
-    "README.md": {
-        "import torch": _SMALL_MOE,
-        "optimizer = SkewAdam.from_model(model, lr=1e-3, in_backward=True)":
-            "loss = model(loader[0]).loss  # a loss whose backward the optimizer's hooks see\n",
-        "from skewadam.integrations.hf import SkewAdamTrainer": _HF_MOE,
-        "from skewadam.integrations.torchtitan import SkewAdamOptimizers":
-            "from torchtitan.trainer import Trainer\nconfig = Trainer.Config()\n",
-        "class LitMoE(lightning.LightningModule):": "import lightning\n",
-    },
-}
-#: README.md's blocks that fail as written (the guide's copies are fixed): {first line: (error, match, why)}.
-KNOWN_FAILING: dict[str, dict[str, tuple[type, str, str]]] = {
-    "README.md": {
-        "from skewadam.integrations.hf import SkewAdamTrainer":
-            (TypeError, "ellipsis", "`TrainingArguments(..., learning_rate=...)` passes Ellipsis as output_dir"),
-    },
-}
-
 
 @dataclasses.dataclass
 class Block:
@@ -132,16 +77,7 @@ def blocks(page: Path) -> list[Block]:
         only = _COMPILE_ONLY.search(text)
         out.append(Block(page, start + 1, m["lang"], "\n".join(body) + "\n", setup, only["why"] if only else ""))
         between = []
-    beside = SETUP_BESIDE.get(page.name if page.parent == ROOT else "", {})
-    for b in out:
-        first = b.code.lstrip().splitlines()[0] if b.code.strip() else ""
-        b.setup += beside.get(first, "")
     return out
-
-
-def _known_failure(block: Block) -> tuple[type, str, str] | None:
-    first = block.code.lstrip().splitlines()[0]
-    return KNOWN_FAILING.get(block.page.name if block.page.parent == ROOT else "", {}).get(first)
 
 
 # ---------------------------------------------------------------------------------------------------- python
@@ -159,12 +95,6 @@ def test_every_python_block_of_the_page_runs(page, tmp_path, monkeypatch):
         code = compile(block.code, block.where, "exec")
         ran += 1
         if block.compile_only:
-            continue
-        known = _known_failure(block)
-        if known:
-            error, match, _why = known
-            with pytest.raises(error, match=match):
-                exec(code, namespace)
             continue
         try:
             exec(code, namespace)
@@ -315,12 +245,9 @@ def _anchors(page: Path) -> set[str]:
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
 
 
-@pytest.mark.parametrize("page", [ROOT / "README.md", ROOT / "docs" / "README.next.md", ROOT / "CHANGELOG.md"],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [ROOT / "README.md", ROOT / "CHANGELOG.md"], ids=lambda p: p.name)
 def test_the_readmes_relative_links_resolve(page):
-    """README.md (and the next README, written to sit where README.md does) link files and anchors that exist."""
-    if not page.exists():
-        pytest.skip(f"{page.name} is not there")
+    """README.md and CHANGELOG.md (read on GitHub, outside the site) link files and anchors that exist."""
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
     broken = []
     for target in (m["target"] for m in _LINK.finditer(text)):

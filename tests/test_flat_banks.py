@@ -68,7 +68,7 @@ def test_skewadam_validates_the_experts_key(experts, tier, shape, match):
         SkewAdam([{"params": [nn.Parameter(torch.zeros(shape))], "tier": tier, "experts": experts}])
 
 
-@pytest.mark.parametrize("impl", kernels.impls())
+@pytest.mark.parametrize("impl", kernels.cpu_backends())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("flags", [{}, {"use_momentum": True}, {"use_momentum": True, "momentum_dtype": "int8"}],
                          ids=["factored", "momentum", "int8-momentum"])
@@ -121,7 +121,7 @@ def test_a_flattened_bank_keeps_its_state_in_its_rows_and_per_expert():
         "step": (E,), "exp_avg": (E * D, F), "exp_avg_scale": (E * D, 1), "row_var": (E * D, 1), "col_var": (E, 1, F)}
 
 
-@pytest.mark.parametrize("impl", kernels.impls())
+@pytest.mark.parametrize("impl", kernels.cpu_backends())
 def test_a_checkpoint_in_the_stacked_layout_of_earlier_versions_loads_and_resumes_bitwise(impl):
     """Earlier versions saved a flattened bank's state as the stacked bank ``[E, D, F]`` keeps it: it loads (reshaped
     to the flattened layout) and training goes on bitwise as the optimizer that saved it."""

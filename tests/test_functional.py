@@ -13,7 +13,7 @@ import torch
 from skewadam import SkewAdam, kernels
 from skewadam.functional import StepGroup, skewadam_
 
-KERNELS = kernels.impls(interpreted=True)
+BACKENDS_HERE = kernels.cpu_backends(interpreted=True)
 
 # Every kind of group a step runs: the orthogonal tier (matrices with momentum, a bank without), Adafactor's options
 # (a relative step, a beta2 decay on a bank), an expert bank, regular backbone tensors and a router.
@@ -70,7 +70,7 @@ FAILURES = {
 }
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", BACKENDS_HERE)
 @pytest.mark.parametrize("failure", list(FAILURES), ids=list(FAILURES))
 def test_a_step_that_raises_leaves_every_parameter_state_and_step_count_as_it_was(impl, failure):
     """With orthogonal, relative-step, beta2-decay, bank and regular groups present, one group that cannot be
@@ -107,7 +107,7 @@ def test_a_step_that_raises_leaves_every_parameter_state_and_step_count_as_it_wa
         assert all(torch.equal(v, ref.state[q][k]) for k, v in opt.state[p].items()), i
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", BACKENDS_HERE)
 def test_a_failed_first_step_allocates_no_state(impl):
     p, q = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5, 2))
     opt = SkewAdam([{"params": [p]}, {"params": [q], "tier": "router"}], impl=impl)
@@ -156,7 +156,7 @@ SETTINGS = ["fp16_parameter", "fp64_state_of_an_fp32_parameter", "eps_mode", "be
 
 
 @pytest.mark.parametrize("three_pass", [False, True], ids=["one-process", "three-pass"])
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", BACKENDS_HERE)
 @pytest.mark.parametrize("case", SETTINGS)
 def test_settings_changed_after_construction_are_refused_alike_on_every_kernel(case, impl, three_pass):
     """What can change after construction (a parameter's dtype, a state tensor, a group's eps_mode, betas, lr, weight
@@ -179,7 +179,7 @@ def test_settings_changed_after_construction_are_refused_alike_on_every_kernel(c
 
 
 # ----------------------------------------------------------------------------------------------- messages
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", BACKENDS_HERE)
 def test_a_flattened_bank_error_names_the_parameters_own_shape(impl):
     """The kernels step a flattened bank [E*D, F] as its view [E, D, F]; an error names the parameter's own shape
     (8, 3), not only the view (2, 4, 3), and the layout its state keeps (rows [8, 1], not the view's [2, 4, 1])."""
@@ -210,13 +210,13 @@ def test_a_meta_parameter_is_refused_naming_the_fix():
 
 
 # ------------------------------------------------------------------------------------------- the functional
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", BACKENDS_HERE)
 def test_the_functional_steps_one_parameter_at_a_time_like_the_optimizer(impl):
     """What a gradient hook does: one record per call, each call with its own skip decision. A call whose gradient
     is non-finite is skipped (and says so); the others step exactly as one optimizer step of all of them."""
     params, opt = _build(impl, dtype=torch.float32)
     ref_params, ref = _build(impl, dtype=torch.float32)
-    backend = kernels.resolve(impl, "cpu")
+    backend = kernels.resolve_backend(impl, "cpu")
     for step in range(2):
         _grads(params, step)
         _grads(ref_params, step)
@@ -249,7 +249,7 @@ def test_the_functional_resolves_a_backend_by_name_and_ignores_groups_without_pa
     assert opt.state[p]["step"].item() == 1
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", BACKENDS_HERE)
 def test_a_checkpoint_with_non_contiguous_state_steps_as_its_contiguous_copy_on_every_kernel(impl):
     """Loaded state is made contiguous, so every kernel steps a checkpoint with non-contiguous state, bitwise as the
     contiguous one."""
@@ -277,21 +277,21 @@ def test_a_checkpoint_with_non_contiguous_state_steps_as_its_contiguous_copy_on_
     _assert_same(*runs)
 
 
-@pytest.mark.skipif("triton" not in KERNELS, reason="needs triton (its interpreter on CPU)")
+@pytest.mark.skipif("triton" not in BACKENDS_HERE, reason="needs triton (its interpreter on CPU)")
 def test_on_a_cuda_device_the_optimizer_picks_triton_and_skips_on_the_device(monkeypatch):
     """A faked CUDA device: ``impl="auto"`` resolves to Triton through the registry (no kernel name in the
     optimizer), whose facts the step follows: step counts beside the parameters, the skip decided on the device (the
     skip count is not read until asked)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    triton = kernels.resolve("auto", "cuda")
+    triton = kernels.resolve_backend("auto", "cuda")
     assert triton.name == "triton" and triton.device_steps and not triton.skip_on_host
-    asked, resolve = [], kernels.resolve
+    asked, resolve = [], kernels.resolve_backend
 
     def as_if_on_cuda(impl, device):  # these CPU tensors stand for a GPU's (Triton's interpreter runs them)
         asked.append(impl)
         return resolve(impl, "cuda")
 
-    monkeypatch.setattr(kernels, "resolve", as_if_on_cuda)
+    monkeypatch.setattr(kernels, "resolve_backend", as_if_on_cuda)
     monkeypatch.delenv("SKEWADAM_IMPL", raising=False)
     p, bank = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(2, 4, 3))
     opt = SkewAdam([{"params": [p]}, {"params": [bank], "tier": "expert"}])

@@ -25,7 +25,7 @@ from torch import nn
 from skewadam import SkewAdam, kernels
 from skewadam.backward import BackwardSteps
 
-KERNELS = kernels.impls(interpreted=True)
+BACKENDS_HERE = kernels.cpu_backends(interpreted=True)
 E, N = 3, 7  # experts, tokens
 
 
@@ -95,7 +95,7 @@ CASES = [(torch.float32, "fp32"), (torch.bfloat16, "fp32"), (torch.float32, "bf1
          (torch.float64, "int8")]
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", BACKENDS_HERE)
 @pytest.mark.parametrize("dtype, momentum_dtype", CASES, ids=[f"{str(d)[6:]}-{m}m" for d, m in CASES])
 def test_the_step_inside_backward_is_bitwise_the_regular_step(impl, dtype, momentum_dtype):
     """Every tier, a bank with an idle expert, a flattened bank, fp32/bf16/int8 momentum, bf16 weights with
@@ -112,7 +112,30 @@ def test_the_step_inside_backward_is_bitwise_the_regular_step(impl, dtype, momen
     _assert_same(*runs)
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+def test_the_hooks_reach_their_optimizer_only_through_the_param_stepper_interface():
+    """`BackwardSteps` (the lower layer) asks its optimizer for param groups and `ParamStepper.step_parameter` alone:
+    an object with just those gets each parameter's step, with its complete gradient, as backward completes it, and
+    the gradient is freed after; the skip flags it returns are what the hooks record."""
+    class Stepper:
+        def __init__(self, params):
+            self.param_groups, self.calls = [{"params": params}], []
+
+        def step_parameter(self, group: int, position: int) -> torch.Tensor:
+            self.calls.append((group, position, self.param_groups[group]["params"][position].grad.clone()))
+            return torch.tensor(position == 1)
+
+    w, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.zeros(3))
+    stepper = Stepper([w, b])
+    steps = BackwardSteps(stepper)
+    (w * w * 2 + b).sum().backward()
+    assert sorted((g, i) for g, i, _ in stepper.calls) == [(0, 0), (0, 1)]
+    grads = {i: grad for _, i, grad in stepper.calls}
+    assert torch.equal(grads[0], torch.full((3,), 4.0)) and torch.equal(grads[1], torch.ones(3))
+    assert w.grad is None and b.grad is None and sorted(bool(f) for f in steps.skipped) == [False, True]
+    steps.remove()
+
+
+@pytest.mark.parametrize("impl", BACKENDS_HERE)
 def test_a_tensor_lr_and_a_step_closure_step_inside_backward_as_the_regular_step(impl):
     """A 0-d tensor lr that a schedule writes into, and ``step(closure)`` whose closure runs the backward (Lightning's
     loop): the hooks step during the closure's backward, ``step()`` does the bookkeeping."""
@@ -138,7 +161,7 @@ def _orthogonal_net(dtype):
                           {"params": [bank], "tier": "expert", "update": "orthogonal"}]
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", BACKENDS_HERE)
 def test_the_orthogonal_tier_inside_backward_equals_the_regular_step_to_rounding(impl):
     """Two matrices of one shape share one batched Newton-Schulz in the regular step and take one each inside
     backward (a bank's slices are batched either way): equal to fp32 rounding."""
@@ -329,7 +352,7 @@ def test_hooks_run_by_hand_outside_any_backward_refuse_a_second_gradient():
     assert opt.state[net.b]["step"].item() == 1 and torch.equal(net.b.grad, torch.ones_like(net.b))
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", BACKENDS_HERE)
 def test_gradients_held_across_backwards_are_stepped_as_their_sum(impl):
     """Accumulation under ``hold_gradients()``: the last backward (outside it) steps the summed gradients, bitwise
     as the regular step after accumulating the same micro-batches."""
@@ -397,7 +420,7 @@ def test_the_backward_steps_need_no_optimizer_reference():
     assert steps._optimizer() is None and not steps._handles
 
 
-@pytest.mark.skipif("triton" not in KERNELS, reason="needs triton (its interpreter on CPU)")
+@pytest.mark.skipif("triton" not in BACKENDS_HERE, reason="needs triton (its interpreter on CPU)")
 def test_triton_steps_inside_backward_with_no_host_read(monkeypatch):
     """A faked CUDA device (Triton through the registry, as on a GPU): during backward nothing in skewadam reads a
     tensor on the host (``bool``, ``item``, ``int``, ``float``, ``tolist``: each a host sync on a GPU), a NaN gradient
@@ -405,8 +428,8 @@ def test_triton_steps_inside_backward_with_no_host_read(monkeypatch):
     import skewadam
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    resolve = kernels.resolve
-    monkeypatch.setattr(kernels, "resolve", lambda impl, device: resolve(impl, "cuda"))
+    resolve = kernels.resolve_backend
+    monkeypatch.setattr(kernels, "resolve_backend", lambda impl, device: resolve(impl, "cuda"))
     monkeypatch.delenv("SKEWADAM_IMPL", raising=False)
     net = Net(torch.float32)
     opt = SkewAdam(net.groups("int8"), lr=1e-2, in_backward=True)
@@ -472,7 +495,7 @@ def _segmented_run(impl, dtype, in_backward: bool, steps: int = 3):
     return net, opt, freed
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", BACKENDS_HERE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_reentrant_checkpointing_steps_a_weight_used_in_several_segments_once_with_its_summed_gradient(impl, dtype):
     """A gradient that arrives inside a nested backward is left to accumulate, and step() steps the sum: weights and
@@ -529,7 +552,7 @@ def _partly_reached(net: Net, step: int, dtype) -> torch.Tensor:
     return net(x) if step % 3 == 0 else torch.tanh(x @ net.w + net.b).pow(2).mean()
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", BACKENDS_HERE)
 @pytest.mark.parametrize("dtype, momentum_dtype", CASES[:4], ids=[f"{str(d)[6:]}-{m}m" for d, m in CASES[:4]])
 def test_a_kept_zero_gradient_is_stepped_as_the_regular_step_steps_it(impl, dtype, momentum_dtype):
     """``zero_grad(set_to_none=False)`` keeps a zero gradient for each tensor the hooks freed; a backward that does
@@ -559,7 +582,7 @@ class _Raises(torch.autograd.Function):
         raise RuntimeError("the backward failed here")
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", BACKENDS_HERE)
 @pytest.mark.parametrize("reset", _RESETS)
 def test_after_a_backward_that_raised_the_next_backward_steps_every_parameter_once_whichever_zero_grad_ran(impl,
                                                                                                           reset):
@@ -639,7 +662,7 @@ def _scaled_run(impl, in_backward: bool):
     return _snapshot(net, opt), scales, held
 
 
-@pytest.mark.parametrize("impl", KERNELS)
+@pytest.mark.parametrize("impl", BACKENDS_HERE)
 def test_a_grad_scaler_backward_holds_its_gradients_and_scaler_step_is_bitwise_the_regular_step(impl):
     """``scaler.scale(loss).backward()``: a loss scaled by a live GradScaler holds the backward's gradients, so
     ``scaler.step(optimizer)`` runs torch's own path (unscale, inf check, ``step()`` of the held gradients, a skipped

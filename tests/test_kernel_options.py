@@ -66,7 +66,7 @@ def step_records(impl, specs, steps, dtype, options, *, three_pass=False, eps_mo
     params = [torch.nn.Parameter(x) for x in _initial(specs, dtype)]
     opt = SkewAdam([{"params": [p], "tier": t, **o} for p, (_, t, o, _) in zip(params, specs)], impl=impl,
                    eps=1e-8 if eps_mode == "floor" else 1e-30, eps_mode=eps_mode, **HP, **kw)
-    mod = kernels.select(impl, torch.device("cpu"))
+    mod = kernels.resolve_backend(impl, torch.device("cpu")).load()
     for grads in _grads(specs, steps, dtype):
         for p, g in zip(params, grads):
             p.grad = g
@@ -119,7 +119,7 @@ def test_adafactor_options_match_the_reference_in_fp32_and_bf16(impl, dtype):
         assert (p.double() - ref).abs().max().item() <= tol * scale, shape
 
 
-needs_cpp = pytest.mark.skipif("cpp" not in kernels.impls(), reason="the C++ CPU kernel does not build here")
+needs_cpp = pytest.mark.skipif("cpp" not in kernels.cpu_backends(), reason="the C++ CPU kernel does not build here")
 MOMENTUM = ["fp32", "bf16", "int8"]
 
 

@@ -1,10 +1,10 @@
-"""The update kernels: every implementation equals the fp64 reference; the C++ kernel's element-wise state is bitwise
+"""The update kernels: every backend equals the fp64 reference; the C++ kernel's element-wise state is bitwise
 eager's and its weights equal eager's to rounding; it is bitwise equal to itself across its fused and three-pass
 (distributed seam) paths and across thread counts, rounds bf16 with the bits of `skewadam.kernels.rounding`,
 allocates no parameter-sized buffer, and degrades to eager without a compiler. Every kernel refuses a gradient or
 state that does not fit its parameter (naming it), leaves tensors with a zero-size dim untouched, and takes a tensor lr.
 
-`impl` (a fixture over `skewadam.kernels.impls(interpreted=True)`) runs a test on every implementation usable here
+`impl` (a fixture over `skewadam.kernels.cpu_backends(interpreted=True)`) runs a test on every backend usable here
 (without a GPU, the Triton kernel in Triton's interpreter: tests/conftest.py sets it); `three_pass` runs it on one
 process's whole-step call and on the three passes of the distributed seam (an identity reducer). They, the specs and
 the gradients are the kernel tests' shared set (tests/kernel_cases.py). The interpreter is slow (about 0.1 s a
@@ -26,7 +26,7 @@ from skewadam import SkewAdam, kernels
 from skewadam.kernels import cpu, eager, rounding, types
 from skewadam.state import is_bank
 
-CPP = "cpp" in kernels.impls()
+CPP = "cpp" in kernels.cpu_backends()
 needs_cpp = pytest.mark.skipif(not CPP, reason="the C++ CPU kernel does not build here")
 
 
@@ -62,7 +62,7 @@ def _run(impl, specs, steps, dtype, *, seed=0, reducer=None, lr_tensor=None, **k
 
 @pytest.mark.parametrize("eps_mode", ["floor", "add"])
 def test_every_impl_matches_the_fp64_reference(impl, eps_mode):
-    if impl == "triton":  # (impls() lists it on CPU only under the interpreter)
+    if impl == "triton":  # (cpu_backends() lists it on CPU only under the interpreter)
         pytest.skip("20 steps take ~6 min in Triton's interpreter: tests/test_triton.py checks the same reference")
     hp = dict(lr=0.02, betas=(0.9, 0.99), eps=1e-8 if eps_mode == "floor" else 1e-30, eps_mode=eps_mode,
               weight_decay=0.1)
@@ -242,25 +242,25 @@ def test_cpp_step_allocates_at_most_what_step_transient_bytes_says():
         assert planned <= max(p.numel() for p in params), planned
 
 
-def test_select_picks_and_refuses_implementations(monkeypatch):
+def test_resolve_backend_picks_and_refuses_backends(monkeypatch):
     monkeypatch.delenv("SKEWADAM_IMPL", raising=False)
-    assert kernels.select("eager", torch.device("cpu")) is eager
-    assert kernels.select("auto", torch.device("meta")) is eager  # no C++ kernel off the CPU
-    assert kernels.select("auto", torch.device("cpu")) is (cpu if CPP else eager)
+    assert kernels.resolve_backend("eager", torch.device("cpu")).load() is eager
+    assert kernels.resolve_backend("auto", torch.device("meta")).load() is eager  # no C++ kernel off the CPU
+    assert kernels.resolve_backend("auto", torch.device("cpu")).load() is (cpu if CPP else eager)
     with pytest.raises(ValueError, match="runs on CPU tensors"):
-        kernels.select("cpp", torch.device("meta"))
+        kernels.resolve_backend("cpp", torch.device("meta")).load()
     with pytest.raises(ValueError, match="impl='triton' runs on CUDA tensors"):
-        kernels.select("triton", torch.device("meta"))
-    if "triton" in kernels.impls(interpreted=True):  # explicit only: auto on CPU stays the C++ kernel or eager
+        kernels.resolve_backend("triton", torch.device("meta")).load()
+    if "triton" in kernels.cpu_backends(interpreted=True):  # explicit only: auto on CPU stays the C++ kernel or eager
         from skewadam.kernels import triton as tk
 
-        assert kernels.select("triton", torch.device("cpu")) is tk
-        assert "triton" not in kernels.impls()
+        assert kernels.resolve_backend("triton", torch.device("cpu")).load() is tk
+        assert "triton" not in kernels.cpu_backends()
     monkeypatch.setenv("SKEWADAM_IMPL", "eager")
-    assert kernels.select("auto", torch.device("cpu")) is eager
+    assert kernels.resolve_backend("auto", torch.device("cpu")).load() is eager
     monkeypatch.setenv("SKEWADAM_IMPL", "fast")
     with pytest.raises(ValueError, match="SKEWADAM_IMPL='fast'"):
-        kernels.select("auto", torch.device("cpu"))
+        kernels.resolve_backend("auto", torch.device("cpu")).load()
     with pytest.raises(ValueError, match="Invalid impl"):
         SkewAdam([torch.nn.Parameter(torch.ones(2))], impl="gpu")
 
@@ -382,7 +382,7 @@ def _record(impl_name, shape=(8, 6), bank=False, **kw):
     p, opt = _stepped(impl_name, shape, **kw)
     p.grad = torch.randn_like(p)
     _, group = opt._init_group(opt.param_groups[0], 0, 0)
-    return kernels.select(impl_name, p.device), group
+    return kernels.resolve_backend(impl_name, p.device).load(), group
 
 
 @pytest.mark.parametrize("field, make", [

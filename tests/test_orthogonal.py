@@ -134,7 +134,7 @@ OPTIONS = {"relative_step": {"relative_step": True}, "beta2_decay": {"beta2_deca
            "both": {"relative_step": True, "beta2_decay": -0.8}}
 
 
-@pytest.mark.parametrize("impl", kernels.impls())
+@pytest.mark.parametrize("impl", kernels.cpu_backends())
 @pytest.mark.parametrize("options", list(OPTIONS.values()), ids=list(OPTIONS))
 @pytest.mark.parametrize("case", list(ADAFACTOR_CASES.values()), ids=list(ADAFACTOR_CASES))
 def test_adafactor_options_match_float64_reference(case, options, impl):
@@ -385,14 +385,17 @@ def test_the_orthogonal_kernel_refuses_records_that_do_not_fit_naming_the_parame
 
 
 def test_the_recommended_recipe_builds_the_arm_with_int8_expert_momentum():
-    """README's one line (``orthogonal="experts"``, ``orthogonal_options={"use_momentum": True}``,
-    ``momentum_dtype="int8"``) gives the groups of arm skewadam-quality: every orthogonal
-    group, the experts' too, keeps int8 momentum; the router keeps none; the state is what the planner counts."""
+    """The recipe's settings spelled out (``orthogonal="experts"``, ``orthogonal_options={"use_momentum": True}``,
+    ``momentum_dtype="int8"``, ``ns_dtype="auto"``, expert slices at ``ns_interval=4``) give the groups of arm
+    skewadam-quality: every orthogonal group, the experts' too, keeps int8 momentum; the router keeps none; the state
+    is what the planner counts."""
     model = _model()
     recipe = SkewAdam.from_model(model, log=False, lr=1e-2, orthogonal="experts",
-                                 orthogonal_options={"use_momentum": True}, momentum_dtype="int8")
+                                 orthogonal_options={"use_momentum": True}, momentum_dtype="int8", ns_dtype="auto",
+                                 tier_options={"expert": {"ns_interval": 4}})
     arm = arms.get("skewadam-quality").build(model, lr=1e-2)
-    keys = ("tier", "update", "use_momentum", "use_factored", "momentum_dtype", "betas", "param_names")
+    keys = ("tier", "update", "use_momentum", "use_factored", "momentum_dtype", "betas", "ns_dtype", "ns_interval",
+            "param_names")
     assert [[g[k] for k in keys] for g in recipe.param_groups] == [[g[k] for k in keys] for g in arm.param_groups]
     orth = [g for g in recipe.param_groups if g["update"] == "orthogonal"]
     assert {g["tier"] for g in orth} == {"backbone", "expert"} and all(g["use_momentum"] for g in orth)

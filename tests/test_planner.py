@@ -1,5 +1,5 @@
 """The planner (`skewadam.bench.planner.plan`) against the real optimizers' state, the peak estimate against tracked
-tensor bytes and real runs (`skewadam.bench.measure`), the kernel backends it plans, and the presets.
+tensor bytes and real runs (`skewadam.bench.measure`), the backends it plans, and the presets.
 
 Shape legend: V vocab, D model width, F FFN hidden, E experts, N tokens.
 """
@@ -22,10 +22,10 @@ import skewadam
 from skewadam import SkewAdam
 from skewadam.bench import arms
 from skewadam.bench.measure import measure_peak, train_steps
-from skewadam.bench.planner import format_bytes, kernel_for, plan
+from skewadam.bench.planner import format_bytes, plan
 from skewadam.bench.presets import HF_PRESETS, load_model, preset_names
 from skewadam.classify import classify
-from skewadam.kernels import BACKENDS, Backend, resolve
+from skewadam.kernels import BACKENDS, Backend, resolve_backend
 from skewadam.state import measure_state
 
 from allocations import Allocations
@@ -240,28 +240,31 @@ def test_skewadam_step_temporaries_are_what_each_backend_reports(impl, monkeypat
     model = load_model("tiny")
     p = plan(model, param_dtype="bf16", optimizers=["skewadam"], impl=impl)
     [(name, tensors, dtype)] = asked
-    assert name == impl == p.kernel and dtype == torch.bfloat16 and len(tensors) == len(list(model.parameters()))
+    assert name == impl == p.backend and dtype == torch.bfloat16 and len(tensors) == len(list(model.parameters()))
     assert p["skewadam"].step_temporaries == original(BACKENDS[impl], tensors, torch.bfloat16) > 0
     assert {s for s, bank in tensors if bank} == {tuple(p.shape) for p in model.parameters() if p.ndim >= 3}
-    assert f"SkewAdam's kernel: {impl}" in str(p)
+    assert f"SkewAdam's backend: {impl}" in str(p)
 
 
-def test_plan_names_the_kernel_skewadam_runs_on_the_device(monkeypatch):
-    """``auto`` plans what `skewadam.kernels.resolve` picks here; a device this machine lacks gets the backend auto
-    prefers there (Triton on CUDA), and so does a faked GPU where Triton runs."""
+def test_plan_names_the_backend_skewadam_runs_on_the_device_where_it_is_installed(monkeypatch):
+    """``auto`` plans the backend `skewadam.kernels.resolve_backend` prefers on the device's type, from the registry
+    alone (``build=False``): the C++ kernel on CPU, Triton on CUDA, with or without a GPU here; where it builds or
+    imports, that is what SkewAdam runs. ``SKEWADAM_IMPL`` and bad choices are the resolver's, on any device."""
     monkeypatch.delenv("SKEWADAM_IMPL", raising=False)
-    assert plan("tiny", optimizers=["skewadam"]).kernel == kernel_for("auto", "cpu")[0] == resolve("auto", "cpu").name
+    assert plan("tiny", optimizers=["skewadam"]).backend == resolve_backend("auto", "cpu", build=False).name == "cpp"
+    if BACKENDS["cpp"].available("cpu"):
+        assert resolve_backend("auto", "cpu").name == "cpp"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert plan("tiny", optimizers=["skewadam"], device="cuda").kernel == "triton"
-    assert "no cuda device here" in kernel_for("auto", "cuda")[1]
+    assert plan("tiny", optimizers=["skewadam"], device="cuda").backend == "triton"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(BACKENDS["triton"].load(), "available", lambda device="cuda": True)
-    assert resolve("auto", "cuda").name == "triton" == kernel_for("auto", "cuda")[0]
+    assert resolve_backend("auto", "cuda").name == "triton"
+    assert plan("tiny", optimizers=["skewadam"], device="cuda").backend == "triton"
     monkeypatch.setenv("SKEWADAM_IMPL", "eager")
-    assert plan("tiny", optimizers=["skewadam"], device="cuda").kernel == "eager"
-    with pytest.raises(ValueError, match="impl='cpp' .* does not run on cuda"):
+    assert plan("tiny", optimizers=["skewadam"], device="cuda").backend == "eager"
+    with pytest.raises(ValueError, match="impl='cpp' runs on CPU tensors .*got tensors on cuda"):
         plan("tiny", impl="cpp", device="cuda")
-    with pytest.raises(ValueError, match="impl='cuda': use one of auto, triton, cpp, eager"):
+    with pytest.raises(ValueError, match=r"Invalid impl: 'cuda' \(expected one of \('auto', 'triton', 'cpp', 'eager'"):
         plan("tiny", impl="cuda")
 
 
@@ -281,13 +284,14 @@ def test_plan_measure_on_a_gpu_steps_with_the_kernel_it_plans(monkeypatch):
 
 def test_the_planner_imports_no_optimizer_and_no_kernel_module():
     """With the package's re-exports bypassed, importing the planner loads neither SkewAdam nor any kernel module,
-    and a plan loads only the temporaries module of the backend it plans (the optimizer still not)."""
+    and a plan loads only the temporaries module of the backend it plans (the optimizer still not); ``impl="auto"``
+    on CPU (the C++ kernel's temporaries) builds nothing: no C++ extension compiled or loaded."""
     code = textwrap.dedent(f"""
         import sys, types
         pkg = types.ModuleType("skewadam"); pkg.__path__ = [{str(SRC)!r}]; sys.modules["skewadam"] = pkg
         import skewadam.bench.planner as planner
         ours = lambda: sorted(m for m in sys.modules if m.startswith("skewadam."))
-        heavy = ("skewadam.optimizer", "skewadam.steppers", "skewadam.functional")
+        heavy = ("skewadam.optimizer", "skewadam.functional")
         loaded = ours()
         assert not [m for m in loaded if m in heavy or m.startswith("skewadam.kernels.")], loaded
         p = planner.plan("paper-6.78b", impl="eager")
@@ -296,6 +300,11 @@ def test_the_planner_imports_no_optimizer_and_no_kernel_module():
         others = ("skewadam.kernels.cpu", "skewadam.kernels.tri")
         assert not [m for m in loaded if m in heavy or m.startswith(others)], loaded
         assert "skewadam.kernels.eager" in loaded and "torch.utils.cpp_extension" not in sys.modules
+        p = planner.plan("paper-6.78b")
+        assert p.backend == "cpp" and p["skewadam"].step_temporaries > 0
+        loaded = ours()
+        assert not [m for m in loaded if m in heavy or m.startswith("skewadam.kernels.tri")], loaded
+        assert "torch.utils.cpp_extension" not in sys.modules and sys.modules["skewadam.kernels.cpu"]._lib is None
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -336,7 +345,7 @@ def test_peak_estimate_is_within_5_percent_of_tracked_tensor_bytes(optimizer, pa
     if impl == "eager-chunked":
         impl = "eager"
         monkeypatch.setattr(eager, "CHUNK_NUMEL", 2 * 128 * 64)
-    if impl not in kernels.impls():
+    if impl not in kernels.cpu_backends():
         pytest.skip("the C++ kernel does not build here")
     monkeypatch.setenv("SKEWADAM_IMPL", impl)
     overrides = dict(vocab_size=1024, block_size=64, d_model=64, n_head=4, n_kv_head=2, d_ff=128, d_expert=128,
@@ -438,11 +447,55 @@ def test_the_plan_counts_newton_schulz_flops_per_step_for_arms_that_orthogonalis
 
     with torch.device("meta"):
         model = load_model("paper-6.78b")
-    p = plan(model, optimizers=["skewadam-quality", "muon", "skewadam"])
-    assert p["skewadam-quality"].newton_schulz_flops == orthogonal_flops(model, "experts") > 0
+    p = plan(model, optimizers=["skewadam-quality-fp32", "muon", "skewadam"])
+    assert p["skewadam-quality-fp32"].newton_schulz_flops == orthogonal_flops(model, "experts") > 0
     assert p["muon"].newton_schulz_flops == orthogonal_flops(model, True) > 0
     assert p["skewadam"].newton_schulz_flops == 0
-    assert "skewadam-quality  8.06e+14" in str(p)
+    assert "skewadam-quality-fp32  8.06e+14" in str(p)
+
+
+def test_the_plan_counts_each_groups_newton_schulz_steps_and_interval(monkeypatch):
+    """The quality arm orthogonalises its expert slices every 4th step: their FLOPs / 4 per step on average; with 3
+    iterations everywhere, the hidden matrices' x 3/5 and the expert slices' x 3/5 / 4; from the arm's own
+    settings."""
+    from skewadam.groups import orthogonal_flops
+
+    with torch.device("meta"):
+        model = load_model("paper-6.78b")
+    quality = arms.ARMS["skewadam-quality"]
+    cheaper = dataclasses.replace(quality, name="quality-3-steps", options={**quality.options, "ns_steps": 3})
+    monkeypatch.setitem(arms.ARMS, cheaper.name, cheaper)
+    hidden, both = orthogonal_flops(model, True), orthogonal_flops(model, "experts")
+    p = plan(model, optimizers=[cheaper.name, "skewadam-quality", "skewadam-quality-fp32"])
+    assert p[cheaper.name].newton_schulz_flops == hidden // 5 * 3 + (both - hidden) // 5 * 3 // 4
+    assert p["skewadam-quality"].newton_schulz_flops == hidden + (both - hidden) // 4
+    assert p["skewadam-quality-fp32"].newton_schulz_flops == both
+
+
+def test_the_forward_and_backward_flops_the_plan_estimates_are_torchs_count_of_the_matmuls():
+    """The estimate (6 x tokens x each weight's size, a routed expert's tokens x top_k / n_experts) against
+    FlopCounterMode over a real forward and backward of the reference model: equal, once the expert matmuls torch
+    does not count (``F.grouped_mm``) are added by hand; attention's T x T products are in neither."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from skewadam.bench.models import MoETransformer, get_config
+
+    cfg = get_config("cpu")
+    torch.manual_seed(0)
+    model = MoETransformer(cfg)
+    batch, tokens = 3, torch.randint(0, cfg.vocab_size, (3, cfg.block_size))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(tokens, tokens).loss.backward()
+    assert set(map(str, counter.get_flop_counts()["Global"])) == {"aten.mm"}
+    experts = sum(p[0].numel() for n, p in model.named_parameters() if ".experts." in n)  # one slice of each bank
+    routed = 6 * batch * cfg.block_size * cfg.top_k * experts
+    p = plan(model, batch=batch, seq=cfg.block_size, optimizers=["skewadam-quality"])
+    assert p.matmul_flops == counter.get_total_flops() + routed
+    share = p["skewadam-quality"].newton_schulz_flops / (p["skewadam-quality"].newton_schulz_flops + p.matmul_flops)
+    text = str(p)
+    row = next(line for line in text[text.index("Newton-Schulz"):].splitlines() if line.startswith("skewadam-quality"))
+    assert row.split()[-1] == f"{share:.0%}"  # the estimated share, printed
 
 
 @pytest.mark.parametrize("model", ["paper-6.78b", "mixtral-8x7b", "qwen3-30b-a3b"])

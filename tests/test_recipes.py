@@ -14,6 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from skewadam import SkewAdam, plan
 from skewadam.classify import label
 from skewadam.groups import describe, orthogonal_flops, orthogonal_names, split_kwargs
+from skewadam.kernels import orthogonal as orthogonal_kernel
 from skewadam.kernels.orthogonal import newton_schulz
 from skewadam.bench.models import MoETransformer, get_config
 from skewadam.recipes import RECIPES, apply
@@ -47,15 +48,40 @@ def test_from_model_without_a_recipe_is_the_paper_recipe_at_its_lr():
 
 
 def test_the_quality_recipe_is_the_studys_best_configuration_at_its_lr():
+    """Every orthogonal group keeps int8 momentum and asks for bf16 Newton-Schulz where the device has it; the expert
+    slices alone are orthogonalised every 4th step (docs/study/cheaper.md)."""
     model = _model()
     opt = SkewAdam.from_model(model, recipe="quality", log=False)
     spelled = SkewAdam.from_model(model, lr=1e-2, orthogonal="experts", orthogonal_options={"use_momentum": True},
-                                  momentum_dtype="int8", log=False)
+                                  momentum_dtype="int8", ns_dtype="auto", tier_options={"expert": {"ns_interval": 4}},
+                                  log=False)
     assert _groups(opt) == _groups(spelled) and opt.defaults == spelled.defaults
     orth = [g for g in opt.param_groups if g["update"] == "orthogonal"]
     assert {g["tier"] for g in orth} == {"backbone", "expert"}
-    assert all(g["use_momentum"] and g["momentum_dtype"] == "int8" for g in orth)
+    assert all(g["use_momentum"] and g["momentum_dtype"] == "int8" and g["ns_dtype"] == "auto" for g in orth)
+    assert {g["tier"]: g["ns_interval"] for g in orth} == {"backbone": 1, "expert": 4}
     assert opt.defaults["lr"] == 1e-2
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["bf16_matmuls", "emulated_bf16"])
+def test_the_quality_recipe_runs_newton_schulz_in_bf16_exactly_where_the_cpu_multiplies_bf16_natively(monkeypatch,
+                                                                                                     native):
+    """``ns_dtype="auto"``: bf16 on a CPU with AVX512-BF16 or AMX as torch reports it, fp32 (the fp32 weights' dtype)
+    on one that emulates bf16; both asserted here whatever this machine's CPU is."""
+    orthogonal_kernel.bf16_matmuls.cache_clear()
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    seen, original = [], orthogonal_kernel.newton_schulz_
+    monkeypatch.setattr(orthogonal_kernel, "newton_schulz_", lambda x, *a: seen.append(x.dtype) or original(x, *a))
+    try:
+        model = _model()
+        opt = SkewAdam.from_model(model, recipe="quality", log=False)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    finally:
+        orthogonal_kernel.bf16_matmuls.cache_clear()
+    assert seen and set(seen) == {torch.bfloat16 if native else torch.float32}
 
 
 def test_the_lean_recipe_keeps_int8_momentum_and_the_least_state():
@@ -117,17 +143,24 @@ def test_each_recipe_states_the_state_the_census_and_the_planner_give_on_the_pap
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_each_recipe_states_its_newton_schulz_flops_on_the_papers_model(name, paper_model):
+    """Per step on average under the recipe's own settings: the hidden matrices every step, the expert slices every
+    ``ns_interval``-th of theirs."""
     model, found = paper_model
-    orthogonal = RECIPES[name].settings.get("orthogonal", False)
-    flops = orthogonal_flops(model, orthogonal, found)
+    group, opt = split_kwargs({"recipe": name})
+    orthogonal = group.get("orthogonal", False)
+    flops = orthogonal_flops(model, orthogonal, found, defaults=opt, tier_options=group.get("tier_options"),
+                             orthogonal_options=group.get("orthogonal_options"))
     if not orthogonal:
         assert flops == 0 and RECIPES[name].compute.startswith("none")
         return
     hidden = orthogonal_flops(model, True, found)
+    every = group.get("tier_options", {}).get("expert", {}).get("ns_interval", 1)
+    experts = (orthogonal_flops(model, orthogonal, found) - hidden) // every
+    assert flops == hidden + experts
     slices = sum(found.trainable[n].shape[0] for n, t in found.tiers.items() if t == "expert")  # banks [E, A, B]
-    assert RECIPES[name].compute.startswith(f"{_e(flops)} Newton-Schulz FLOPs per step ({_e(hidden)} for the "
-                                            f"{len(found.hidden)} hidden matrices, {_e(flops - hidden)} for the "
-                                            f"{slices} expert slices)")
+    assert RECIPES[name].compute.startswith(
+        f"{_e(flops)} Newton-Schulz FLOPs per step on average ({_e(hidden)} for the {len(found.hidden)} hidden "
+        f"matrices every step, {_e(experts * every)} for the {slices} expert slices every {every}th)")
 
 
 def _e(x: float) -> str:

@@ -42,6 +42,20 @@ def test_a_groups_state_settings_are_validated_where_its_tier_spec_is_built(grou
         SkewAdam([{"params": [nn.Parameter(torch.zeros(4, 3))], **group}])
 
 
+def test_every_state_key_the_spec_makes_is_a_named_field_of_the_kernels_record():
+    """The optimizer fills a record's state from the state dict by `STATE_KEYS`, in `ParamTensors`' field order: every
+    key `state_spec` makes is ``step`` or one of them, and they are the record's fields after ``step``."""
+    from skewadam.kernels.types import STATE_KEYS, ParamTensors
+
+    made = {key for shape in ((8, 6), (4, 8, 6), (6,)) for momentum in (None, *MOMENTUM_DTYPES)
+            for factored in (True, False) for update in ("adam", "orthogonal")
+            for key in state_spec(shape, torch.bfloat16, use_momentum=momentum is not None, use_factored=factored,
+                                  bank=len(shape) == 3, momentum_dtype=momentum or "fp32", update=update)}
+    assert made == {"step", *STATE_KEYS}
+    fields = ParamTensors._fields
+    assert fields[fields.index("step") + 1:fields.index("step") + 1 + len(STATE_KEYS)] == STATE_KEYS
+
+
 def test_a_groups_flags_give_its_state_spec_with_the_bank_rule():
     expert = state_flags({"tier": "expert"})
     assert expert.spec((4, 6, 5), torch.bfloat16) == state_spec((4, 6, 5), torch.bfloat16, use_momentum=False,

@@ -58,7 +58,7 @@ def _assert_matches(params, opt, refs, tol):
 def test_grad_stats_are_float64_for_every_parameter_dtype(impl):
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         params, opt, _ = _train(impl, SPECS, [_grads(SPECS)], dtype)
-        mod = kernels.select(impl, torch.device("cpu"))
+        mod = kernels.resolve_backend(impl, torch.device("cpu")).load()
         for i, group in enumerate(opt.param_groups):
             [stats] = mod.grad_stats(opt._init_group(group, i, i)[1])
             present = [t for t in stats if t is not None]
@@ -172,7 +172,7 @@ def test_activity_is_decidable_from_shards_summed(impl):
     """A bank row-sharded in two: each shard's statistics (`types.stat_dims`: what a reducer sums), added, tell the
     active slices as the whole tensor's do; slice 1's only nonzero element (1e-170, whose square underflows fp64) lies
     in the second shard."""
-    mod = kernels.select(impl, torch.device("cpu"))
+    mod = kernels.resolve_backend(impl, torch.device("cpu")).load()
     shards, whole = [], torch.zeros(3, 8, 5, dtype=torch.float64)
     whole[0] = 1.0
     whole[1, 6, 2] = 1e-170

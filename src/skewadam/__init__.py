@@ -10,7 +10,7 @@ every import against this list.
 
     1. tiers                        tier labels (they import nothing of ours)
     2. state, structure             state_spec, state_flags, check_state, measure_state; the MoE structure of a model
-    3. kernels, classify, recipes, pieces  the kernel backends and their registry; automatic tiers; named
+    3. kernels, classify, recipes, pieces  the backends and their registry; automatic tiers; named
                                     configurations of from_model; where ZeRO's flat partitions cut the tensors
     4. distributed, groups, zero    DTensor placements and the cross-shard reducer; param groups and their census;
                                     the records and reducer of ZeRO's flat partitions

@@ -2,9 +2,10 @@
 is complete, and the gradient freed, so no step holds every gradient at once.
 
 `BackwardSteps` registers a post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``) on every
-parameter of its optimizer that requires a gradient. The hook calls the optimizer's own step for that parameter
-alone (`skewadam.functional.skewadam_` over the parameter's record, with the cross-shard reducer for DTensors: the
-same update as the regular step, since every statistic SkewAdam needs is per tensor or per bank slice), then sets
+parameter of its optimizer that requires a gradient. The hook calls the optimizer's step of that parameter alone
+(`ParamStepper.step_parameter`, the interface this module defines and `skewadam.SkewAdam` satisfies:
+`skewadam.functional.skewadam_` over the parameter's record, with the cross-shard reducer for DTensors: the same
+update as the regular step, since every statistic SkewAdam needs is per tensor or per bank slice), then sets
 ``p.grad = None``. torch's engine runs a gradient's accumulation as soon as it is produced (``AccumulateGrad`` has the
 highest priority), so the gradient memory in flight is about the largest gradient one backward node produces at once.
 FSDP2 (``fully_shard``) runs these hooks itself on the sharded parameters after its reduce-scatter, in the same order
@@ -54,14 +55,14 @@ import gc
 import sys
 import threading
 import weakref
-from typing import Any, ContextManager, Iterable, Iterator, Optional
+from typing import Any, ContextManager, Iterable, Iterator, Optional, Protocol
 
 import torch
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["BackwardMode", "BackwardSteps", "Counter", "check_trainer", "stacked"]
+__all__ = ["BackwardMode", "BackwardSteps", "ParamStepper", "Counter", "check_trainer", "stacked"]
 
 #: Each parameter's `BackwardSteps`: a parameter is stepped in backward by one optimizer at most.
 _OWNERS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -97,6 +98,19 @@ _SCALED = ("torch.amp.GradScaler steps an optimizer whose hooks stepped the back
            "(torch.autocast(..., dtype=torch.bfloat16) needs no scaler), or use in_backward=False")
 
 
+class ParamStepper(Protocol):
+    """What `BackwardSteps` needs of its optimizer (`skewadam.SkewAdam` satisfies it): its param groups, and the step
+    of one parameter alone."""
+
+    param_groups: list[dict[str, Any]]
+
+    def step_parameter(self, group: int, position: int) -> Tensor:
+        """Step parameter ``position`` of param group ``group`` alone, with its gradient, as the regular step steps
+        it (the same update, its cross-shard reductions included); return its skip flag: a 0-d bool tensor on the
+        parameter's device, True where a non-finite gradient skipped the update."""
+        ...
+
+
 class BackwardSteps:
     """The gradient hooks of one optimizer in ``in_backward`` mode, and what they did since the last ``step()``.
 
@@ -120,7 +134,7 @@ class BackwardSteps:
         >>> steps.remove()                     # what optimizer.in_backward = False does
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: ParamStepper) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._handles: dict[int, Any] = {}
         self._where: dict[int, tuple[int, int]] = {}
@@ -184,7 +198,7 @@ class BackwardSteps:
             self.freed.clear()
         self.zeroed = set() if set_to_none else set(self.freed)
 
-    def finish(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    def finish(self, optimizer: ParamStepper) -> list[Tensor]:
         """At ``step()``: refuse a GradScaler after a backward whose hooks stepped, and a gradient that came back
         after its parameter was stepped in backward, give each kept zero gradient no backward reached its zeros,
         then return the skip flags of the updates done in backward and start the next step's record."""
@@ -203,7 +217,7 @@ class BackwardSteps:
         self.stepped.clear()
         return skipped
 
-    def _locate(self, optimizer: torch.optim.Optimizer, p: Tensor) -> Optional[tuple[int, int]]:
+    def _locate(self, optimizer: ParamStepper, p: Tensor) -> Optional[tuple[int, int]]:
         """``(group index, position)`` of ``p`` in the optimizer's param groups, None if it holds ``p`` no more."""
         where = self._where.get(id(p))
         groups = optimizer.param_groups
@@ -271,7 +285,7 @@ class BackwardSteps:
             raise RuntimeError(_TWICE.format(name=_name(optimizer.param_groups[where[0]], *where)))
         if kind != "outer" or id(p) in self.segmented:
             return  # held: its gradient may come in several pieces, or be scaled; step() steps it
-        self.skipped.append(optimizer._step(only=where))
+        self.skipped.append(optimizer.step_parameter(*where))
         self.stepped.add(id(p))
         self.freed.add(id(p))
         self.zeroed.discard(id(p))

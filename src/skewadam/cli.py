@@ -2,8 +2,7 @@
 
 Subcommands: ``tiers`` (`skewadam.classify`), ``plan`` (`skewadam.bench.planner`, ``--measure``:
 `skewadam.bench.measure`), ``bench`` and ``report`` (`skewadam.bench`), ``bench-step`` (`skewadam.bench.bench_step`);
-the kernel choices of ``--impl`` are `skewadam.kernels.BACKENDS`'. Optimizer names are
-the arms of `skewadam.bench.arms`, the same for every subcommand.
+``--impl`` chooses among `skewadam.kernels.BACKENDS`; optimizer names are the arms of `skewadam.bench.arms`.
 
 A user's mistake (a bad value, a missing file, malformed JSON, a missing optional package) is one line on stderr and
 exit status 1; ``--debug`` or ``SKEWADAM_DEBUG=1`` shows its traceback. Anything else (a bug) keeps its traceback.
@@ -114,7 +113,7 @@ def _tiers(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------------ plan
 def _add_plan(sub) -> None:
     from .bench.planner import DTYPES
-    from .kernels import BACKENDS, IMPLS
+    from .kernels import BACKENDS, BACKEND_CHOICES
 
     p = sub.add_parser(
         "plan",
@@ -128,8 +127,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: context length, <= 4096)")
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default="fp32", help="parameter/activation dtype")
     p.add_argument("--top-k", type=int, default=None, help="experts per token (default: from the config)")
-    p.add_argument("--impl", choices=IMPLS, default="auto",
-                   help="SkewAdam's kernel backend, for its step temporaries: " + "; ".join(
+    p.add_argument("--impl", choices=BACKEND_CHOICES, default="auto",
+                   help="SkewAdam's backend, for its step temporaries: " + "; ".join(
                        f"{b.name}: {b.summary}" for b in BACKENDS.values()) + " (default auto: the one SkewAdam "
                    "runs on --device, also what --measure steps with)")
     p.add_argument("--shards", type=int, default=1,
@@ -151,13 +150,13 @@ def _add_plan(sub) -> None:
                    help="also train real steps with OPTIMIZER (adamw, adafactor, skewadam...) and print the measured "
                    "peak beside the estimate (allocates the model!)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="where the model would train: the kernel --impl auto plans, and the device of --measure")
+                   help="where the model would train: the backend --impl auto plans, and the device of --measure")
     p.set_defaults(func=_plan)
 
 
 def _plan(args: argparse.Namespace) -> int:
     from .bench.planner import plan
-    from .kernels import BACKENDS
+    from .kernels import BACKENDS, resolve_backend
     from .state import format_bytes
 
     overrides = parse_sets(args.set)
@@ -165,9 +164,10 @@ def _plan(args: argparse.Namespace) -> int:
     optimizers = args.optimizer
     if args.measure and args.measure not in (optimizers or arms.PLAN_DEFAULT):  # its row in the table
         optimizers = [*(optimizers or arms.PLAN_DEFAULT), args.measure]
-    try:
+    try:  # --measure: planned with the backend its steps run (resolving builds it), else from the registry alone
+        impl = resolve_backend(args.impl, args.device).name if args.measure else args.impl
         result = plan(model, batch=args.batch, seq=args.seq, param_dtype=args.param_dtype, top_k=args.top_k,
-                      optimizers=optimizers, impl=args.impl, device=args.device, shards=args.shards,
+                      optimizers=optimizers, impl=impl, device=args.device, shards=args.shards,
                       in_backward=args.in_backward, zero=args.zero)
         result = dataclasses.replace(result, model=args.model)
         measured = None
@@ -178,7 +178,7 @@ def _plan(args: argparse.Namespace) -> int:
                   f"training steps in a fresh process", file=sys.stderr, flush=True)
             measured = measure_peak(args.model, optimizer=args.measure, batch=args.batch, seq=result.seq,
                                     param_dtype=args.param_dtype, device=args.device, overrides=overrides,
-                                    impl=result.kernel, in_backward=args.in_backward,
+                                    impl=result.backend, in_backward=args.in_backward,
                                     progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     except ValueError as e:
         raise SystemExit(f"skewadam plan: {e}") from None
@@ -190,12 +190,10 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         print(result)
         if measured:
-            kernel = BACKENDS[measured["impl"]].summary
-            print(f"\nmeasured: {args.measure} on {args.device} with {kernel}, {measured['method']}: "
-                  f"{format_bytes(measured['measured'])} ({measured['measured']:,} B), vs the estimate in the table "
-                  f"(row {args.measure}, column peak, --impl {measured['impl']}): "
-                  f"{format_bytes(measured['estimate'])}; "
-                  f"measured / estimate = {measured['ratio']:.3f}")
+            print(f"\nmeasured: {args.measure} on {args.device} with {BACKENDS[measured['impl']].summary}, "
+                  f"{measured['method']}: {format_bytes(measured['measured'])} ({measured['measured']:,} B), vs the "
+                  f"estimate in the table (row {args.measure}, column peak, --impl {measured['impl']}): "
+                  f"{format_bytes(measured['estimate'])}; measured / estimate = {measured['ratio']:.3f}")
     return 0
 
 
@@ -388,7 +386,7 @@ def _report(args: argparse.Namespace) -> int:
 def _add_bench_step(sub) -> None:
     from .bench import bench_step
     from .bench.planner import DTYPES
-    from .kernels import BACKENDS, IMPLS
+    from .kernels import BACKENDS, BACKEND_CHOICES
 
     first, *others = arms.BENCH_STEP_DEFAULT
     p = sub.add_parser(
@@ -403,8 +401,8 @@ def _add_bench_step(sub) -> None:
     p.add_argument("--optimizers", nargs="+", type=_arm, metavar="NAME",
                    help=f"compared with {first} (default: {', '.join(others)}; any of "
                         f"{', '.join(arms.names(buildable=True))})")
-    p.add_argument("--impl", choices=IMPLS, default="auto",
-                   help="SkewAdam's kernel backend: " + "; ".join(f"{b.name}: {b.summary}" for b in BACKENDS.values())
+    p.add_argument("--impl", choices=BACKEND_CHOICES, default="auto",
+                   help="SkewAdam's backend: " + "; ".join(f"{b.name}: {b.summary}" for b in BACKENDS.values())
                    + " (default auto: the one SkewAdam picks on CPU)")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default: 15)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per optimizer per round (default: 5)")
@@ -417,6 +415,8 @@ def _add_bench_step(sub) -> None:
                    help="write a buffer of this many MiB before each timed step, so the step starts with cold caches")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of every optimizer (default: 1e-3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the model weights and gradients (default: 0)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences of the batch whose forward and backward "
+                   "is timed beside the steps (default: 16, the bench's; 0: none)")
     p.add_argument("--roofline", action="store_true", help="instead: SkewAdam, fused AdamW and a.add_(b) per tier "
                    "and C++ path on fixed tensors, as GB/s of the bytes each moves (skewadam.bench.roofline)")
     p.add_argument("--momentum", choices=("fp32", "bf16", "int8"), default="fp32", help="with --roofline: its momentum")
@@ -432,8 +432,8 @@ def _bench_step(args: argparse.Namespace) -> int:
     for flag in ("rounds", "steps", "threads"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"skewadam bench-step: --{flag} must be >= 1, got {getattr(args, flag)}")
-    if args.warmup < 0 or args.flush_mb < 0:
-        raise SystemExit("skewadam bench-step: --warmup and --flush-mb must be >= 0")
+    if args.warmup < 0 or args.flush_mb < 0 or args.batch_size < 0:
+        raise SystemExit("skewadam bench-step: --warmup, --flush-mb and --batch-size must be >= 0")
     torch.set_num_threads(args.threads)
     if args.roofline:
         return _roofline(args)
@@ -445,7 +445,7 @@ def _bench_step(args: argparse.Namespace) -> int:
         res = bench_step(
             preset=args.preset, overrides=parse_sets(args.set, json_values=False), dtype=args.dtype,
             optimizers=names, rounds=args.rounds, steps=args.steps, warmup=args.warmup, impl=args.impl,
-            clock=args.clock, flush_mb=args.flush_mb, lr=args.lr, seed=args.seed,
+            clock=args.clock, flush_mb=args.flush_mb, lr=args.lr, seed=args.seed, batch_size=args.batch_size,
         )
     except ValueError as e:
         raise SystemExit(f"skewadam bench-step: {e}") from None
@@ -459,12 +459,9 @@ def _roofline(args: argparse.Namespace) -> int:
     if args.optimizers or args.set or args.flush_mb or args.preset != "cpu":
         raise SystemExit("skewadam bench-step: --roofline times its own tensors against fused AdamW and a stream; "
                          "drop --preset, --optimizers, --set and --flush-mb")
-    try:
-        res = roofline(dtype=args.dtype, momentum_dtype=args.momentum, rounds=args.rounds, steps=args.steps,
-                       warmup=args.warmup, impl=args.impl, clock=args.clock, deepspeed=args.deepspeed, seed=args.seed)
-    except ValueError as e:
-        raise SystemExit(f"skewadam bench-step: {e}") from None
-    print(format_roofline(res))
+    print(format_roofline(roofline(dtype=args.dtype, momentum_dtype=args.momentum, rounds=args.rounds,
+                                   steps=args.steps, warmup=args.warmup, impl=args.impl, clock=args.clock,
+                                   deepspeed=args.deepspeed, seed=args.seed)))
     return 0
 
 
@@ -500,7 +497,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: one line, as a shell reports it
         print(f"\nskewadam {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,7 +5,8 @@ the hyperparameters) and calls `skewadam_`; so can anything that holds records o
 stepping one parameter as soon as its gradient is complete (one `StepGroup` per call, each call with its own skip
 decision). A step is, for every backend of `skewadam.kernels.BACKENDS`:
 
-1. every check of every group: the hyperparameters (`skewadam.kernels.types.check_group`), then each backend's pass 1
+1. every check of every group: the hyperparameters (`skewadam.kernels.types.check_group`; an orthogonal group's
+   Newton-Schulz settings, `skewadam.kernels.orthogonal.check_options`), then each backend's pass 1
    (`grad_stats`, which checks every record it reads and writes nothing; the orthogonal update's is
    `skewadam.kernels.orthogonal.grad_stats`). A step that raises has written nothing: the error is the one shared
    check's (`skewadam.kernels.types.check`) whatever the backend's own message;
@@ -22,7 +23,7 @@ speed depends on it); with orthogonal groups present it is composed with their p
 the host, and the three passes run otherwise (Triton: no host sync). The results are the same bits either way.
 
 Example:
-    >>> skipped = skewadam_([StepGroup(record, params)], backend=kernels.resolve("auto", device))
+    >>> skipped = skewadam_([StepGroup(record, params)], backend=kernels.resolve_backend("auto", device))
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .kernels import Backend, orthogonal, resolve
+from .kernels import Backend, orthogonal, resolve_backend
 from .kernels.types import Group, all_finite, check, check_group, stat_dims, unit_dims
 
 __all__ = ["Reducer", "StepGroup", "skewadam_"]
@@ -62,8 +63,8 @@ def skewadam_(groups: Sequence[StepGroup], *, backend: Union[Backend, str] = "au
 
     Args:
         groups: the param groups' records (`StepGroup`); groups without parameters are ignored.
-        backend: a backend of `skewadam.kernels.BACKENDS`, or a choice for `skewadam.kernels.resolve` (``"auto"`` or
-            a backend's name) on the first parameter's device.
+        backend: a backend of `skewadam.kernels.BACKENDS`, or a choice for `skewadam.kernels.resolve_backend`
+            (``"auto"`` or a backend's name) on the first parameter's device.
         reducer: the cross-shard seam (`Reducer`); None on one process.
         skip_nonfinite: skip the whole step, writing nothing, if a gradient holds inf or NaN.
 
@@ -79,10 +80,12 @@ def skewadam_(groups: Sequence[StepGroup], *, backend: Union[Backend, str] = "au
         return torch.zeros((), dtype=torch.bool)
     device = groups[0].record.params[0].param.device
     if isinstance(backend, str):
-        backend = resolve(backend, device)
+        backend = resolve_backend(backend, device)
     kernel = backend.load()
     for g in groups:
         check_group(g.record, g.where)
+        if g.update == "orthogonal":
+            orthogonal.check_options(g.record, g.where)
     adam = [g for g in groups if g.update != "orthogonal"]
     orth = [g for g in groups if g.update == "orthogonal"]
     try:

@@ -218,23 +218,34 @@ def orthogonal_names(model: nn.Module, labels: GivenLabels, orthogonal: Orthogon
     return names
 
 
-def orthogonal_flops(model: nn.Module, orthogonal: Orthogonal, labels: Optional[GivenLabels] = None) -> int:
-    """Matmul FLOPs of one step's Newton-Schulz over the tensors ``orthogonal`` selects (`orthogonal_names`): per
-    matrix ``[A, B]`` (each slice of a bank ``[E, A, B]``), with ``m, n = min(A, B), max(A, B)``, ``NS_STEPS`` x
-    ``(4 m^2 n + 2 m^3)`` (the Gram matrix, its square, the product with the iterate).
+def orthogonal_flops(model: nn.Module, orthogonal: Orthogonal, labels: Optional[GivenLabels] = None, *,
+                     defaults: Optional[Mapping[str, Any]] = None,
+                     tier_options: Optional[dict[str, dict[str, Any]]] = None,
+                     orthogonal_options: Optional[dict[str, Any]] = None) -> int:
+    """Matmul FLOPs of Newton-Schulz per step, on average, over the tensors ``orthogonal`` selects
+    (`orthogonal_names`): per matrix ``[A, B]`` (each slice of a bank ``[E, A, B]``), with ``m, n = min(A, B),
+    max(A, B)``, ``ns_steps`` x ``(4 m^2 n + 2 m^3)`` (the Gram matrix, its square, the product with the iterate),
+    divided by ``ns_interval``, as its group sets them (`param_groups`' settings from SkewAdam's ``defaults``,
+    ``tier_options`` and ``orthogonal_options``; Muon's 5 steps every step unless they say otherwise).
 
     Example:
         >>> orthogonal_flops(model, "experts")  # paper-6.78b: 8.07e14
     """
-    from .kernels.orthogonal import NS_STEPS  # here: the planner counts FLOPs without loading a kernel module
+    from .kernels.types import NS_STEPS  # here: the planner counts FLOPs without loading a kernel module
 
     found = _labels(model, None, labels)
-    total = 0
+    options = _check_tier_options(tier_options)
+    settings: dict[str, dict[str, Any]] = {}
+    by_interval: dict[int, int] = {}
     for name in orthogonal_names(model, found, orthogonal):
+        tier = found.tiers[name]
+        group = settings.setdefault(tier, group_settings(tier, True, defaults, options, orthogonal_options))
         *batch, a, b = found.trainable[name].shape
         m, n = min(a, b), max(a, b)
-        total += math.prod(batch) * NS_STEPS * (4 * m * m * n + 2 * m ** 3)
-    return total
+        every = group.get("ns_interval", 1)
+        by_interval[every] = by_interval.get(every, 0) + math.prod(batch) * group.get("ns_steps", NS_STEPS) * (
+            4 * m * m * n + 2 * m ** 3)
+    return sum(flops // every for every, flops in by_interval.items())
 
 
 def group_settings(tier: str, orthogonal: bool, defaults: Optional[Mapping[str, Any]], options: dict,
@@ -305,8 +316,8 @@ def param_groups(
     ``update="orthogonal"`` (Muon's update, momentum ``ORTHOGONAL_MOMENTUM``), ``"experts"`` also the expert
     matrices (an expert group with ``update="orthogonal"``, no momentum: per expert, from the gradient);
     ``orthogonal_options`` overrides those groups' settings (applied after ``tier_options``):
-    ``{"use_momentum": True}`` with ``"experts"`` gives the expert slices Nesterov momentum too (the study's best with
-    ``momentum_dtype="int8"``, arm ``skewadam-quality``).
+    ``{"use_momentum": True}`` with ``"experts"`` gives the expert slices Nesterov momentum too (with
+    ``momentum_dtype="int8"`` the basis of the ``quality`` recipe, `skewadam.recipes`).
 
     Example:
         >>> opt = SkewAdam(param_groups(model, weight_decay=0.1, exempt_1d=True), lr=3e-4)

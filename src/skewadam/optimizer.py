@@ -3,13 +3,13 @@ r"""`SkewAdam`: tiered optimizer state for Mixture-of-Experts training.
 Each param group belongs to a tier (``backbone``, ``expert``, ``router``; `skewadam.tiers`) that sets which state
 its parameters keep. This class holds the param groups, checks them (`skewadam.validation`, at construction and at
 `SkewAdam.load_state_dict`), allocates state lazily (`skewadam.state.state_spec`) and gathers one record per group
-(`skewadam.kernels.types.Group`); `skewadam.functional.skewadam_` runs the step over them, for every kernel backend.
+(`skewadam.kernels.types.Group`); `skewadam.functional.skewadam_` runs the step over them, for every backend.
 """
 
 from __future__ import annotations
 
 from itertools import chain
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -20,7 +20,7 @@ from . import kernels
 from .backward import BackwardMode, BackwardSteps, Counter, check_trainer, stacked
 from .functional import Reducer, StepGroup, skewadam_
 from .groups import describe_optimizer
-from .kernels.types import Group, ParamTensors
+from .kernels.types import NS_STEPS, STATE_KEYS, Group, ParamTensors
 from .state import StateBytes, flat_bank_merged, is_bank, measure_state, state_flags
 from .validation import check_state_dict, resolve_group, validate_params
 from .zero import partition_of, zero_layouts
@@ -35,8 +35,6 @@ __all__ = ["SkewAdam"]
 #: Types that are never DTensors: checked first, since ``isinstance(t, DTensor)`` costs ~0.3 us (its metaclass), a
 #: few times per parameter per step.
 _PLAIN = (Tensor, torch.nn.Parameter, type(None))
-_STATE_FIELDS = ParamTensors._fields[3:8]  # the records' optional state (exp_avg ... col_var): state dict keys
-_STATE_KEYS = ("step", *_STATE_FIELDS)
 
 
 def _is_dtensor(t: Optional[Tensor]) -> bool:
@@ -121,9 +119,13 @@ class SkewAdam(BackwardMode, Optimizer):
         skip_nonfinite: if any gradient holds inf/NaN, skip the whole step (weights and state untouched) and count
             it in ``skipped_steps``, as AMP's GradScaler does; on the device where the backend can (no host sync).
             With ``in_backward``, that tensor's update alone (``skipped_tensors``).
-        impl: the kernel backend, ``"auto"`` or a name of `skewadam.kernels.BACKENDS` (`skewadam.kernels.resolve`:
+        impl: the backend, ``"auto"`` or a name of `skewadam.kernels.BACKENDS` (`skewadam.kernels.resolve_backend`:
             ``SKEWADAM_IMPL`` if set, else the preferred backend available on the parameters' device); same math.
         update: ``"adam"`` (the tiers' update) or ``"orthogonal"`` (above; matrices and banks of matrices only).
+        ns_steps: the orthogonal update's Newton-Schulz iterations. Default 5.
+        ns_dtype: its dtype: None (the parameter's rule), ``"fp32"``, ``"bf16"`` or ``"auto"`` (bf16 where the
+            device multiplies it natively).
+        ns_interval: 1 (every step) or k: each matrix orthogonalised every k of its steps, k steps' update at once.
         relative_step: Adafactor's option (off by default): the update term scaled by ``max(1e-3, rms(p))`` per unit.
         beta2_decay: Adafactor's option (off by default): ``beta2_t = 1 - t^beta2_decay`` (e.g. -0.8), uncorrected.
         in_backward: step each parameter inside backward as soon as its gradient is complete, and free it
@@ -146,27 +148,23 @@ class SkewAdam(BackwardMode, Optimizer):
         eps: Optional[float] = None,
         weight_decay: float = 0.0,
         *,
-        eps_mode: str = "add",
-        tier: str = "backbone",
-        use_momentum: Optional[bool] = None,
-        use_factored: Optional[bool] = None,
-        bank: Optional[bool] = None,
-        momentum_dtype: str = "fp32",
-        seed: int = 0,
+        eps_mode: str = "add", tier: str = "backbone",
+        use_momentum: Optional[bool] = None, use_factored: Optional[bool] = None, bank: Optional[bool] = None,
+        momentum_dtype: str = "fp32", seed: int = 0,
         skip_nonfinite: bool = True,
         impl: str = "auto",
         update: str = "adam",
-        relative_step: bool = False,
-        beta2_decay: Optional[float] = None,
+        relative_step: bool = False, beta2_decay: Optional[float] = None,
+        ns_steps: int = NS_STEPS, ns_dtype: Optional[str] = None, ns_interval: int = 1,
         in_backward: bool = False,
     ) -> None:
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, eps_mode=eps_mode, tier=tier,
-            use_momentum=use_momentum, use_factored=use_factored, bank=bank, seed=seed,
-            momentum_dtype=momentum_dtype, update=update, relative_step=relative_step, beta2_decay=beta2_decay,
-        )
-        if impl not in kernels.IMPLS:
-            raise ValueError(f"Invalid impl: {impl!r} (expected one of {kernels.IMPLS})")
+            use_momentum=use_momentum, use_factored=use_factored, bank=bank, seed=seed, momentum_dtype=momentum_dtype,
+            update=update, relative_step=relative_step, beta2_decay=beta2_decay, ns_steps=ns_steps,
+            ns_dtype=ns_dtype, ns_interval=ns_interval)
+        if impl not in kernels.BACKEND_CHOICES:
+            raise ValueError(f"Invalid impl: {impl!r} (expected one of {kernels.BACKEND_CHOICES})")
         self._impl = impl
         self.skip_nonfinite = bool(skip_nonfinite)
         self.skipped_steps = 0
@@ -279,19 +277,19 @@ class SkewAdam(BackwardMode, Optimizer):
             if grad.is_sparse:
                 raise TypeError(f"SkewAdam does not support sparse gradients (param group {index}, tier {tier!r}); "
                                 "use a dense embedding (sparse=False)")
-            fixed = cached[1][i]  # (id(p), shape, dtype, DTensor?, bank, rounding stream, name, pieces) while held
-            if fixed is None or fixed[0] != id(p) or fixed[1] != p.shape or fixed[2] is not p.dtype:
+            fixed = cached[1][i]  # what the record takes from p and its group, while they hold
+            if fixed is None or fixed.id != id(p) or fixed.shape != p.shape or fixed.dtype is not p.dtype:
                 fixed = cached[1][i] = _fixed(p, group, index, i, first_id)
             state = (not device_steps and states.get(p)) or _state_of(states[p], p, group, device_steps, fresh)
-            local = (p, grad, state["step"], *map(state.get, _STATE_FIELDS))
-            if fixed[3]:  # a DTensor: the kernels step the local shards (their state is sharded as p is)
+            local = (p, grad, state["step"], *map(state.get, STATE_KEYS))
+            if fixed.dtensor:  # a DTensor: the kernels step the local shards (their state is sharded as p is)
                 from .distributed import check_grad
 
                 check_grad(p)
                 local = tuple(map(_local, local))
             if experts is None:
                 params.append(p)
-                tensors.append(make((*local, fixed[1], *fixed[4:7])))
+                tensors.append(make((*local, fixed.shape, fixed.bank, fixed.stream, fixed.name)))
             else:  # a flattened bank [E*D, ...]: its local rows as banks [k, rows, ...], each named by p (the reducer)
                 tensors += (records := _flat_records(local, fixed))
                 params += [p] * len(records)
@@ -299,7 +297,8 @@ class SkewAdam(BackwardMode, Optimizer):
             return None
         b1, b2 = group["betas"]
         return params, Group(tensors, group["lr"], b1, b2, group["eps"], group["eps_mode"], group["weight_decay"],
-                             group["seed"], group["relative_step"], group["beta2_decay"])
+                             group["seed"], group["relative_step"], group["beta2_decay"], group["ns_steps"],
+                             group["ns_dtype"], group["ns_interval"])
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -318,12 +317,17 @@ class SkewAdam(BackwardMode, Optimizer):
             Counter.add(self, "skipped_steps", stacked(flags).any())
         return loss
 
+    def step_parameter(self, group: int, position: int) -> Tensor:
+        """Step parameter ``position`` of param group ``group`` alone, as `step` would (the gradient hooks' step,
+        `skewadam.backward.ParamStepper`); returns its skip flag, a 0-d bool tensor on its device."""
+        return self._step(only=(group, position))
+
     def _step(self, only: Optional[tuple[int, int]] = None) -> Tensor:
         """`skewadam.functional.skewadam_` over every parameter with a gradient, or (``only``: ``(group index,
-        position)``, what a gradient hook steps) over that one; returns its skip flag."""
+        position)``) over that one; returns its skip flag."""
         first = self.param_groups[only[0]]["params"][only[1]] if only is not None else next(
             p for group in self.param_groups for p in group["params"] if p.grad is not None)
-        backend = kernels.resolve(self._impl, _local(first).device)
+        backend = kernels.resolve_backend(self._impl, _local(first).device)
         work, fresh, first_id = [], [], 0
         try:
             for index, group in enumerate(self.param_groups):
@@ -354,7 +358,8 @@ def _init_state(opt: "SkewAdam") -> None:
     allocates it."""
     for index, group in enumerate(opt.param_groups):
         if (part := partition_of(opt, group, index)) is not None:
-            part.allocate(opt.state[part.flat], group, kernels.resolve(opt._impl, part.flat.device).device_steps)
+            backend = kernels.resolve_backend(opt._impl, part.flat.device)
+            part.allocate(opt.state[part.flat], group, backend.device_steps)
         for p in group["params"] if part is None else ():
             _state_of(opt.state[p], p, group)
 
@@ -373,7 +378,7 @@ def _restore_saved_dtypes(opt: "SkewAdam", groups: list[dict], states: dict) -> 
                            chain.from_iterable(g["params"] for g in opt.param_groups)):
         state = opt.state[p]
         _restore(state, states.get(saved_id, {}))
-        if "step" in state and p.device.type != "cpu" and kernels.resolve(opt._impl, p.device).device_steps:
+        if "step" in state and p.device.type != "cpu" and kernels.resolve_backend(opt._impl, p.device).device_steps:
             state["step"] = state["step"].to(_local(p).device)  # torch's load leaves a step count on the host
 
 
@@ -385,10 +390,21 @@ def _restore(state: dict, saved: dict) -> None:
             state[key] = value.to(device=state[key].device, copy=True).contiguous()
 
 
-def _fixed(p: Tensor, group: dict, index: int, i: int, first_id: int) -> tuple:
-    """What the record of parameter ``i`` of group ``index`` takes from ``p`` and its group while they hold: ``(id,
-    shape, dtype, DTensor?, bank flag, rounding stream, name, pieces)``; errors name a flattened bank by its own shape
-    and its view's; ``pieces``: a flattened bank's ``(piece, rounding stream)`` (`_flat_records`), else None."""
+class _Fixed(NamedTuple):
+    """What the record of a parameter takes from it and its group while they hold (`_fixed`)."""
+
+    id: int  # id(p): the cache holds while the group holds this very parameter
+    shape: torch.Size  # the global shape
+    dtype: torch.dtype
+    dtensor: bool
+    bank: bool
+    stream: int  # its stochastic-rounding stream
+    name: str  # how errors name it (a flattened bank by its own shape and its view's)
+    pieces: Optional[tuple]  # a flattened bank's ``((piece, rounding stream), ...)`` (`_flat_records`), else None
+
+
+def _fixed(p: Tensor, group: dict, index: int, i: int, first_id: int) -> _Fixed:
+    """What the record of parameter ``i`` of group ``index`` takes from ``p`` and its group while they hold."""
     names, experts = group.get("param_names"), group.get("experts")
     name = f"param_groups[{index}]['params'][{i}]" + (f" ({names[i]!r})" if names else "")
     bank = experts is not None or is_bank(p.ndim, group["tier"], group["bank"])
@@ -403,7 +419,7 @@ def _fixed(p: Tensor, group: dict, index: int, i: int, first_id: int) -> tuple:
         else:
             found = ((0, experts, 0, p.shape[0] // experts),)
         pieces = tuple((pc, _rounding_stream(p, first_id + i, group["momentum_dtype"], pc[2])) for pc in found)
-    return id(p), p.shape, p.dtype, _is_dtensor(p), bank, stream, name, pieces
+    return _Fixed(id(p), p.shape, p.dtype, _is_dtensor(p), bank, stream, name, pieces)
 
 
 def _state_of(state: dict, p: Tensor, group: dict, device_steps: bool = False, fresh: Optional[list] = None) -> dict:
@@ -423,18 +439,19 @@ def _state_of(state: dict, p: Tensor, group: dict, device_steps: bool = False, f
     return state
 
 
-def _flat_records(local: tuple, fixed: tuple) -> list[ParamTensors]:
+def _flat_records(local: tuple, fixed: _Fixed) -> list[ParamTensors]:
     """A flattened bank's records from its local tensors ``(param, grad, step, exp_avg, ..., col_var)``: one bank per
     piece of its local rows (`skewadam.distributed.flat_bank_pieces`; the whole bank on one process), ``[k, rows,
     ...]`` of global shape ``(k, D, ...)``: views of the parameter, gradient and the state kept in its row layout (steps
     write them), and the piece's experts of the state kept per expert (`skewadam.state.flat_bank_merged`)."""
-    shape, name, pieces = fixed[1], fixed[6], fixed[7]
+    shape, name, pieces = fixed.shape, fixed.name, fixed.pieces
     param, grad, *state = local
     experts = sum(pc[1] for pc, _ in pieces)
     if not param.is_contiguous():
         raise ValueError(f"{name}: experts={experts} needs a contiguous parameter, got strides {param.stride()}")
-    rows_layout = [flat_bank_merged(key, param.ndim + 1) for key in _STATE_KEYS]
-    for key, t, rows in zip(_STATE_KEYS, state, rows_layout):
+    keys = ("step", *STATE_KEYS)
+    rows_layout = [flat_bank_merged(key, param.ndim + 1) for key in keys]
+    for key, t, rows in zip(keys, state, rows_layout):
         want = (param.ndim, param.shape[0]) if rows else (1 if key == "step" else param.ndim + 1, experts)
         if t is not None and (t.ndim, t.shape[0] if t.ndim else 0) != want:
             raise ValueError(f"{name}: state {key!r} has shape {tuple(t.shape)}, a flattened bank keeps it with "

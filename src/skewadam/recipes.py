@@ -9,15 +9,20 @@ the default. The bench arms of these settings carry their names: ``skewadam`` (p
 |-----------|--------------------------------------------------------------|------|--------------------|---------------|
 | `paper`   | the paper's tiers (SkewAdam's defaults)                      | 1e-3 | 1.29 GiB (0.025x)  | none          |
 | `lean`    | `momentum_dtype="int8"`: the least memory                    | 1e-3 | 345 MiB (0.007x)   | none          |
-| `quality` | `orthogonal="experts"`, `orthogonal_options={"use_momentum": | 1e-2 | 6.42 GiB (0.127x)  | 8.1e14 FLOPs  |
-|           | True}`, `momentum_dtype="int8"`: Muon's update on the hidden |      |                    | per step      |
-|           | matrices and each expert slice, from int8 Nesterov momentum  |      |                    |               |
+| `quality` | `orthogonal="experts"`, `orthogonal_options={"use_momentum": | 1e-2 | 6.42 GiB (0.127x)  | 2.1e14 FLOPs  |
+|           | True}`, `momentum_dtype="int8"`, `ns_dtype="auto"`,          |      |                    | per step      |
+|           | `tier_options={"expert": {"ns_interval": 4}}`: Muon's update |      |                    |               |
+|           | on the hidden matrices and each expert slice (every 4th of   |      |                    |               |
+|           | its steps), from int8 Nesterov momentum                      |      |                    |               |
 
 State: optimizer statistics in fp32 (x: AdamW's 50.55 GiB), `skewadam plan paper-6.78b --optimizer skewadam
 --optimizer skewadam-lean --optimizer skewadam-quality` (the arms of these settings).
-Newton-Schulz: the matmul FLOPs of its 5 steps over every matrix the recipe orthogonalises
-(`skewadam.groups.orthogonal_flops`; quality: 11 hidden matrices and 384 expert slices of ``[4096, 4096]``),
-against the forward and backward's ~6 x 0.44B active parameters per token.
+Newton-Schulz: the matmul FLOPs of its 5 steps over every matrix the recipe orthogonalises, per step on average
+(`skewadam.groups.orthogonal_flops`; quality: 11 hidden matrices every step and 384 expert slices of
+``[4096, 4096]`` every 4th), against the forward and backward's ~6 x 0.44B active parameters per token.
+``ns_dtype="auto"`` runs it in bf16 where the device multiplies bf16 natively (a GPU; a CPU with AVX512-BF16 or
+AMX), in the parameters' dtype elsewhere (`skewadam.kernels.orthogonal.ns_dtype`), so the recipe's bits, speed and
+results differ between CPUs with and without bf16 matmuls.
 """
 
 from __future__ import annotations
@@ -73,16 +78,20 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
                     "against 11.744 ± 0.083, 3 seeds, docs/study/results.md); at 20.3M parameters over 1,000 steps "
                     "4.958 against 5.016 (Shakespeare) and 4.092 against 4.183 (Python source; seed 0, "
                     "docs/study/scale.md)"),
-    Recipe("quality", "Muon's update on the hidden matrices and on each expert slice, from Nesterov momentum, every "
-           "momentum block-wise int8: the best quality measured at SkewAdam's memory",
-           {"orthogonal": "experts", "orthogonal_options": {"use_momentum": True}, "momentum_dtype": "int8"}, 1e-2,
+    Recipe("quality", "Muon's update on the hidden matrices and on each expert slice (every 4th of its steps, 4 steps' "
+           "update at once), from Nesterov momentum, every momentum block-wise int8, Newton-Schulz in bf16 where the "
+           "device multiplies bf16 natively: the best quality measured at SkewAdam's memory",
+           {"orthogonal": "experts", "orthogonal_options": {"use_momentum": True}, "momentum_dtype": "int8",
+            "ns_dtype": "auto", "tier_options": {"expert": {"ns_interval": 4}}}, 1e-2,
            state=f"6.42 GiB (0.127x AdamW's 50.55 GiB; {_PLAN.format('skewadam-quality')})",
-           compute="8.1e14 Newton-Schulz FLOPs per step (1.5e13 for the 11 hidden matrices, 7.9e14 for the 384 expert "
-                   "slices), those of ~300k tokens' forward and backward",
-           evidence="on the bench model ahead of Muon+AdamW over 1,000 steps: 4.550 ± 0.023 (lr 1e-2, 3 seeds) "
-                    "against 4.673 ± 0.040 (docs/study/rerun.md); at 20.3M parameters ahead of AdamW and the paper "
-                    "tiers on Shakespeare and Python source but behind Muon+AdamW (4.520 against 4.402, 3.333 "
-                    "against 3.295; seed 0, docs/study/scale.md)"),
+           compute="2.1e14 Newton-Schulz FLOPs per step on average (1.5e13 for the 11 hidden matrices every step, "
+                   "7.9e14 for the 384 expert slices every 4th), those of ~80k tokens' forward and backward",
+           evidence="on the bench model level with the recipe before it (Newton-Schulz in fp32 on every slice every "
+                    "step) over 200 steps, 7.293 ± 0.096 against 7.214 ± 0.071 (lr 3e-2, 3 seeds), 4.568 against "
+                    "4.495 over 1,000 (lr 1e-2, seed 0 only), ahead of Muon+AdamW (8.437 ± 0.122, 4.715), at an "
+                    "optimizer step 0.39x the 20.3M model's forward and backward where the former took 1.47x "
+                    "(docs/study/cheaper.md); the former at 20.3M parameters led AdamW and the paper tiers and "
+                    "trailed Muon+AdamW (4.520 against 4.402, 3.333 against 3.295; seed 0, docs/study/scale.md)"),
 ]}
 DEFAULT_RECIPE = "paper"
 

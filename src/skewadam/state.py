@@ -77,7 +77,8 @@ class StateTensor(NamedTuple):
 
 
 def state_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
-    """Statistics live in fp32 for 16-bit parameters and in the parameter's own dtype otherwise."""
+    """The statistics dtype (the state's moments and the kernels' math): fp32 for 16-bit parameters, the parameter's
+    own dtype otherwise. The one definition: `state_spec`, every kernel and the planner ask it."""
     return torch.float32 if param_dtype in (torch.bfloat16, torch.float16) else param_dtype
 
 

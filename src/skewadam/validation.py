@@ -17,17 +17,20 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .kernels.types import Group, check_group, check_param_dtype
+from .kernels import orthogonal
+from .kernels.types import NS_STEPS, Group, check_group, check_param_dtype
 from .state import TierSpec, check_state, state_flags
 
-__all__ = ["EPS_DEFAULT", "GROUP_KEYS", "FOREIGN_KEYS", "resolve_group", "validate_group", "validate_params",
-           "validate_param", "foreign_message", "check_state_dict"]
+__all__ = ["EPS_DEFAULT", "GROUP_KEYS", "ADDED_KEYS", "FOREIGN_KEYS", "resolve_group", "validate_group",
+           "validate_params", "validate_param", "foreign_message", "check_state_dict"]
 
 EPS_DEFAULT = {"floor": 1e-8, "add": 1e-30}
 GROUP_KEYS = frozenset(
     {"params", "lr", "betas", "eps", "weight_decay", "eps_mode", "tier", "use_momentum", "use_factored", "bank", "seed",
-     "momentum_dtype", "experts", "update", "relative_step", "beta2_decay"}
+     "momentum_dtype", "experts", "update", "relative_step", "beta2_decay", "ns_steps", "ns_dtype", "ns_interval"}
 )
+#: Keys added after checkpoints were saved without them, with the value those checkpoints were trained with.
+ADDED_KEYS = {"ns_steps": NS_STEPS, "ns_dtype": None, "ns_interval": 1}
 # Keys other APIs put into param groups: named parameters, LR schedulers' bookkeeping, DeepSpeed-MoE's expert groups.
 FOREIGN_KEYS = frozenset({"param_names", "initial_lr", "moe", "name"})
 # What every group SkewAdam.state_dict() saves holds (``experts`` only where the group has flattened banks).
@@ -61,8 +64,11 @@ def validate_group(group: dict, idx: int) -> TierSpec:
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(f"Invalid betas in {where}: {betas!r} (expected a pair (beta1, beta2))")
     eps = EPS_DEFAULT.get(group["eps_mode"], 1.0) if group["eps"] is None else group["eps"]
-    check_group(Group((), group["lr"], betas[0], betas[1], eps, group["eps_mode"], group["weight_decay"], group["seed"],
-                      group["relative_step"], group["beta2_decay"]), where)
+    record = Group((), group["lr"], betas[0], betas[1], eps, group["eps_mode"], group["weight_decay"], group["seed"],
+                   group["relative_step"], group["beta2_decay"], group["ns_steps"], group["ns_dtype"],
+                   group["ns_interval"])
+    check_group(record, where)
+    orthogonal.check_options(record, where)
     lr = group["lr"]
     if isinstance(lr, Tensor) and not (math.isfinite(value := lr.item()) and value >= 0):  # read once, here
         raise ValueError(f"Invalid learning rate in {where}: {lr!r} (expected a finite float >= 0)")
@@ -131,8 +137,8 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict],
                      zero: Any = None) -> tuple[list[dict], dict]:
     """The param groups and state of ``state_dict`` (an optimizer's), checked for loading
     into an optimizer holding ``param_groups``: each saved group whole (every key SkewAdam saves, none another
-    optimizer's; nothing is filled in), with the constructor's checks, and the group it replaces (the same tier and
-    flattened banks); each parameter's state against `skewadam.state.state_spec`, by value too (a Python-number
+    optimizer's; nothing is filled in but the `ADDED_KEYS` an older checkpoint lacks), with the constructor's checks,
+    and the group it replaces (the same tier and flattened banks); each parameter's state against `skewadam.state.state_spec`, by value too (a Python-number
     ``step`` of older checkpoints and other tools becomes a tensor, a flattened bank's state in the stacked layout
     of earlier versions is reshaped to its own, `skewadam.state.TierSpec.spec`); a ZeRO partition's (registered in
     ``zero``, `skewadam.zero.ZeroSteps`) against its pieces (`skewadam.zero.Partition.check_state`);
@@ -153,6 +159,7 @@ def check_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict],
     for idx, (saved, group) in enumerate(zip(saved_groups, param_groups)):
         if set(saved) - GROUP_KEYS - FOREIGN_KEYS:
             raise ValueError(foreign_message(saved, idx))
+        saved = {**ADDED_KEYS, **saved}
         absent = sorted(SAVED_KEYS - set(saved))
         if absent:
             raise ValueError(f"param group {idx} of the state dict has no {absent}: every group SkewAdam.state_dict() "

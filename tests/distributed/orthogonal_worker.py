@@ -7,7 +7,8 @@ rank's shard; a bank sharded on its experts needs nothing. Rank 0 writes ``OUT_D
 
 Layouts, on 2 ranks: FSDP2 ``Shard(0)`` everywhere (uneven: 3 experts, vocab 67), torchtitan's (experts ``Shard(1)``
 with one expert, attention ``Shard(1)``), int8 momentum under ``Shard(0)``, int8 momentum on the expert banks too
-with experts ``Shard(1)`` (gathered), DDP; a negative control (no gather); Adafactor's options (the Adam-style groups) under ``Shard(0)``.
+with experts ``Shard(1)`` (gathered), that with the Newton-Schulz options (an interval's due matrices picked from
+gathered ones), DDP; a negative control (no gather); Adafactor's options (the Adam-style groups) under ``Shard(0)``.
 """
 
 from __future__ import annotations
@@ -31,16 +32,17 @@ ARM = "skewadam-orthogonal-experts"
 
 
 def build_opt(model, momentum_dtype: str = "fp32", expert_momentum: bool = False, **options) -> SkewAdam:
-    """The arm's groups; ``expert_momentum``: every orthogonal group keeps momentum, the expert banks too."""
+    """The arm's groups; ``expert_momentum``: every orthogonal group keeps momentum, the expert banks too;
+    ``options``: SkewAdam's (the Newton-Schulz options)."""
     groups = param_groups(model, weight_decay=0.1, orthogonal="experts", log=False,
                           orthogonal_options={"momentum_dtype": momentum_dtype,
                                               **({"use_momentum": True} if expert_momentum else {})})
     return SkewAdam(groups, lr=worker.LR, **options)
 
 
-def reference(cfg, data, momentum_dtype: str = "fp32", expert_momentum: bool = False):
+def reference(cfg, data, momentum_dtype: str = "fp32", expert_momentum: bool = False, **options):
     model = worker.build(cfg)
-    opt = build_opt(model, momentum_dtype, expert_momentum)
+    opt = build_opt(model, momentum_dtype, expert_momentum, **options)
     for idx, tgt in data:
         model(idx, tgt).loss.backward()
         opt.step()
@@ -49,18 +51,18 @@ def reference(cfg, data, momentum_dtype: str = "fp32", expert_momentum: bool = F
 
 
 def check_fsdp2(n_experts: int, placement_fn=None, momentum_dtype: str = "fp32", gather: bool = True,
-                expert_momentum: bool = False) -> dict:
+                expert_momentum: bool = False, **options) -> dict:
     cfg = worker.config(n_experts)
     data = worker.batches()
     model = worker.fsdp_model(cfg, placement_fn)
-    opt = build_opt(model, momentum_dtype, expert_momentum)
+    opt = build_opt(model, momentum_dtype, expert_momentum, **options)
     if not gather:  # negative control: orthogonalise each shard on its own
         from skewadam.distributed import DTensorReducer
 
         opt._reducer = DTensorReducer()
         opt._reducer.gathers = lambda param, bank: False
     worker.train(worker.backward(model), opt, data)
-    ref_model, ref = reference(cfg, data, momentum_dtype, expert_momentum)
+    ref_model, ref = reference(cfg, data, momentum_dtype, expert_momentum, **options)
     out = {"max_diff": worker.max_diff(ref, worker.snapshot(model.named_parameters(), opt))}
     if gather:
         orth = {n for g in opt.param_groups if g["update"] == "orthogonal" for n in g["param_names"]}
@@ -127,6 +129,8 @@ def main(out_dir: Path, impl: str) -> None:
             "fsdp2_int8_momentum": lambda: check_fsdp2(3, momentum_dtype="int8"),
             "fsdp2_experts_shard1_int8_expert_momentum": lambda: check_fsdp2(1, experts_shard1, "int8",
                                                                              expert_momentum=True),
+            "fsdp2_experts_shard1_newton_schulz_options": lambda: check_fsdp2(
+                1, experts_shard1, "int8", expert_momentum=True, ns_steps=4, ns_interval=2),
             "fsdp2_negative_control": lambda: check_fsdp2(3, gather=False),
             "ddp": check_ddp,
             "fsdp2_adafactor_options": check_adafactor_options,

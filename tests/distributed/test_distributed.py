@@ -27,7 +27,7 @@ WORKER = Path(__file__).with_name("worker.py")
 TOL = 1e-10
 
 
-@pytest.fixture(scope="module", params=kernels.impls())
+@pytest.fixture(scope="module", params=kernels.cpu_backends())
 def results(request, tmp_path_factory) -> dict:
     """Every check's figures on both ranks, with every SkewAdam on one kernel (one torchrun launch per kernel)."""
     return worker_results(WORKER, tmp_path_factory.mktemp(f"distributed-{request.param}"), request.param)

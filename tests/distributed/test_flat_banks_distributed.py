@@ -36,7 +36,7 @@ def _save_one_process(out: Path) -> None:
     torch.save(fw.snapshot(model, opt), out / "ckpt_one.pt")
 
 
-@pytest.fixture(scope="module", params=kernels.impls(interpreted=True))
+@pytest.fixture(scope="module", params=kernels.cpu_backends(interpreted=True))
 def results(request, tmp_path_factory) -> dict:
     """Every check's figures on both ranks, on one kernel (one torchrun launch per kernel)."""
     impl = request.param

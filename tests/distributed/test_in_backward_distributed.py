@@ -17,7 +17,7 @@ from test_distributed import TOL, _get, worker_results
 WORKER = Path(__file__).with_name("in_backward_worker.py")
 
 
-@pytest.fixture(scope="module", params=kernels.impls())
+@pytest.fixture(scope="module", params=kernels.cpu_backends())
 def results(request, tmp_path_factory) -> dict:
     return worker_results(WORKER, tmp_path_factory.mktemp(f"in-backward-{request.param}"), request.param)
 

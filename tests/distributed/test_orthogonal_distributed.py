@@ -1,5 +1,5 @@
 """The orthogonal tier on sharded parameters: equal to one process under FSDP2 (both expert placements, int8
-momentum, int8 expert momentum) and DDP, the gathered bytes what the math needs and what the planner counts;
+momentum, int8 expert momentum, the Newton-Schulz options) and DDP, the gathered bytes what the math needs and what the planner counts;
 Adafactor's options refused on DTensors. The checks run in ``orthogonal_worker.py`` under torchrun (2 CPU ranks,
 gloo), once per kernel available here (the fused groups' kernel: eager, and the C++ one)."""
 
@@ -15,14 +15,15 @@ from test_distributed import TOL, _get, worker_results
 WORKER = Path(__file__).with_name("orthogonal_worker.py")
 
 
-@pytest.fixture(scope="module", params=kernels.impls())
+@pytest.fixture(scope="module", params=kernels.cpu_backends())
 def results(request, tmp_path_factory) -> dict:
     return worker_results(WORKER, tmp_path_factory.mktemp(f"orthogonal-{request.param}"), request.param)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("check", ["fsdp2_shard0_uneven", "fsdp2_torchtitan_shard1", "fsdp2_int8_momentum",
-                                   "fsdp2_experts_shard1_int8_expert_momentum", "ddp"])
+                                   "fsdp2_experts_shard1_int8_expert_momentum",
+                                   "fsdp2_experts_shard1_newton_schulz_options", "ddp"])
 def test_orthogonal_tier_under_sharding_matches_one_process(results, check):
     for fig in _get(results, check):
         assert fig["max_diff"] <= TOL, fig

@@ -20,10 +20,10 @@ pytest.importorskip("torchtitan")
 
 WORKER = Path(__file__).with_name("torchtitan_worker.py")
 TOL = 1e-12  # float64 throughout; reductions in another order than one process's
-KERNELS = ["eager", "default"]  # SKEWADAM_IMPL=eager, and unset: the C++ kernel where it builds
+BACKEND_SETTINGS = ["eager", "default"]  # SKEWADAM_IMPL=eager, and unset: the C++ kernel where it builds
 
 
-@pytest.fixture(scope="module", params=KERNELS)
+@pytest.fixture(scope="module", params=BACKEND_SETTINGS)
 def results(request, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp(f"torchtitan_{request.param}")
     env = dict(os.environ)
@@ -31,14 +31,14 @@ def results(request, tmp_path_factory) -> dict:
     if request.param != "default":
         env["SKEWADAM_IMPL"] = request.param
     torchrun(str(WORKER), str(out), result=out / "results.json", env=env)
-    return {"kernel": request.param, **json.loads((out / "results.json").read_text())}
+    return {"backend": request.param, **json.loads((out / "results.json").read_text())}
 
 
 def _get(results: dict, check: str) -> list[dict]:
     per_rank = [results[check][f"rank{r}"] for r in range(2)]
     for r, fig in enumerate(per_rank):
         if "error" in fig:
-            pytest.fail(f"{check} raised on rank {r} ({results['kernel']} kernel):\n{fig['error']}")
+            pytest.fail(f"{check} raised on rank {r} ({results['backend']} backend):\n{fig['error']}")
     return per_rank
 
 
@@ -48,8 +48,8 @@ def test_torchtitan_parallel_training_matches_one_process(results, check):
     for fig in _get(results, check):
         assert fig["max_diff"] <= TOL, fig
         assert fig["tiers"] == ["backbone", "expert", "router"]
-        if results["kernel"] == "eager":
-            assert fig["kernel"] == "skewadam.kernels.eager"
+        if results["backend"] == "eager":
+            assert fig["backend"] == "skewadam.kernels.eager"
 
 
 @pytest.mark.distributed

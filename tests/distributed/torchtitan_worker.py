@@ -152,7 +152,7 @@ def check_layout(num_experts: int, ep: int) -> dict:
     train(model, opt, data)
     return {"max_diff": max_diff(reference(num_experts, data), snapshot(model, opt)), "placements": placements(model),
             "tiers": [g["tier"] for g in opt.optimizers[0].param_groups],
-            "kernel": kernels.select("auto", torch.device("cpu")).__name__}
+            "backend": kernels.resolve_backend("auto", torch.device("cpu")).load().__name__}
 
 
 def check_dcp_resume(ckpt_dir: Path, k1: int = 2, k2: int = 2) -> dict:

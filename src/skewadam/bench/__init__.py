@@ -20,6 +20,7 @@ train.py       one training run (a nanoGPT-style loop), in a fresh process per r
 report.py      ``skewadam report RUN_DIR``: table and plots from the JSON logs
 run.py         ``skewadam bench``: plans the runs, launches them, resumes
 bench_step.py  ``skewadam bench-step``: the time and transient memory of one optimizer step
+roofline.py    ``skewadam bench-step --roofline``: each path's attained bandwidth beside fused AdamW's and a stream's
 
 The command line is `skewadam.cli`.
 """

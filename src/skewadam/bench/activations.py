@@ -19,13 +19,14 @@ __all__ = ["Segment", "Unmodelled", "activation_segments", "backward_peak", "bac
 
 class Segment(NamedTuple):
     """A stretch of the network in forward order: what its forward keeps for backward, the parameter gradients its
-    backward creates, the bytes alive only while its backward runs, and the trainable parameters whose gradients
-    its backward completes (a tied embedding's: the lookup's segment)."""
+    backward creates, the bytes alive only while its backward runs, the trainable parameters whose gradients
+    its backward completes (a tied embedding's: the lookup's segment), and its forward and backward's matmul FLOPs."""
 
     saved: int
     grads: int
     transient: int
     names: tuple[str, ...] = ()
+    flops: int = 0
 
 
 def _layers(model: nn.Module) -> tuple[str, int]:
@@ -68,7 +69,8 @@ def activation_segments(
     output; the LM head keeps its input, the logits (``held``: the caller's output keeps them through the step) and
     the fp32 log-softmax of the loss, and its backward briefly holds two fp32 gradients of the logits. A tied
     embedding's gradient is created by the head, and its lookup's backward briefly holds two of them.
-    Segments: embeddings, each block of the largest ``nn.ModuleList``, then the head.
+    Segments: embeddings, each block of the largest ``nn.ModuleList``, then the head. FLOPs: ``6 n in out`` per
+    weight (forward 2, backward 4), the head's too; attention's ``T x T`` products are left out.
     """
     vocab = config_value(model, ("vocab_size",))
     if vocab is None:
@@ -92,7 +94,7 @@ def activation_segments(
         else:
             seg_of[name] = head_seg if after_blocks else 0
     routers = {seg_of[n]: names[n].shape[0] for n, t in labels.items() if t == Tier.ROUTER.value and names[n].ndim == 2}
-    saved, grads, biggest = [0] * (n_layers + 2), [0] * (n_layers + 2), [0] * (n_layers + 2)
+    saved, grads, biggest, flops = ([0] * (n_layers + 2) for _ in range(4))
     completes: list[list[str]] = [[] for _ in range(n_layers + 2)]
     for name, p in names.items():
         s = seg_of[name]
@@ -115,14 +117,16 @@ def activation_segments(
         else:
             n_tok = tokens * math.prod(p.shape[:-2])
         saved[s] += int(n_tok * (p.shape[-2] + p.shape[-1]) * itemsize)
+        flops[s] += int(6 * n_tok * p.shape[-2] * p.shape[-1])
         biggest[s] = max(biggest[s], int(n_tok * max(p.shape[-2:]) * itemsize))
     logits, fp32_logits = tokens * vocab * itemsize, tokens * vocab * 4
     saved[0] += tokens * d_model * itemsize  # the embedding output
     saved[-1] += tokens * d_model * itemsize + fp32_logits  # head input, log-softmax output
+    flops[-1] += 6 * tokens * vocab * d_model
     lookup = (1 + tied) * vocab * d_model * itemsize
     head_transient = 2 * fp32_logits + (logits if itemsize != 4 else 0)  # + the cast back, for 16-bit logits
     transients = [lookup] + [2 * biggest[i] for i in range(1, n_layers + 1)] + [head_transient]
-    segments = [Segment(saved[i], grads[i], transients[i], tuple(completes[i])) for i in range(n_layers + 2)]
+    segments = [Segment(saved[i], grads[i], transients[i], tuple(completes[i]), flops[i]) for i in range(n_layers + 2)]
     tied_bytes = head_w.numel() * itemsize if tied and head_w.requires_grad else 0
     return segments, logits, sum(saved) + logits, tied_bytes
 

@@ -30,8 +30,12 @@ kernel.
 | skewadam-orthogonal-experts | skewadam-orthogonal + expert banks orthogonalised per expert from the gradient  |
 | skewadam-orthogonal-experts-momentum | skewadam-orthogonal-experts, expert slices with Nesterov momentum too   |
 |                           | (Muon per expert; over a 0.15x budget where experts are most of the model)        |
-| skewadam-quality          | the recipe "quality": that, every momentum block-wise int8 (the best of the     |
-|                           | study); lr 3e-2, its best at the bench's 200 steps (the recipe's 1e-2: 1,000)     |
+| skewadam-quality          | the recipe "quality": that, every momentum block-wise int8, Newton-Schulz in      |
+|                           | bf16 where the device multiplies bf16 natively (ns_dtype="auto"), expert slices   |
+|                           | orthogonalised every 4th step (ns_interval=4); lr 3e-2, its best at the bench's   |
+|                           | 200 steps (the recipe's 1e-2: 1,000)                                              |
+| skewadam-quality-fp32     | the quality recipe before issue 35 (docs/study/cheaper.md): Newton-Schulz in the  |
+|                           | parameters' dtype, every matrix every step                                        |
 | skewadam-relative-step    | skewadam, update x max(1e-3, rms(p)) per unit (Adafactor's relative step)         |
 | skewadam-in-backward      | skewadam stepped inside backward (in_backward=True): each gradient freed as soon  |
 |                           | as backward completes it; skewadam's bits; trains at --grad-clip 0 (no clip)      |
@@ -97,6 +101,7 @@ class Arm:
         shared: state allocated once per optimizer, not per tensor (bitsandbytes' quantisation maps).
         lr, weight_decay: defaults of `skewadam bench`: the best lr of the study (``docs/study``) on its model.
         tier_options: passed to `param_groups` (SkewAdam's tier ablations).
+        options: SkewAdam's keyword arguments (its constructor's: ``momentum_dtype``, the Newton-Schulz options, ...).
         orthogonal: passed to `param_groups`: which tensors take the orthogonal update (`orthogonal_names`).
         variant_of: another implementation of that arm's math (`bench-step` compares it; `bench --optimizers all`
             and the study leave it out).
@@ -119,6 +124,7 @@ class Arm:
     lr: float = 1e-3
     weight_decay: float = 0.05
     tier_options: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     orthogonal: Any = False
     variant_of: Optional[str] = None
     requires: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -278,7 +284,8 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
         if orthogonal_shapes:  # the Newton-Schulz step is one module for every backend
             from ..kernels import orthogonal as orthogonal_kernel
 
-            ns = orthogonal_kernel.step_transient_bytes(orthogonal_shapes, dtype)
+            ns = orthogonal_kernel.step_transient_bytes(orthogonal_shapes, dtype, [
+                group_settings(tier, True, options, tier_options, {}).get("ns_dtype") for _, tier, o in tensors if o])
         else:
             ns = 0
         return max(BACKENDS[impl].step_transient_bytes(fused, dtype), ns)
@@ -304,9 +311,9 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
             n += units * (2 + view[-1])
         return n * 8 + units * state_dtype_for(dtype).itemsize
 
-    return Arm(name, label, make, state, transient, master=False, tier_options=tier_options, kernels=True, lr=lr,
-               orthogonal=orthogonal, variant_of=variant_of, in_backward=bool(options.get("in_backward")),
-               reduced=reduced, options=options,
+    return Arm(name, label, make, state, transient, master=False, tier_options=tier_options, options=options,
+               kernels=True, lr=lr, orthogonal=orthogonal, variant_of=variant_of,
+               in_backward=bool(options.get("in_backward")), reduced=reduced,
                temporaries="as its kernel backend counts them (`step_transient_bytes` of skewadam.kernels.BACKENDS) "
                "and, for orthogonal groups, skewadam.kernels.orthogonal (the stacked Newton-Schulz iterates): the "
                "larger of the two")
@@ -350,9 +357,12 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
               "skewadam-orthogonal-experts, expert slices with Nesterov momentum", orthogonal="experts",
               tier_options={"expert": {"use_momentum": True}}, lr=3e-2),  # its int8 twin's best (not swept itself)
     _skewadam("skewadam-quality", "SkewAdam's quality recipe: hidden matrices and expert slices orthogonal from int8 "
-              "Nesterov momentum",
-              options={"momentum_dtype": "int8"}, orthogonal="experts", tier_options={"expert": {"use_momentum": True}},
-              lr=3e-2),
+              "Nesterov momentum, Newton-Schulz in bf16 where the device multiplies it natively, expert slices "
+              "every 4th step", options={"momentum_dtype": "int8", "ns_dtype": "auto"}, orthogonal="experts",
+              tier_options={"expert": {"use_momentum": True, "ns_interval": 4}}, lr=3e-2),
+    _skewadam("skewadam-quality-fp32", "the quality recipe before issue 35: skewadam-quality with Newton-Schulz in the "
+              "parameters' dtype on every matrix every step", options={"momentum_dtype": "int8"}, orthogonal="experts",
+              tier_options={"expert": {"use_momentum": True}}, lr=3e-2),
     _skewadam("skewadam-relative-step", "SkewAdam, update x max(1e-3, rms(p)) (Adafactor's relative step)",
               options={"relative_step": True}),
     # skewadam's math in another place (bench --optimizers all leaves it out: it trains only at --grad-clip 0)

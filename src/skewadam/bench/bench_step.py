@@ -3,13 +3,16 @@
 Each optimizer steps its own copy of a `skewadam.bench.models` preset (same weights, same fixed random gradients, the
 same per-tier param groups from `skewadam.groups.param_groups`). Steps are timed in interleaved rounds: every round runs
 each optimizer ``--steps`` times, in an order that rotates from round to round, so load from other processes falls
-on all of them alike. A ratio is the median over rounds of the ratio of the two optimizers' per-round medians
-(paired), printed with its spread over the rounds (interquartile range and min..max); a time is the median over
-all timed steps. The defaults, 1 thread and the process's CPU time (``--clock cpu``), are the measure that stays
-steady on a machine shared with other work: with several threads a descheduled thread stalls the others at every
+on all of them alike. A round's time is the mean of its steps (give ``--steps`` a multiple of an ``ns_interval`` to
+average whole intervals); a ratio is the median over rounds of the ratio of the two optimizers' round times (paired),
+printed with its spread over the rounds (interquartile range and min..max); a time is the median over rounds. The
+forward and backward of one bench batch (``--batch-size`` sequences of the model's context, random tokens) is timed
+in the same rounds, so each optimizer's step is also given as a multiple of it and as its share of a training step
+(forward, backward and step). The defaults, 1 thread and the process's CPU time (``--clock cpu``), are the measure
+that stays steady on a machine shared with other work: with several threads a descheduled thread stalls the others at every
 parallel region, and wall time counts other processes' turns on the CPU.
 
-The report names SkewAdam's kernel backend (`skewadam.kernels.resolve`'s choice for ``--impl`` on CPU), the CPU and
+The report names SkewAdam's backend (`skewadam.kernels.resolve_backend`'s choice for ``--impl`` on CPU), the CPU and
 its instruction sets (this CPU's AVX-512 / AVX2 / FMA flags from ``/proc/cpuinfo``: a compiled kernel is built for
 them, ``-march=native``), since the kernel's speed depends on them.
 
@@ -32,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..kernels import BACKENDS, resolve
+from ..kernels import BACKENDS, resolve_backend
 from ..state import format_bytes
 from . import arms
 from .models import MoETransformer, get_config
@@ -42,6 +45,9 @@ __all__ = ["bench_step", "step_transient_bytes", "format_report", "cpu_info"]
 
 #: The instruction-set flags of ``/proc/cpuinfo`` that decide how the C++ kernel's loops vectorise, widest first.
 ISA_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "avx", "sse4_2", "asimd", "sve")
+
+
+FWD_BWD = "forward+backward"  # the rounds' entry timing one batch's forward and backward
 
 
 def cpu_info() -> tuple[str, list[str]]:
@@ -121,15 +127,18 @@ def bench_step(
     flush_mb: int = 0,
     lr: float = 1e-3,
     seed: int = 0,
+    batch_size: int = 16,
 ) -> dict[str, Any]:
     """Time ``optimizers`` (arms of `skewadam.bench.arms`, built as the bench builds them, at ``lr``; ``impl`` is the
-    kernel backend of their SkewAdam arms) stepping copies of the model preset; return times, ratios and memory.
+    backend of their SkewAdam arms) stepping copies of the model preset, and the forward and backward of one
+    batch of ``batch_size`` sequences (0: not timed); return times, ratios and memory.
 
     Returns:
         The settings, the model's ``params``, ``tensors`` and ``largest`` tensor (elements), the SkewAdam
-        ``kernel`` used on CPU (a backend's name), the ``cpu`` model and its ``isa`` flags (`cpu_info`), the load
-        average before and after, and ``results``: per optimizer ``median_s``, ``ratio`` (paired median of the first
-        optimizer's time over this one's), ``ratios`` (one per round) and ``transient_bytes``.
+        ``backend`` used on CPU (its name), the ``cpu`` model and its ``isa`` flags (`cpu_info`), the load
+        average before and after, ``fwd_bwd_s`` (median over rounds; None when not timed) and ``results``: per
+        optimizer ``median_s``, ``ratio`` (paired median of the first optimizer's time over this one's), ``ratios``
+        (one per round) and ``transient_bytes``.
     """
     if not optimizers:
         raise ValueError("bench_step needs at least one optimizer")
@@ -145,10 +154,13 @@ def bench_step(
         raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if batch_size < 0:
+        raise ValueError(f"batch_size must be >= 0 (0: no forward and backward timed), got {batch_size}")
     timer = time.perf_counter if clock == "wall" else time.process_time
-    kernel = resolve(impl, torch.device("cpu")).name  # what its SkewAdam arms step with; raises if it cannot run
+    backend = resolve_backend(impl, torch.device("cpu")).name  # what its SkewAdam arms step with; raises if none runs
     torch.manual_seed(seed)
-    base = MoETransformer(get_config(preset, **(overrides or {}))).to(DTYPES[dtype])
+    cfg = get_config(preset, **(overrides or {}))
+    base = MoETransformer(cfg).to(DTYPES[dtype])
     for p in base.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     opts = {}
@@ -156,39 +168,49 @@ def bench_step(
         model = copy.deepcopy(base)
         for p, q in zip(model.parameters(), base.parameters()):
             p.grad = q.grad.clone()  # deepcopy does not copy .grad
-        opts[name] = arms.ARMS[name].build(model, lr, impl=kernel)
+        opts[name] = arms.ARMS[name].build(model, lr, impl=backend)
     first = optimizers[0]
     memory = {}
     for name, opt in opts.items():
         for _ in range(warmup):
             opt.step()
         memory[name] = step_transient_bytes(opt)
+    tokens = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size),
+                           generator=torch.Generator().manual_seed(seed))
+
+    def forward_backward() -> None:  # the bench's training step without the optimizer (its model: the base copy)
+        base.zero_grad(set_to_none=True)
+        base(tokens, tokens).loss.backward()
+
+    work = {name: opt.step for name, opt in opts.items()}
+    if batch_size:
+        forward_backward()  # (warm-up)
+        work[FWD_BWD] = forward_backward
     flush = torch.zeros(flush_mb << 18) if flush_mb else None
     load_before = os.getloadavg()
-    times: dict[str, list[float]] = {n: [] for n in optimizers}
+    names = list(work)
+    times: dict[str, list[float]] = {n: [] for n in names}
     ratios: dict[str, list[float]] = {n: [] for n in optimizers}
     for r in range(rounds):
-        order = optimizers[r % len(optimizers):] + optimizers[: r % len(optimizers)]
-        per_round = {}
-        for name in order:
+        for name in names[r % len(names):] + names[: r % len(names)]:
             ts = []
             for _ in range(steps):
                 _flush(flush)
                 t0 = timer()
-                opts[name].step()
+                work[name]()
                 ts.append(timer() - t0)
-            times[name] += ts
-            per_round[name] = statistics.median(ts)
+            times[name].append(statistics.fmean(ts))
         for name in optimizers:
-            ratios[name].append(per_round[first] / per_round[name])
+            ratios[name].append(times[first][-1] / times[name][-1])
     params = list(base.parameters())
     model_name, isa = cpu_info()
     return {
         "preset": preset, "overrides": dict(overrides or {}), "dtype": dtype, "clock": clock,
-        "kernel": kernel,
+        "backend": backend,
         "threads": torch.get_num_threads(), "params": sum(p.numel() for p in params), "tensors": len(params),
         "largest": max(p.numel() for p in params), "load": (load_before, os.getloadavg()), "rounds": rounds,
-        "steps": steps, "cpu": model_name, "isa": isa,
+        "steps": steps, "cpu": model_name, "isa": isa, "batch_size": batch_size, "block_size": cfg.block_size,
+        "fwd_bwd_s": statistics.median(times[FWD_BWD]) if batch_size else None,
         "results": {
             n: {"median_s": statistics.median(times[n]), "ratio": statistics.median(ratios[n]),
                 "ratios": ratios[n], "transient_bytes": memory[n]}
@@ -215,14 +237,20 @@ def format_report(res: dict[str, Any]) -> str:
         f"{res['params']:,} parameters, {res['dtype']}; largest tensor {res['largest']:,} elements "
         f"({format_bytes(res['largest'] * 4)} as fp32)",
         f"CPU: {res['cpu']} ({os.cpu_count()} CPUs; {' '.join(res['isa']) or 'baseline instruction set'}); SkewAdam "
-        f"kernel: {res['kernel']} ({BACKENDS[res['kernel']].summary})",
+        f"backend: {res['backend']} ({BACKENDS[res['backend']].summary})",
         f"{res['threads']} thread{'s' if res['threads'] != 1 else ''}, {res['clock']} clock, {res['rounds']} "
         f"interleaved rounds x {res['steps']} steps, load average {l1:.1f} -> {l2:.1f}",
-        f"{'optimizer':<24} {'median ms':>10} {first + ' / this':>22} {'IQR  min-max over rounds':>26} "
-        f"{'transient':>12}",
     ]
+    fb = res.get("fwd_bwd_s")
+    if fb:
+        lines.append(f"forward+backward of one {res['batch_size']} x {res['block_size']} batch: {fb * 1e3:.1f} ms; "
+                     f"each step as a multiple of it and as its share of a training step (forward, backward, step)")
+    width = max(24, *map(len, res["results"]))
+    lines.append(f"{'optimizer':<{width}} {'median ms':>10} {first + ' / this':>22} {'IQR  min-max over rounds':>26} "
+                 f"{'transient':>12}" + (f" {'x fwd+bwd':>10} {'share':>6}" if fb else ""))
     for name, r in res["results"].items():
         mem = "n/a" if r["transient_bytes"] is None else format_bytes(r["transient_bytes"])
-        lines.append(f"{name:<24} {r['median_s'] * 1e3:>10.2f} {r['ratio']:>21.3f}x {_spread(r['ratios']):>26} "
-                     f"{mem:>12}")
+        t = r["median_s"]
+        lines.append(f"{name:<{width}} {t * 1e3:>10.2f} {r['ratio']:>21.3f}x {_spread(r['ratios']):>26} {mem:>12}"
+                     + (f" {t / fb:>9.2f}x {t / (t + fb):>6.0%}" if fb else ""))
     return "\n".join(lines)

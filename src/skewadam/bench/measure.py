@@ -131,11 +131,10 @@ def measure_peak(
     resident set size (``VmHWM``) over the resident size after a warm-up, in a fresh Python process (the peak RSS of
     this one is not resettable). CUDA: ``torch.cuda.max_memory_allocated`` growth, in this process.
 
-    SkewAdam steps with the kernel backend ``impl`` (a name of `skewadam.kernels.BACKENDS`; None or ``"auto"``: the
-    one `skewadam.kernels.resolve` picks on ``device``), and the estimate is the plan's peak with that kernel (``impl``
-    in the result); with ``in_backward`` a SkewAdam arm steps inside backward (planned so too). ``progress`` is told
-    each stage
-    (warm-up, model built, each step) as it ends.
+    SkewAdam steps with the backend ``impl`` (a name of `skewadam.kernels.BACKENDS`; None or ``"auto"``: the one
+    `skewadam.kernels.resolve_backend` picks on ``device``), and the estimate is the plan's peak with that backend
+    (``impl`` in the result); with ``in_backward`` a SkewAdam arm steps inside backward (planned so too).
+    ``progress`` is told each stage (warm-up, model built, each step) as it ends.
 
     Returns:
         ``{"measured", "estimate", "ratio" (measured / estimate), "method", "impl", ...}``, bytes.
@@ -151,7 +150,7 @@ def measure_peak(
         raise ValueError(f"device={device!r}: use 'cpu' or 'cuda'")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device='cuda' but torch.cuda.is_available() is False")
-    impl = kernels.resolve(impl or "auto", torch.device(device)).name  # raises if it does not run there
+    impl = kernels.resolve_backend(impl or "auto", torch.device(device)).name  # raises if it does not run there
     estimate = plan(meta, batch=batch, seq=seq, param_dtype=param_dtype, optimizers=[optimizer], impl=impl,
                     device=device, in_backward=in_backward)[optimizer].peak
     args = dict(spec=os.fspath(spec), overrides=overrides, optimizer=optimizer, batch=batch, seq=seq,

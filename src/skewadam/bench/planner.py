@@ -7,7 +7,7 @@ nothing is allocated (meta-device models work) and nothing trains (`skewadam.ben
 
 SkewAdam's state is summed from `skewadam.state.state_spec` under the flags `skewadam.state.state_flags` resolves and
 `skewadam.classify` labels, so the planner and the optimizer cannot disagree; its step temporaries are those the
-kernel it would run reports (``step_transient_bytes``). Step counters (``step``) are reported apart from the
+backend it would run reports (``step_transient_bytes``). Step counters (``step``) are reported apart from the
 statistics (moments), because the paper's figures count only the latter; ``total`` includes both.
 
 Units: binary (KiB, MiB, GiB = 2^10, 2^20, 2^30 bytes; `skewadam.state.format_bytes`, the paper's "GB" are GiB);
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ..groups import orthogonal_flops, orthogonal_names
-from ..kernels import BACKENDS
+from ..kernels import BACKENDS, resolve_backend
 from ..state import StateBytes, Tally, format_bytes
 from ..tiers import Tier
 from . import arms
@@ -33,7 +33,7 @@ from .zero_plan import ZeroPlan, zero_plan
 from .activations import (TOP_K_KEYS, Segment, Unmodelled, activation_segments, backward_peak,
                           backward_peak_stepped, config_value)
 
-__all__ = ["OptimizerPlan", "Plan", "plan", "kernel_for", "format_bytes", "default_seq", "DTYPES"]
+__all__ = ["OptimizerPlan", "Plan", "plan", "format_bytes", "default_seq", "DTYPES"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -56,7 +56,7 @@ def _plan_state(arm: arms.Arm, tensors: Sequence[tuple[tuple[int, ...], str, boo
 
 
 def _in_flight(arm: arms.Arm, trainable: Sequence[tuple[str, tuple[int, ...], str]], orth: set[str],
-               stepped: torch.dtype, kernel: str, itemsize: int, segments: Sequence[Segment],
+               stepped: torch.dtype, backend: str, itemsize: int, segments: Sequence[Segment],
                tied: int) -> tuple[int, int, list[int]]:
     """For ``arm`` stepped inside backward: ``(most gradient bytes alive at once, largest one tensor's step
     temporaries, per segment its largest gradient with that gradient's step temporaries)``."""
@@ -65,7 +65,7 @@ def _in_flight(arm: arms.Arm, trainable: Sequence[tuple[str, tuple[int, ...], st
     for name, shape, tier in trainable:
         key = (shape, tier, name in orth)
         if key not in cache:
-            cache[key] = arm.transient([key], stepped, kernel)
+            cache[key] = arm.transient([key], stepped, backend)
         own[name] = (math.prod(shape) * itemsize, cache[key])
     grads = max((g for g, _ in own.values()), default=0)
     for i, seg in enumerate(segments):
@@ -119,7 +119,8 @@ class Plan:
     optimizers: dict[str, OptimizerPlan]
     assumptions: list[str]
     shards: int = 1
-    kernel: str = "auto"  # SkewAdam's kernel backend whose step temporaries the plan counts (`kernel_for`)
+    backend: str = "auto"  # SkewAdam's backend, whose step temporaries the plan counts
+    matmul_flops: Optional[int] = None  # the forward and backward's at batch x seq (`activation_segments`' rules)
     zero: Optional[int] = None  # a DeepSpeed ZeRO stage over `shards` ranks (`skewadam.bench.zero_plan`)
 
     def __getitem__(self, name: str) -> OptimizerPlan:
@@ -140,8 +141,8 @@ class Plan:
         lines = [
             f"Memory plan for {self.model} (one process; the peak is an estimate)",
             f"parameters: {self.params:,}{trainable}: {share}",
-            f"{self.param_dtype} parameters, batch {self.batch} x seq {self.seq}{routing}; SkewAdam's kernel: "
-            f"{self.kernel}",
+            f"{self.param_dtype} parameters, batch {self.batch} x seq {self.seq}{routing}; SkewAdam's backend: "
+            f"{self.backend}",
             "units: KiB = 2^10 bytes, MiB = 2^20 bytes, GiB = 2^30 bytes",
             "",
             "optimizer state: statistics (what the paper counts), per tier; step counters apart",
@@ -174,9 +175,16 @@ class Plan:
                 for n, z in zero.items()])
         flops = {n: o.newton_schulz_flops for n, o in self.optimizers.items() if o.newton_schulz_flops}
         if flops:
-            lines += ["", "compute beyond an Adam-style update: Newton-Schulz matmul FLOPs per step (5 iterations over "
-                          "every orthogonalised matrix; one process)"]
-            lines += _table(["optimizer", "FLOPs"], [[n, f"{f:.3g}"] for n, f in flops.items()])
+            lines += ["", "compute beyond an Adam-style update: Newton-Schulz matmul FLOPs per step (each group's "
+                          "iterations over every matrix it orthogonalises, on average over its interval; one process)"]
+            if self.matmul_flops:
+                fb = self.matmul_flops
+                lines += [f"against the forward and backward's matmuls at batch {self.batch} x {self.seq}: {fb:.3g} "
+                          "FLOPs (6 x the tokens each weight sees x its size, attention's T x T products left out); "
+                          "share: of a training step's FLOPs, an estimate of its time at one FLOP rate for both"]
+            lines += _table(["optimizer", "FLOPs", *(["x fwd+bwd", "share"] if self.matmul_flops else [])], [
+                [n, f"{f:.3g}", *([f"{f / self.matmul_flops:.2f}x", f"{f / (f + self.matmul_flops):.0%}"]
+                                  if self.matmul_flops else [])] for n, f in flops.items()])
         lines += ["", "optimizers:", *(f"  {n}: {o.label}" for n, o in self.optimizers.items())]
         lines += ["assumptions:", *(f"  - {a}" for a in self.assumptions)]
         return "\n".join(lines)
@@ -194,44 +202,6 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 def _model_name(model: Any) -> str:
     return os.fspath(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__
-
-
-def _here(device: torch.device) -> bool:
-    """Whether this machine has ``device``'s type (so `skewadam.kernels.resolve` can check what runs on it)."""
-    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.is_available())
-
-
-def kernel_for(impl: str = "auto", device: Optional[Union[str, torch.device]] = None) -> tuple[str, str]:
-    """The kernel backend whose step temporaries a plan counts for SkewAdam, and why: ``(name, reason)``.
-
-    ``impl`` a backend's name: that one (its temporaries are counted on any machine; a ``device`` it does not run on
-    is refused). ``"auto"``: what SkewAdam would run on ``device`` (default CPU): `skewadam.kernels.resolve`'s choice
-    where this machine has the device (it checks that the backend builds or imports, and honours ``SKEWADAM_IMPL``),
-    else the backend ``SKEWADAM_IMPL`` names or ``auto`` prefers on that device type (`skewadam.kernels.Backend.auto`),
-    as a machine that has it would run.
-
-    Example:
-        >>> kernel_for("auto", "cpu")[0]   # 'cpp' where the C++ kernel builds, else 'eager'
-        >>> kernel_for("auto", "cuda")[0]  # 'triton'
-    """
-    from ..kernels import IMPLS, resolve
-
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r}: use one of {', '.join(IMPLS)}")
-    if impl != "auto":
-        if device is not None and not BACKENDS[impl].runs_on(device):
-            raise ValueError(f"impl={impl!r} ({BACKENDS[impl].summary}) does not run on {torch.device(device).type} "
-                             f"tensors: "
-                             f"use impl='auto' or another of {', '.join(IMPLS)}")
-        return impl, f"impl={impl!r}"
-    device = torch.device("cpu" if device is None else device)
-    if _here(device):
-        return resolve("auto", device).name, f"what SkewAdam runs on {device.type} here"
-    env = os.environ.get("SKEWADAM_IMPL", "auto")
-    if env != "auto":
-        return kernel_for(env, device)[0], f"SKEWADAM_IMPL={env}"
-    name = next(b.name for b in BACKENDS.values() if device.type in b.auto or b.devices is None)
-    return name, f"what SkewAdam runs on {device.type} where it is installed (no {device.type} device here)"
 
 
 def default_seq(model: nn.Module) -> int:
@@ -267,9 +237,11 @@ def plan(
         optimizers: arm names (`skewadam.bench.arms`) with a memory model; default
             `skewadam.bench.arms.PLAN_DEFAULT`.
         labels: ``{parameter name: tier}``; default `skewadam.classify.classify(model)`.
-        impl: SkewAdam's kernel backend, which sets its step temporaries: a name of `skewadam.kernels.BACKENDS`,
-            or ``"auto"``: the one SkewAdam would run on ``device`` (`kernel_for`).
-        device: where the model would train, for ``impl="auto"`` (default ``"cpu"``).
+        impl: SkewAdam's backend, which sets its step temporaries: a name of `skewadam.kernels.BACKENDS`,
+            or ``"auto"``: the one SkewAdam runs on ``device`` where it is installed
+            (`skewadam.kernels.resolve_backend` with ``build=False``: nothing is imported or built to plan it).
+        device: where the model would train (default: ``"cpu"`` for ``impl="auto"``, else a device the backend
+            runs on).
         shards: FSDP2 ranks (``Shard(0)`` on every tensor), for the bytes an orthogonal tier all-gathers per step
             (``gather_bytes``: its 2-D matrices' updates, the full matrix less the rank's shard; a bank sharded
             on its expert dim gathers nothing) and those SkewAdam's statistics add to all-reduces per step
@@ -295,7 +267,10 @@ def plan(
         name = _model_name(model)
     if param_dtype not in DTYPES:
         raise ValueError(f"param_dtype={param_dtype!r}: use one of {sorted(DTYPES)}")
-    kernel, why = kernel_for(impl, device)
+    if device is None:  # "auto" plans for CPU; a named backend on a device it runs on
+        device = (BACKENDS[impl].devices or ("cpu",))[0] if impl in BACKENDS else "cpu"
+    device = torch.device(device)
+    backend = resolve_backend(impl, device, build=False).name
     if batch < 1 or (seq is not None and seq < 1) or shards < 1:
         raise ValueError(f"batch={batch}, seq={seq}, shards={shards}: all must be >= 1")
     chosen = [arms.get(o) for o in (arms.PLAN_DEFAULT if optimizers is None else optimizers)]
@@ -345,12 +320,12 @@ def plan(
         tensors = [(shape, tier, n in orth) for n, shape, tier in trainable]
         state = _plan_state(arm, tensors, stepped)
         static = n_params * itemsize + master + state.total
-        temporaries = arm.transient(tensors, stepped, kernel)
+        temporaries = arm.transient(tensors, stepped, backend)
         grads = n_trainable * itemsize
         peak = None if unmodelled else static + max(bwd_peak, after_bwd + temporaries)
         inside = arm.in_backward or (in_backward and arm.kernels)
         if inside:  # each gradient stepped and freed as backward completes it
-            grads, temporaries, in_flight = _in_flight(arm, trainable, orth, stepped, kernel, itemsize, segments, tied)
+            grads, temporaries, in_flight = _in_flight(arm, trainable, orth, stepped, backend, itemsize, segments, tied)
             peak = None if unmodelled else static + backward_peak_stepped(segments, held, in_flight, tied)
         # the update is gathered in the compute dtype (fp32 for 16-bit weights); an even share of it is the rank's own
         update_bytes = 4 if stepped.itemsize < 4 else stepped.itemsize
@@ -363,7 +338,8 @@ def plan(
         elif shards > 1 and arm.reduced is not None:  # and the 4-byte float32 flag that skips a non-finite step
             reduced = 4 * (len(trainable) if inside else 1) + sum(  # inside backward: a flag per tensor's step
                 arm.reduced(shape, tier, stepped, n in orth, experts.get(n)) for n, shape, tier in trainable)
-        flops = orthogonal_flops(model, arm.orthogonal, labels) if arm.orthogonal else 0
+        flops = orthogonal_flops(model, arm.orthogonal, labels, defaults=arm.options,
+                                 tier_options=dict(arm.tier_options)) if arm.orthogonal else 0
         rows[arm.name] = OptimizerPlan(arm.name, arm.label, n_params * itemsize, grads, master, state, activations,
                                        temporaries, peak, gathered, inside, reduced, flops, zero_figures)
     counted: dict[str, list[str]] = {}
@@ -382,7 +358,7 @@ def plan(
         "8-bit AdamW as bitsandbytes (block 2048, tensors < 4096 elements in fp32) and torchao (block 256) "
         "store it; their small-tensor and shared-table rules included",
         "step temporaries: " + "; ".join(f"{', '.join(ns)}: {how}" for how, ns in counted.items())
-        + f"; SkewAdam's kernel: {kernel} ({BACKENDS[kernel].summary}: {why})",
+        + f"; SkewAdam's backend: {backend} ({BACKENDS[backend].summary}: impl={impl!r} on {device.type})",
         "one process: divide parameters, gradients and state by the shard count under FSDP/ZeRO-3; tensor bytes "
         "only: allocator caches and runtime workspaces are not included (on CPU, glibc's heap kept RSS 14-45% "
         "above this on small models unless MALLOC_MMAP_THRESHOLD_ is set, and oneDNN's bf16 matmuls added ~81 MiB "
@@ -403,5 +379,5 @@ def plan(
                                                                  if len(inside) < len(rows) else ""))
     if unmodelled:
         assumptions.insert(0, f"no activation or peak estimate: {unmodelled}")
-    return Plan(name, n_params, n_trainable, by_tier, param_dtype, batch, seq, k, rows, assumptions, shards, kernel,
-                zero)
+    return Plan(name, n_params, n_trainable, by_tier, param_dtype, batch, seq, k, rows, assumptions, shards, backend,
+                sum(seg.flops for seg in segments) if segments else None, zero)

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from ..state import BINARY_UNITS, format_bytes
 from .logs import NUMBER, bench_order, load_runs
 
-__all__ = ["divergence", "summarize", "best_by_optimizer", "results_table", "sweep_table", "render"]
+__all__ = ["divergence", "opt_share", "summarize", "best_by_optimizer", "results_table", "sweep_table", "render"]
 
 # (column title, summary key, formatter of the value)
 COLUMNS = [
@@ -28,10 +28,15 @@ COLUMNS = [
     ("train peak mem", "train_peak_memory_bytes", format_bytes),
     ("tokens/s", "tokens_per_s", lambda v: f"{v:,.0f}"),
     ("opt step", "opt_time_s", lambda v: f"{v * 1e3:.1f} ms"),
+    ("opt share", "opt_share", lambda v: f"{v:.0%}"),
+    ("NS FLOPs", "newton_schulz_flops", lambda v: f"{v:.3g}" if v else "0"),
     ("best val ppl", "best_val_ppl", lambda v: f"{v:.3f}"),
     ("val balance loss", "final_val_balance_loss", lambda v: f"{v:.4f}"),
 ]
 
+
+#: Columns without a ratio to the baseline: a share of the step, and FLOPs (none for AdamW).
+NO_RATIO = {"opt_share", "newton_schulz_flops"}
 
 #: A run diverged when its final validation perplexity is above this multiple of its best (or its loss non-finite).
 DIVERGED_RATIO = 2.0
@@ -50,10 +55,22 @@ def divergence(run: dict[str, Any]) -> Optional[str]:
     return None
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
+def _mean_std(values: list[Optional[float]]) -> Optional[tuple[float, float]]:
+    """Mean and std; ``(inf, 0)`` if a value is not finite (a diverged run); None if one is missing (an older log)."""
+    if any(v is None for v in values):
+        return None
     if any(not math.isfinite(v) for v in values):
         return math.inf, 0.0
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def opt_share(run: dict[str, Any]) -> Optional[float]:
+    """The optimizer's share of the training step, measured: its step's time over the training step's (forward,
+    backward, clip and step), summed over the run's steps after the first 2 (warm-up); None without step times."""
+    steps = [s for s in run["steps"][2:] if isinstance(s.get("opt_time_s"), NUMBER)
+             and isinstance(s.get("step_time_s"), NUMBER)]
+    total = sum(s["step_time_s"] for s in steps)
+    return sum(s["opt_time_s"] for s in steps) / total if total > 0 else None
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str, Any]]:
@@ -63,10 +80,10 @@ def summarize(runs: list[dict[str, Any]]) -> dict[tuple[str, float], dict[str, A
         groups[(run["config"]["optimizer"], run["config"]["lr"])].append(run)
     out = {}
     for key, members in groups.items():
-        summaries = [r["summary"] for r in members]
+        summaries = [{**r["summary"], "opt_share": opt_share(r)} for r in members]
         row: dict[str, Any] = {"seeds": len(summaries), "diverged": sum(divergence(r) is not None for r in members)}
-        for _, metric, _ in COLUMNS:
-            row[metric] = _mean_std([s[metric] for s in summaries])
+        for _, metric, _ in COLUMNS:  # (the columns `LOG_SCHEMA` does not require may be absent, or of any type)
+            row[metric] = _mean_std([s.get(metric) if isinstance(s.get(metric), NUMBER) else None for s in summaries])
         out[key] = row
     return out
 
@@ -80,7 +97,9 @@ def best_by_optimizer(summary: dict[tuple[str, float], dict[str, Any]]) -> dict[
     return best
 
 
-def _cell(fmt, mean_std: tuple[float, float], base: Optional[tuple[float, float]]) -> str:
+def _cell(fmt, mean_std: Optional[tuple[float, float]], base: Optional[tuple[float, float]]) -> str:
+    if mean_std is None:
+        return "n/a"
     mean, std = mean_std
     if not math.isfinite(mean):
         return "diverged"
@@ -104,7 +123,7 @@ def results_table(summary, baseline: str = "adamw", order: Optional[list[str]] =
     for opt in names:
         lr, row = best[opt]
         cells = [opt, f"{lr:g}", str(row["seeds"]) + (f" ({row['diverged']} diverged)" if row["diverged"] else "")]
-        cells += [_cell(fmt, row[key], base[key] if base else None) for _, key, fmt in COLUMNS]
+        cells += [_cell(fmt, row[key], base[key] if base and key not in NO_RATIO else None) for _, key, fmt in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -168,7 +187,7 @@ def full_size_peaks(model: str, optimizers: list[str]) -> tuple[Optional[tuple[s
     except (ValueError, OSError, ImportError) as e:
         return None, f"{spec} could not be planned ({e})"
     peaks = {o: row.peak for o, row in p.optimizers.items() if row.peak is not None}
-    what = f"{spec} ({p.params / 1e9:.2f}B), bf16, batch 1 x {p.seq}, {p.kernel} kernel"
+    what = f"{spec} ({p.params / 1e9:.2f}B), bf16, batch 1 x {p.seq}, {p.backend} backend"
     return (what, peaks), ""
 
 
@@ -220,7 +239,9 @@ def render(run_dir: str | Path, baseline: str = "adamw", plots: bool = True) -> 
         f"Per optimizer, the lr with the best mean validation perplexity; mean ± std over seeds; "
         f"(x) = ratio to {baseline} at its best lr. Memory: {first['summary']['memory_kind']}, above the "
         "process's peak once the model and data were loaded. tokens/s and opt step exclude evaluation; "
-        "opt step is the median optimizer.step() time.",
+        "opt step is the median optimizer.step() time; opt share its share of the training step (forward, "
+        "backward, clip, step: summed over the steps after the first 2, wall clock); NS FLOPs the Newton-Schulz "
+        "matmul FLOPs per step (`skewadam.groups.orthogonal_flops`, on average over an interval; n/a: an older log).",
     ]
     diverged = [(r["name"], why) for r in runs if (why := divergence(r))]
     if diverged:

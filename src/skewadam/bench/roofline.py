@@ -80,7 +80,7 @@ def roofline(dtype: str = "fp32", momentum_dtype: str = "fp32", rounds: int = 9,
              impl: str = "auto", clock: str = "cpu", deepspeed: bool = False, seed: int = 0) -> dict[str, Any]:
     """Time every row of `_rows` (SkewAdam, fused AdamW, a stream; ``deepspeed``: DeepSpeedCPUAdam too) and return
     per row its parameters, modeled bytes and per optimizer the median time and paired ratio to SkewAdam's."""
-    from ..kernels import resolve
+    from ..kernels import resolve_backend
     from ..optimizer import SkewAdam
     from .planner import DTYPES
 
@@ -91,7 +91,7 @@ def roofline(dtype: str = "fp32", momentum_dtype: str = "fp32", rounds: int = 9,
     if clock not in ("wall", "cpu"):
         raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
     dt = DTYPES[dtype]
-    kernel = resolve(impl, torch.device("cpu")).name
+    backend = resolve_backend(impl, torch.device("cpu")).name
     timer = time.process_time if clock == "cpu" else time.perf_counter
     gen = torch.Generator().manual_seed(seed)
     rows = []
@@ -104,7 +104,7 @@ def roofline(dtype: str = "fp32", momentum_dtype: str = "fp32", rounds: int = 9,
         model = [traffic.cpp(g["params"][0].shape, dt, state_flags(g)) for g in groups]
         a, b = torch.zeros(numel, dtype=dt), torch.ones(numel, dtype=dt)
         steppers: dict[str, Callable[[], Any]] = {
-            "skewadam": SkewAdam(groups, lr=1e-3, weight_decay=0.01, impl=kernel).step,
+            "skewadam": SkewAdam(groups, lr=1e-3, weight_decay=0.01, impl=backend).step,
             "adamw": torch.optim.AdamW(_copy(params), lr=1e-3, weight_decay=0.01, fused=True).step,
             "stream": lambda: a.add_(b),
         }
@@ -117,7 +117,7 @@ def roofline(dtype: str = "fp32", momentum_dtype: str = "fp32", rounds: int = 9,
         schedules = sorted({t.schedule for t in model})
         rows.append({"row": label, "params": numel, "tensors": len(params), "schedules": schedules,
                      "bytes": nbytes, **times})
-    return {"dtype": dtype, "momentum_dtype": momentum_dtype, "kernel": kernel, "clock": clock,
+    return {"dtype": dtype, "momentum_dtype": momentum_dtype, "backend": backend, "clock": clock,
             "threads": torch.get_num_threads(), "rounds": rounds, "steps": steps, "cpu": cpu_info()[0],
             "load": (load_before, os.getloadavg()), "rows": rows}
 
@@ -161,8 +161,8 @@ def format_roofline(res: dict[str, Any]) -> str:
     (l1, _, _), (l2, _, _) = res["load"]
     others = [n for n in res["rows"][0]["median_s"] if n != "skewadam"]
     lines = [
-        f"skewadam bench-step --roofline: {res['dtype']} weights, {res['momentum_dtype']} momentum; kernel "
-        f"{res['kernel']}; CPU: {res['cpu']}; {res['threads']} thread{'s' if res['threads'] != 1 else ''}, "
+        f"skewadam bench-step --roofline: {res['dtype']} weights, {res['momentum_dtype']} momentum; backend "
+        f"{res['backend']}; CPU: {res['cpu']}; {res['threads']} thread{'s' if res['threads'] != 1 else ''}, "
         f"{res['clock']} clock, {res['rounds']} interleaved rounds x {res['steps']} steps, load average {l1:.1f} -> "
         f"{l2:.1f}",
         "bytes: skewadam.kernels.traffic (SkewAdam), 7 streams (AdamW), 3 (a.add_(b)); efficiency: SkewAdam's GB/s "

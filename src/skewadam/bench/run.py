@@ -8,7 +8,7 @@ hash) is skipped, so re-running the same command with the same ``--out`` resumes
 one single-threaded run per core). At the end ``OUT/results.md`` and the plots are written (`skewadam.bench.report`).
 
 Before the first run, everything is checked once: every setting, the optional packages the runs need, the text
-against the block size; SkewAdam's kernel is loaded here (a compiled one built once per environment, announced)
+against the block size; SkewAdam's backend is loaded here (a compiled one built once per environment, announced)
 rather than silently inside a run. A run directory is locked while a bench uses it, and a run's process dies with the
 bench.
 """
@@ -165,17 +165,17 @@ def _census(model) -> str:
     return "\n".join([table, *(f"warning: {w.message}" for w in caught)])
 
 
-def _build_kernel(bench: BenchConfig, runs: list[RunConfig]) -> None:
-    """Load SkewAdam's kernel here, before the runs, when one of them steps with it: a compiled kernel that is not
+def _load_backend(bench: BenchConfig, runs: list[RunConfig]) -> None:
+    """Load SkewAdam's backend here, before the runs, when one of them steps with it: a compiled kernel that is not
     built yet builds now and announces itself (`skewadam.kernels.cpu`) instead of stalling a run's first step for a
     minute; without a compiler, one warning here and the runs fall back as SkewAdam does."""
     if not any(arms.ARMS[r.optimizer].kernels for r in runs):
         return
     import torch
 
-    from ..kernels import select
+    from ..kernels import resolve_backend
 
-    select("auto", torch.device(bench.base.device))
+    resolve_backend("auto", torch.device(bench.base.device))
 
 
 def _progress(progress: bool, jobs: int) -> Optional[str]:
@@ -232,7 +232,7 @@ def _run_all(bench, out: Path, tensorboard, progress: bool, jobs: int, echo) -> 
             todo.append((i, cfg))
         else:
             echo(f"[{i}/{len(runs)}] {run_name(cfg)}: done earlier, skipped")
-    _build_kernel(bench, [cfg for _, cfg in todo])
+    _load_backend(bench, [cfg for _, cfg in todo])
 
     running: set[subprocess.Popen] = set()
     stopping = threading.Lock()  # held to start a run, and to stop them all on Ctrl-C

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..classify import classify
+from ..groups import orthogonal_flops
 from ..state import measure_state
 from . import arms
 from .config import RunConfig, config_hash, run_identity, run_name
@@ -245,6 +246,9 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
     monitor.close()
 
     summary = _summary(optimizer, steps_log, evals_log, device, baseline_memory, cfg.batch_size * T)
+    arm = arms.get(cfg.optimizer)
+    summary["newton_schulz_flops"] = orthogonal_flops(model, arm.orthogonal, defaults=arm.options,
+                                                      tier_options=dict(arm.tier_options)) if arm.orthogonal else 0
     identity = run_identity(cfg)
     summary["wall_time_s"] = wall
     summary["loadavg_1min"] = [load_start, os.getloadavg()[0]]  # machine load at start and end: context for timings

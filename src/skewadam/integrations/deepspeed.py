@@ -312,7 +312,7 @@ def load_consolidated(engine: Any, optimizer: SkewAdam, full: dict) -> None:
         part.param_group.update({k: v for k, v in settings[idx].items() if k != "params"})
         state = optimizer.state[part.flat]
         state.clear()
-        part.allocate(state, part.param_group, kernels.resolve(optimizer._impl, part.flat.device).device_steps)
+        part.allocate(state, part.param_group, kernels.resolve_backend(optimizer._impl, part.flat.device).device_steps)
         part.load_full(state, full["module"], whole)
     optimizer.skipped_steps = int(saved.get("skipped_steps", 0))
     zo = engine.optimizer

@@ -9,13 +9,14 @@ module asks which backends exist, where they run and what they cost.
   skip flag and a tensor lr are read on the device). Under ``TRITON_INTERPRET=1`` (set before triton is first
   imported) they also run on CPU tensors, slowly: that is how they are tested without a GPU.
 
-`resolve` picks one for ``impl`` (``"auto"``, or a backend's name) and a device: ``"auto"`` is the
+`resolve_backend` picks one for ``impl`` (``"auto"``, or a backend's name) and a device: ``"auto"`` is the
 ``SKEWADAM_IMPL`` environment variable when set, else the first backend of `BACKENDS` whose ``auto`` devices include
 the device and that is available there (the C++ kernel on CPU when it builds, with one warning line when it cannot;
-Triton on CUDA when triton imports), else eager.
+Triton on CUDA when triton imports), else eager. ``build=False`` answers from the registry alone, importing and
+building nothing: the backend a machine where it is installed would run (the planner's question).
 
 Example:
-    >>> resolve("auto", torch.device("cpu")).name   # 'cpp' where the C++ kernel builds, else 'eager'
+    >>> resolve_backend("auto", torch.device("cpu")).name   # 'cpp' where the C++ kernel builds, else 'eager'
     >>> BACKENDS["triton"].step_transient_bytes([((8, 64, 32), True)], torch.bfloat16)
 """
 
@@ -29,12 +30,12 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["Backend", "BACKENDS", "IMPLS", "impls", "resolve", "select"]
+__all__ = ["Backend", "BACKENDS", "BACKEND_CHOICES", "cpu_backends", "resolve_backend"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """One implementation of the kernel protocol and the facts other modules need about it.
+    """One backend: a module implementing the kernel protocol, and the facts other modules need about it.
 
     Attributes:
         name: what ``impl=`` and ``SKEWADAM_IMPL`` call it.
@@ -100,10 +101,11 @@ BACKENDS: dict[str, Backend] = {
                 skip_on_host=True, temporaries=f"{__name__}.eager"),
     )
 }
-IMPLS = ("auto", *BACKENDS)
+#: What ``impl`` (SkewAdam's argument, the command line's ``--impl``, ``SKEWADAM_IMPL``) takes: ``"auto"`` or a backend.
+BACKEND_CHOICES = ("auto", *BACKENDS)
 
 
-def impls(interpreted: bool = False) -> list[str]:
+def cpu_backends(interpreted: bool = False) -> list[str]:
     """The backends that run on CPU tensors here, by name: ``eager``, and ``cpp`` when the C++ kernel builds; with
     ``interpreted``, also ``triton`` when its kernels run in Triton's interpreter (``TRITON_INTERPRET=1``:
     tests/conftest.py sets it without a GPU), minutes per test on the shapes the other kernels' tests use."""
@@ -118,26 +120,31 @@ def impls(interpreted: bool = False) -> list[str]:
     return out
 
 
-def resolve(impl: str, device: torch.device | str) -> Backend:
+def resolve_backend(impl: str, device: torch.device | str, *, build: bool = True) -> Backend:
     """The backend that runs tensors on ``device`` under the choice ``impl`` (``"auto"`` or a backend's name).
 
+    ``build=False``: decided from the registry alone, nothing imported or built (the C++ extension is not compiled):
+    the backend ``impl`` names, or the one ``"auto"`` prefers on ``device``'s type, as a machine where it is
+    installed runs it; a named backend that does not run on ``device`` is refused either way.
+
     Example:
-        >>> resolve("auto", torch.device("cuda")).name  # 'triton', or 'eager' where triton does not import
+        >>> resolve_backend("auto", torch.device("cuda")).name  # 'triton', or 'eager' where triton does not import
+        >>> resolve_backend("auto", "cpu", build=False).name     # 'cpp', whether or not it builds here
     """
     device = torch.device(device)
     if impl == "auto":
         impl = os.environ.get("SKEWADAM_IMPL", "auto")
-        if impl not in IMPLS:
-            raise ValueError(f"SKEWADAM_IMPL={impl!r} is not a kernel backend: use one of {IMPLS}")
-    if impl not in IMPLS:
-        raise ValueError(f"Invalid impl: {impl!r} (expected one of {IMPLS})")
+        if impl not in BACKEND_CHOICES:
+            raise ValueError(f"SKEWADAM_IMPL={impl!r} is not a backend: use one of {BACKEND_CHOICES}")
+    if impl not in BACKEND_CHOICES:
+        raise ValueError(f"Invalid impl: {impl!r} (expected one of {BACKEND_CHOICES})")
     if impl == "auto":
         for backend in BACKENDS.values():
-            if device.type in backend.auto and backend.available(device, warn=True):
+            if device.type in backend.auto and (not build or backend.available(device, warn=True)):
                 return backend
         return BACKENDS["eager"]
     backend = BACKENDS[impl]
-    if backend.available(device):
+    if (not build and backend.runs_on(device)) or (build and backend.available(device)):
         return backend
     others = ", ".join(f"impl={b.name!r} ({b.summary})" for b in BACKENDS.values() if b.name != impl)
     if not backend.runs_on(device):
@@ -152,12 +159,3 @@ def resolve(impl: str, device: torch.device | str) -> Backend:
         if backend.name == "triton" else ""
     raise ValueError(f"impl={impl!r} ({backend.summary}) is not available here: it needs {backend.requires}{hint}; "
                      f"use impl='auto' or {others}")
-
-
-def select(impl: str, device: torch.device | str) -> ModuleType:
-    """The kernel module `resolve` picks (`Backend.load`).
-
-    Example:
-        >>> select("auto", torch.device("cpu"))  # skewadam.kernels.cpu, or eager (with a warning) without a compiler
-    """
-    return resolve(impl, device).load()

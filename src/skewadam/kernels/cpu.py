@@ -43,6 +43,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from ..state import state_dtype_for
 from . import quant, rounding
 from .types import (RELATIVE_STEP_EPS, ROW_MEAN_FLOOR, GradStats, Group, Moments, MomFmt, ParamTensors, check,
                     stat_dims, unit_dims)
@@ -293,7 +294,7 @@ def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dt
     bytes, ``C`` weighted column sums per block of rows in float32 (kept for a parameter without momentum), each
     parameter's 64-byte aligned; 64 bytes for the result and empty buffers. Not counted: row- and unit-sized scratch
     outside torch's allocator (~0.02 MiB per step measured) and contiguous copies of non-contiguous tensors."""
-    itemsize = (torch.float32 if param_dtype == torch.bfloat16 else param_dtype).itemsize
+    itemsize = state_dtype_for(param_dtype).itemsize
     kept = 0
     for shape, bank in tensors:
         shape = tuple(int(s) for s in shape)

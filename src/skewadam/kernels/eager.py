@@ -56,6 +56,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from ..state import state_dtype_for
 from .quant import load_momentum, store_momentum_
 from .rounding import rounding_key, stochastic_round_bf16
 from .types import (RELATIVE_STEP_EPS, ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, active_units,
@@ -433,8 +434,7 @@ def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dt
     largest chunk (`chunk_slices`) in the compute dtype, 4 for fp32 parameters and 9 for bf16 ones (the rounding's
     fp32 weights and random bits), as measured on torch 2.13 CPU."""
     largest = max((chunk_slices(s, bank) * math.prod(s[1:]) if len(s) else 1 for s, bank in tensors), default=0)
-    compute = torch.float32 if param_dtype == torch.bfloat16 else param_dtype
-    return (9 if param_dtype == torch.bfloat16 else 4) * largest * compute.itemsize
+    return (9 if param_dtype == torch.bfloat16 else 4) * largest * state_dtype_for(param_dtype).itemsize
 
 
 # ------------------------------------------------------------------------------------------------------ one process

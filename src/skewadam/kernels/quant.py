@@ -32,30 +32,37 @@ QMAX = 127.0  # the int8 grid's largest code
 MOMENTUM_STREAM = 0x5BD1E995  # separates the momentum's rounding bits from the weight's (same param and step)
 
 
-def _blocked(x: Tensor) -> Tensor:
-    """View ``[..., C]`` as ``[..., NB, BLOCK]``, zero-padding the last block (a copy only when C % BLOCK != 0)."""
+def _blocked(x: Tensor) -> list[tuple[Tensor, slice]]:
+    """Views of ``[..., C]`` as blocks: ``([..., n, BLOCK], blocks)`` for the full ones and ``([..., 1, r], block)``
+    for a partial last one (no copy, no padding: as a zero-padded block it has the same largest magnitude), each with
+    its blocks' indices; C = 0 is one empty block, a zero-padded copy."""
     c = x.shape[-1]
-    nb = num_blocks(c)
-    if nb * BLOCK != c:
-        x = F.pad(x, (0, nb * BLOCK - c))
-    return x.reshape(*x.shape[:-1], nb, BLOCK)
+    if c == 0:
+        return [(F.pad(x, (0, BLOCK)).unsqueeze(-2), slice(0, 1))]
+    full = c // BLOCK
+    parts = [(x[..., : full * BLOCK].unflatten(-1, (full, BLOCK)), slice(0, full))] if full else []
+    if c > full * BLOCK:
+        parts.append((x[..., full * BLOCK:].unsqueeze(-2), slice(full, full + 1)))
+    return parts
 
 
 def quantize_(q: Tensor, scale: Tensor, x: Tensor) -> None:
     """Store ``x`` (the statistics dtype) into ``q`` (int8, same shape) and ``scale`` (``[..., NB]``), in place."""
-    xb = _blocked(x)
-    absmax = xb.abs().amax(dim=-1, keepdim=True)
-    scale.copy_(absmax.squeeze(-1))
-    ratio = (xb.abs() / absmax.clamp(min=torch.finfo(x.dtype).tiny)).to(torch.float32)
-    code = ratio.double().sqrt_().float().mul_(QMAX).round_().copysign_(xb)
-    q.copy_(code.flatten(-2)[..., : x.shape[-1]])
+    for (xb, blocks), (qb, _) in zip(_blocked(x), _blocked(q)):
+        magnitude = xb.abs()
+        absmax = magnitude.amax(dim=-1, keepdim=True)
+        scale[..., blocks].copy_(absmax.squeeze(-1))
+        ratio = magnitude.div_(absmax.clamp(min=torch.finfo(x.dtype).tiny)).to(torch.float32)
+        qb.copy_(ratio.double().sqrt_().float().mul_(QMAX).round_().copysign_(xb))
 
 
 def dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """The fp32 (or ``dtype``) values that ``q`` and ``scale`` encode."""
-    code = _blocked(q.to(dtype)).div_(QMAX)
-    x = code.abs().mul_(code).mul_(scale.unsqueeze(-1).to(dtype))
-    return x.flatten(-2)[..., : q.shape[-1]]
+    parts = []
+    for qb, blocks in _blocked(q):
+        code = qb.to(dtype).div_(QMAX)
+        parts.append(code.abs().mul_(code).mul_(scale[..., blocks].unsqueeze(-1).to(dtype)).flatten(-2))
+    return parts[0][..., : q.shape[-1]] if len(parts) == 1 else torch.cat(parts, -1)
 
 
 def load_momentum(m: Tensor, scale: Optional[Tensor], dtype: torch.dtype) -> Tensor:

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from ..state import num_blocks
+from ..state import num_blocks, state_dtype_for
 
 __all__ = ["Layout", "layout", "upload", "workspace_numel", "step_transient_bytes", "TARGET", "MIN_ROWS",
            "TABLE_WIDTH"]
@@ -175,8 +175,7 @@ def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dt
     Example:
         >>> step_transient_bytes([((8, 64, 32), True)], torch.float32)
     """
-    T = torch.float32 if param_dtype == torch.bfloat16 else param_dtype
-    itemsize = torch.empty((), dtype=T).element_size()
+    itemsize = state_dtype_for(param_dtype).itemsize
     by_kind: dict[str, list] = {"factored": [], "flat": []}
     for shape, bank in tensors:
         shape = tuple(int(s) for s in shape)

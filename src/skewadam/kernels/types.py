@@ -61,9 +61,9 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from ..state import num_blocks
+from ..state import num_blocks, state_dtype_for
 
-__all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS",
+__all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "NS_STEPS", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS",
            "EPS_MODES", "PARAM_DTYPES", "unit_dims", "active_units", "unit_numel", "stat_dims", "check_param_dtype",
            "check", "check_lr", "check_group", "all_finite"]
 
@@ -78,6 +78,8 @@ class MomFmt(enum.IntEnum):
     NONE = 3  # no momentum
 
 
+#: Newton-Schulz iterations of the orthogonal update unless a group sets ``ns_steps`` (Muon's 5).
+NS_STEPS = 5
 #: The paper's guard on ``mean_i(row_var)`` in ``eps_mode="floor"``.
 ROW_MEAN_FLOOR = 1e-15
 #: Adafactor's eps2: the floor of the parameter RMS that scales a relative step (``Group.relative_step``).
@@ -105,13 +107,18 @@ class ParamTensors(NamedTuple):
     name: str = ""  # how errors name the parameter, e.g. "param_groups[0]['params'][3] ('tok_emb.weight')"
 
 
+#: The optional state of a record, in `ParamTensors`' order after ``step``: the state dict keys beside ``step``.
+STATE_KEYS = ("exp_avg", "exp_avg_scale", "exp_avg_sq", "row_var", "col_var")
+
+
 class Group(NamedTuple):
     """One param group: its parameters and hyperparameters. ``lr`` may be a 0-d (or 1-element) tensor.
 
     Adafactor's options (arXiv 1804.04235, as `torch.optim.Adafactor` has them), per unit: ``relative_step`` scales
     the update term (not the weight decay) by ``max(RELATIVE_STEP_EPS, rms(p))`` of the parameter before the step;
     ``beta2_decay`` (``d <= 0``) replaces ``beta2`` by ``1 - t**d`` at the unit's new step count ``t`` and drops the
-    second moment's bias correction.
+    second moment's bias correction. The ``ns_*`` fields shape the orthogonal update's Newton-Schulz
+    (`skewadam.kernels.orthogonal`; the Adam-style kernels ignore them): its iterations, dtype and interval (every how many of a matrix's steps it is orthogonalised).
     """
 
     params: Sequence[ParamTensors]
@@ -124,6 +131,9 @@ class Group(NamedTuple):
     seed: int
     relative_step: bool = False
     beta2_decay: Optional[float] = None
+    ns_steps: int = NS_STEPS
+    ns_dtype: Optional[str] = None
+    ns_interval: int = 1
 
 
 class GradStats(NamedTuple):
@@ -188,10 +198,6 @@ def _shape(t) -> object:
     return tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
 
 
-def _stats_dtype(param_dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if param_dtype == torch.bfloat16 else param_dtype
-
-
 def check_param_dtype(dtype: torch.dtype, where: str) -> None:
     """Raise TypeError naming ``where`` unless ``dtype`` is one the kernels step (`PARAM_DTYPES`), with the fix."""
     if dtype in PARAM_DTYPES:
@@ -230,7 +236,7 @@ def check(pt: ParamTensors, *, second_moment: bool = True) -> None:
         raise ValueError(f"{name}: local shape {p} does not fit the global shape {tuple(pt.shape)}")
     if pt.bank and not p:
         raise ValueError(f"{name}: a bank needs a leading expert dim, got a 0-d parameter")
-    stats = _stats_dtype(param.dtype)
+    stats = state_dtype_for(param.dtype)
     want: dict[str, tuple[Optional[tuple[int, ...]], tuple[torch.dtype, ...]]] = {
         "step": (p[:1] if pt.bank else None, (torch.float32,)), "exp_avg": (None, ()), "exp_avg_scale": (None, ()),
         "exp_avg_sq": (None, ()), "row_var": (None, ()), "col_var": (None, ())}

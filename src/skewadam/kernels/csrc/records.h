@@ -21,8 +21,9 @@ py::dict fields() {
   py::dict d;
   d["ParamTensors"] = std::vector<std::string>{"param", "grad", "step", "exp_avg", "exp_avg_scale", "exp_avg_sq",
                                                "row_var", "col_var", "shape", "bank", "stream", "name"};
+  // (the ns_* fields shape the orthogonal update, which runs in Python: group_rec_of skips them)
   d["Group"] = std::vector<std::string>{"params", "lr", "beta1", "beta2", "eps", "eps_mode", "weight_decay", "seed",
-                                        "relative_step", "beta2_decay"};
+                                        "relative_step", "beta2_decay", "ns_steps", "ns_dtype", "ns_interval"};
   d["GradStats"] = std::vector<std::string>{"sumsq", "rc_sumsq", "row", "col", "row_var_sum", "p_sumsq", "absmax"};
   d["Moments"] = std::vector<std::string>{"u_sumsq", "corr", "rinv", "cinv", "active"};
   return d;
@@ -92,7 +93,9 @@ ParamRec param_rec_of(PyObject* r) {
 
 GroupRec group_rec_of(py::handle group) {
   PyObject* g = group.ptr();
-  if (!PyTuple_Check(g) || PyTuple_GET_SIZE(g) != Py_ssize_t(std::tuple_size_v<GroupRec>)) wrong_type("groups");
+  constexpr Py_ssize_t kOrthogonalFields = 3;  // ns_steps, ns_dtype, ns_interval (fields())
+  if (!PyTuple_Check(g) || PyTuple_GET_SIZE(g) != Py_ssize_t(std::tuple_size_v<GroupRec>) + kOrthogonalFields)
+    wrong_type("groups");
   const auto at = [&](Py_ssize_t i) { return PyTuple_GET_ITEM(g, i); };
   std::vector<ParamRec> params;
   for_items(at(0), "params", [&](PyObject* r) { params.push_back(param_rec_of(r)); });

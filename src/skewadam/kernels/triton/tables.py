@@ -20,6 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import quant
+from ...state import state_dtype_for
 from ..rounding import mix32
 from ..triton_layout import TABLE_WIDTH, Layout, layout, upload
 from ..types import ROW_MEAN_FLOOR, Group, MomFmt, ParamTensors, check, check_lr
@@ -161,7 +162,7 @@ def _bucket_key(pt: ParamTensors, i: int, device: torch.device) -> tuple:
         raise ValueError(f"{where}: step is on {pt.step.device}, the parameters on {device}; the Triton kernel "
                          "advances step counts on the parameters' device, with no host sync: keep state['step'] on "
                          "the parameter's device")
-    T = torch.float32 if p.dtype == torch.bfloat16 else p.dtype
+    T = state_dtype_for(p.dtype)
     m = pt.exp_avg
     if m is None:
         mom, md = MomFmt.NONE, T
