@@ -14,7 +14,7 @@ import torch
 from kernel_cases import impl, three_pass  # noqa: F401 - fixtures
 from reference import RefParam
 from skewadam import SkewAdam, kernels
-from skewadam.kernels import types
+from skewadam.kernels import cpu, types
 from skewadam.state import is_bank
 
 # every tier: a factored matrix with momentum, a 1-D tensor, a factored bank, a router (full second moment), an
@@ -26,11 +26,11 @@ HP = dict(lr=0.01, betas=(0.9, 0.999), weight_decay=0.1, eps=1e-30, eps_mode="ad
 BOUND = math.sqrt(torch.finfo(torch.float32).max / (1 - HP["betas"][1]))
 
 
-def _train(impl, specs, grads, dtype, *, three_pass=False, **kw):
+def _train(impl, specs, grads, dtype, *, three_pass=False, hp=HP, **kw):
     """One optimizer over ``specs`` stepped on each list of ``grads``; with a reference per parameter."""
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64).to(dtype)) for s, _, _ in specs]
-    opt = SkewAdam([{"params": [p], "tier": t, **o} for p, (_, t, o) in zip(params, specs)], impl=impl, **HP, **kw)
+    opt = SkewAdam([{"params": [p], "tier": t, **o} for p, (_, t, o) in zip(params, specs)], impl=impl, **hp, **kw)
     if three_pass:
         opt._reducer = lambda items: None  # the three passes of the distributed seam, nothing to reduce
     refs = [RefParam(p.detach(), momentum=g["use_momentum"], factored=g["use_factored"],
@@ -38,7 +38,7 @@ def _train(impl, specs, grads, dtype, *, three_pass=False, **kw):
     for step in grads:
         for p, g, ref in zip(params, step, refs):
             p.grad = g.to(dtype)
-            ref.step(p.grad, **HP)
+            ref.step(p.grad, **hp)
         opt.step()
     return params, opt, refs
 
@@ -93,6 +93,31 @@ def test_ordinary_huge_and_tiny_rows_of_one_tensor_step_like_the_reference(impl,
         g[-40:] *= 1e-18
     params, opt, refs = _train(impl, specs, [grads, _grads(specs, seed=2)], dtype, three_pass=three_pass)
     _assert_matches(params, opt, refs, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("eps_mode, eps", [("add", 1e-30), ("floor", 1e-30), ("floor", 1e-3)])
+def test_expert_slices_above_the_weighted_size_clip_like_the_reference(impl, three_pass, eps_mode, eps):
+    """Bank slices of fp32 gradients above `cpu.WEIGHTED_ABOVE` (the C++ kernel takes their clip's sum of u^2 from
+    pass 1's weighted column sums, and re-reads the gradient where those do not hold it): in slice 0 a spike makes
+    the clip bite (rms(u) well above 1); slice 1 has a zero row, a zero column, a row of 1e20 (its squares overflow
+    fp32) and rows of 1e-18 (sums below 2^-90), which eps_mode floor with eps 1e-3 floors. Both step like the fp64
+    reference."""
+    if impl == "triton":
+        pytest.skip("Triton's interpreter takes minutes on these sizes: tests/test_triton.py checks the reference")
+    specs = [((2, 600, 600), "expert", {})]
+    assert 600 * 600 * 4 > cpu.WEIGHTED_ABOVE
+    steps = []
+    for seed in (1, 2, 3):
+        (g,) = _grads(specs, seed)
+        g[0, 3, 5] = 300.0
+        g[1, 10] = 0.0
+        g[1, :, 20] = 0.0
+        g[1, 7] *= 1e20
+        g[1, -40:] *= 1e-18
+        steps.append([g])
+    hp = {**HP, "eps_mode": eps_mode, "eps": eps}
+    params, opt, refs = _train(impl, specs, steps, torch.float32, three_pass=three_pass, hp=hp)
+    _assert_matches(params, opt, refs, 1e-5)
 
 
 def test_nonfinite_gradients_are_still_skipped(impl, three_pass):

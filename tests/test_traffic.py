@@ -57,6 +57,12 @@ def test_the_cpp_schedule_follows_what_fits_a_core_cache():
     assert traffic.cpp(shape, F32, EXPERT, cache=MiB).schedule == "early"
     split = traffic.cpp(shape, F32, EXPERT, cache=MiB // 2)
     assert split.schedule == "split" and split.bytes == 20 * 32 * 1024 * 256  # g read a third time
+    # above cpu.WEIGHTED_ABOVE an fp32 slice's clip comes from pass 1's weighted column sums: no third read
+    big = (8, 2048, 1024)  # 8 MiB fp32 slices
+    assert 2048 * 1024 * 4 > cpu.WEIGHTED_ABOVE
+    split = traffic.cpp(big, F32, EXPERT, cache=MiB)
+    assert split.schedule == "split" and _per_param(split, 8 * 2048 * 1024) == [4, 0, 12, 16]
+    assert _per_param(traffic.cpp(big, BF16, EXPERT, cache=MiB), 8 * 2048 * 1024) == [2, 2, 6, 10]  # bf16 re-reads
     # with momentum a unit is done whole when its pass-2 streams (g and m) fit: 24 bytes, else 28 (AdamW's)
     fused = traffic.cpp((256, 1024), F32, MATRIX, cache=2 * MiB)
     assert fused.schedule == "fused" and fused.bytes == 24 * 256 * 1024

@@ -51,6 +51,7 @@ PATHS: list[tuple[str, list[Spec]]] = [
     ("backbone 1-D [2^21]", [("b", (1 << 21,), "backbone", {})]),
     ("full v, router tier [1024, 2048]", [("r", (1024, 2048), "router", {})]),
     ("expert bank + momentum [16, 1024, 256]", [("e", (16, 1024, 256), "expert", {"use_momentum": True})]),
+    ("expert bank [8, 2048, 1024]", [("e", (8, 2048, 1024), "expert", {})]),
 ]
 
 

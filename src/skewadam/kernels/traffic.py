@@ -11,7 +11,9 @@ or wrote it, which is what the C++ kernel's schedules are for (``cache``: a core
   the gradient in cache; pass 3, after the non-finite check, reads the gradient again.
 - ``fused``: another unit whose pass-2 streams (gradient, first moment, full second moment) fit the cache does
   passes 2 and 3 back to back, pass 3 finding the first (else the gradient) and full second moment in cache.
-- ``split`` (larger units) and every Triton launch: each pass reads what it needs from memory.
+- ``split`` (larger units) and every Triton launch: each pass reads what it needs from memory, except that a factored
+  unit without momentum whose fp32 gradient exceeds `cpu.WEIGHTED_ABOVE` has no pass 2 in the C++ kernel: its clip
+  comes from pass 1's weighted column sums.
 
 Fused AdamW (torch's ``fused=True``) moves 7 element-sized streams (reads p, g, m, v; writes p, m, v): 28 bytes a
 parameter in fp32 and 14 in bf16 (its state is in the parameter's dtype); a plain stream ``a.add_(b)`` moves 3.
@@ -86,6 +88,8 @@ def cpp(shape: Sequence[int], dtype: torch.dtype, flags: TierSpec, *, relative_s
     p1 = Pass("pass 1", s.g * (1 + relative_step), 0)
     if s.factored and not s.m and s.unit[0] <= cache:
         return Traffic("early", (p1, Pass("pass 2", 0, 0), Pass("pass 3", 2 * s.g, s.g)))
+    if s.factored and not s.m and dtype == torch.float32 and s.unit[0] > cpu.WEIGHTED_ABOVE:
+        return Traffic("split", (p1, Pass("pass 2", 0, 0), Pass("pass 3", 2 * s.g, s.g)))
     p2 = Pass("pass 2", s.g + s.m + s.v, s.m + s.v)
     if s.unit[1] <= cache:
         return Traffic("fused", (p1, p2, Pass("pass 3", s.g, s.g)))

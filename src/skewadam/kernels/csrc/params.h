@@ -79,35 +79,40 @@ std::vector<int64_t> stat_shape(at::IntArrayRef p, int64_t r, int64_t c) {
 }
 
 // Factored statistics of matrices [m0, m0 + count) of one parameter, in the math dtype T: per matrix rc (sum of its
-// row sums) and rvs (sum of row_var before the step); per row the sum of g^2; per column the sum of g^2; colp, each
-// block's column partials (only when a matrix has more than one block): sums, in double. Per row rinv and per column
-// cinv, in T.
+// row sums), rvs (sum of row_var before the step) and rmw (the row mean of rinv, for weighted_sumsq); per row the sum
+// of g^2; per column the sum of g^2; colp,
+// each block's column partials (only when a matrix has more than one block): sums, in double. Per row rinv and per
+// column cinv, in T. With `weighted` (Param::weighted), tp: each block's weighted column sums, in float.
 struct Stats {
   int64_t m0 = 0;
-  double *rc = nullptr, *rvs = nullptr, *row = nullptr, *col = nullptr, *colp = nullptr;
+  double *rc = nullptr, *rvs = nullptr, *rmw = nullptr, *row = nullptr, *col = nullptr, *colp = nullptr;
   void *rinv = nullptr, *cinv = nullptr;
+  float* tp = nullptr;
 
   // Bytes of `count` matrices' statistics, with T of `t_size` bytes.
-  static int64_t bytes(const Geo& G, int64_t count, int64_t t_size) {
-    const int64_t sums = 2 + G.R + G.C + (G.blocks_per_mat > 1 ? G.blocks_per_mat * G.C : 0);
-    return count * (sums * int64_t(sizeof(double)) + (G.R + G.C) * t_size);
+  static int64_t bytes(const Geo& G, int64_t count, int64_t t_size, bool weighted) {
+    const int64_t sums = 3 + G.R + G.C + (G.blocks_per_mat > 1 ? G.blocks_per_mat * G.C : 0);
+    return count * (sums * int64_t(sizeof(double)) + (G.R + G.C) * t_size +
+                    (weighted ? G.blocks_per_mat * G.C * int64_t(sizeof(float)) : 0));
   }
   // Point into `count` matrices' worth of statistics at base (8-byte aligned, Stats::bytes of them): sums first.
   template <class T>
-  static Stats carve(void* base, const Geo& G, int64_t m0, int64_t count) {
+  static Stats carve(void* base, const Geo& G, int64_t m0, int64_t count, bool weighted) {
     Stats s;
     s.m0 = m0;
     double* d = static_cast<double*>(base);
-    for (double** slot : {&s.rc, &s.rvs}) *slot = std::exchange(d, d + count);
+    for (double** slot : {&s.rc, &s.rvs, &s.rmw}) *slot = std::exchange(d, d + count);
     s.row = std::exchange(d, d + count * G.R);
     s.col = std::exchange(d, d + count * G.C);
     if (G.blocks_per_mat > 1) s.colp = std::exchange(d, d + count * G.blocks_per_mat * G.C);
     T* t = reinterpret_cast<T*>(d);
     s.rinv = std::exchange(t, t + count * G.R);
-    s.cinv = t;
+    s.cinv = std::exchange(t, t + count * G.C);
+    if (weighted) s.tp = reinterpret_cast<float*>(t);
     return s;
   }
   double* at(double* p, int64_t m, int64_t width) const { return p + (m - m0) * width; }
+  float* at(float* p, int64_t m, int64_t width) const { return p + (m - m0) * width; }
   template <class T>
   T* at(void* p, int64_t m, int64_t width) const {
     return static_cast<T*>(p) + (m - m0) * width;
@@ -133,6 +138,9 @@ struct Param {
   std::vector<double> beta2;     // per unit: the second moment's beta (beta2_decay: 1 - t^d)
   const double* p_sumsq = nullptr;  // relative step: per unit, sum of p^2 before the step
   std::vector<double> clip;      // per unit: 1 / max(1, rms(u)), in T's precision
+  bool weighted = false;         // the clip's sum of u^2 from pass 1's weighted column sums where they hold it (a
+                                 // factored unit without momentum, fp32 weights, gradient above kWeightedAbove)
+  std::vector<double> usq;       // weighted: per unit, that sum (weighted_sumsq), NaN where pass 2 sums u^2
   std::vector<double> partial;   // per block: sum of g^2 or of u^2
   std::vector<double> p_partial;  // relative step: per block, sum of p^2
   std::vector<double> max_partial;  // fp64 parameters: per block, max |g|
@@ -263,6 +271,7 @@ Param make_param(const ParamRec& r, Contig& ct, Pass pass, bool reads_param = fa
     q.col_var = ct.write(cv);
   }
   q.geo = make_geo(p, bank, factored, shape, q.mfmt == kMomInt8 && !factored ? q.mC : 1);
+  q.weighted = factored && q.mfmt == kMomNone && q.dtype == at::kFloat && q.geo.unit_numel * 4 > kWeightedAbove;
   return q;
 }
 

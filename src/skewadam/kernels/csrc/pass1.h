@@ -45,6 +45,40 @@ inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t
   for (int s = 0; s < NS; ++s) out[s * out_stride] = lanes_sum(acc[s]);
 }
 
+// A factored EMA's new value for a row or column of sum of squares `sum` over n elements, rounded once into T (in
+// double from pass 1's double sums).
+template <class T>
+inline T factored_ema(const Ema<double>& ema, T old, double sum, double n, double add) {
+  return T(ema(double(old), sum / n + add));
+}
+
+// Pass 1's weighted column sums (Param::weighted): t_j += x^2 / row_var_i of NS rows, row_var_i its value after the
+// step, its weight w[s] = 1 / row_var_i. A column's additions follow its rows in the block's order (row_groups), the
+// same in the step's pass 1 (right after each row group's sums, its rows still in L1) and in pass 2 of the three
+// passes, so the two give the same bits.
+template <class E, int NS>
+inline void p1_weighted(const typename E::raw* __restrict g, int64_t stride, int64_t n, const float* w,
+                        float* __restrict t) {
+  static_assert(std::is_same_v<typename E::T, float>, "weighted column sums are float statistics");
+  for_lanes<4>(n, [&](int64_t jk, int) {
+    float c = t[jk];
+    for (int s = 0; s < NS; ++s) {
+      const float x = E::load(g[s * stride + jk]);
+      c = madd(x * w[s], x, c);
+    }
+    t[jk] = c;
+  });
+}
+
+// Row i's weight in pass 1's weighted column sums, from its sum of g^2: 1 / row_var_i after the step (update_factored's
+// value, for a unit that steps).
+struct RowWeight {
+  const float* rv;  // the matrix's row_var before the step
+  Ema<double> ema;
+  double Cg, add;
+  float operator()(int64_t i, double sum) const { return 1.0f / factored_ema(ema, rv[i], sum, Cg, add); }
+};
+
 // Pass 1, NS runs of n elements `stride` apart: sum of x^2 into acc, in A.
 template <class E, class A, int NS>
 inline void p1_run(const typename E::raw* __restrict g, int64_t stride, int64_t n, A* __restrict acc) {
@@ -100,24 +134,34 @@ double absmax_block(const Param& q, int64_t b) {
 }
 
 // Factored block b in A: its rows' sums of g^2 into rows (its first row's first) and its column partials into col
-// (C of them).
+// (C of them); with t (a weighted parameter), its weighted column partials, rows weighted by rw.
 template <class E, class A>
-void p1_block_as(const Param& q, int64_t b, A* rows, A* col) {
+void p1_block_as(const Param& q, int64_t b, A* rows, A* col, float* t, const RowWeight& rw) {
   const Geo& G = q.geo;
   const auto* g = at_<typename E::raw>(q.g);
   int64_t m, i0, i1;
   G.rows(b, m, i0, i1);
   const int64_t C = G.C;
   std::fill_n(col, C, A(0));
+  if (t) std::fill_n(t, C, 0.0f);
   row_groups(i0, i1, [&](auto ns, int64_t i, int64_t qr) {
-    p1_rows<E, A, decltype(ns)::value>(g + (m * G.R + i) * C, qr * C, C, col, rows + (i - i0), qr);
+    constexpr int NS = decltype(ns)::value;
+    const auto* gi = g + (m * G.R + i) * C;
+    p1_rows<E, A, NS>(gi, qr * C, C, col, rows + (i - i0), qr);
+    if constexpr (std::is_same_v<typename E::T, float>) {
+      if (t) {
+        float w[NS];
+        for (int s = 0; s < NS; ++s) w[s] = rw(i + s * qr, double(rows[i - i0 + s * qr]));
+        p1_weighted<E, NS>(gi, qr * C, C, w, t);
+      }
+    }
   });
 }
 
 // Factored block b: its rows' sums of g^2 and its column partials (or, for a one-block matrix, the column sums), in
 // float where safe (see above).
 template <class E>
-void p1_block(const Param& q, const Stats& s, int64_t b) {
+void p1_block(const Param& q, const Stats& s, const Hyper& h, int64_t b) {
   const Geo& G = q.geo;
   int64_t m, i0, i1;
   G.rows(b, m, i0, i1);
@@ -125,30 +169,33 @@ void p1_block(const Param& q, const Stats& s, int64_t b) {
   double* row = s.at(s.row, m, G.R);
   double* col = G.blocks_per_mat > 1 ? s.at(s.colp, m, G.blocks_per_mat * C) + (b % G.blocks_per_mat) * C
                                      : s.at(s.col, m, C);
+  float* t = s.tp ? s.at(s.tp, m, G.blocks_per_mat * C) + (b % G.blocks_per_mat) * C : nullptr;
+  RowWeight rw{nullptr, Ema<double>(0.0), G.Cg, 0.0};
+  if (t) rw = {at_<float>(q.row_var) + m * G.R, Ema<double>(q.beta2[G.unit_of_mat(m)]), G.Cg, h.add_mode ? h.eps : 0.0};
   if constexpr (std::is_same_v<typename E::T, float>) {
     thread_local std::vector<float> scratch;  // the block's float sums: its rows', then its columns'
     scratch.resize(size_t(G.rows_per_block + C));
     float *rowf = scratch.data(), *colf = scratch.data() + G.rows_per_block;
-    p1_block_as<E, float>(q, b, rowf, colf);
+    p1_block_as<E, float>(q, b, rowf, colf, t, rw);
     if (safe(rowf, i1 - i0) && safe(colf, C)) {
       std::copy(rowf, rowf + (i1 - i0), row + i0);
       std::copy_n(colf, C, col);
       return;
     }
   }
-  p1_block_as<E, double>(q, b, row + i0, col);
+  p1_block_as<E, double>(q, b, row + i0, col, t, rw);
 }
 
-// Pass 1 of block b (the one-process step keeps a fused factored parameter's row and column sums in q.st); fp64
-// parameters also its max |g|, a relative step its sum of p^2.
+// Pass 1 of block b (a factored parameter's row and column sums into q.st, in the one-process step its weighted column
+// sums too); fp64 parameters also its max |g|, a relative step its sum of p^2.
 template <class E>
-void p1_any(Param& q, int64_t b, bool relative_step) {
+void p1_any(Param& q, const Hyper& h, int64_t b) {
   if (q.st.rc)
-    p1_block<E>(q, q.st, b);
+    p1_block<E>(q, q.st, h, b);
   else
     q.partial[b] = sumsq_block<E>(q, q.g, b);
   if constexpr (std::is_same_v<typename E::raw, double>) q.max_partial[b] = absmax_block(q, b);
-  if (relative_step) q.p_partial[b] = sumsq_block<E>(q, q.p, b);
+  if (h.relative_step) q.p_partial[b] = sumsq_block<E>(q, q.p, b);
 }
 
 // Matrices [m_begin, m_end): column sums from their block partials (in block order; zero for a matrix with no local
@@ -188,6 +235,12 @@ void set_keys(Param& q, const Hyper& h) {
   q.mkey = mix32(q.key + kMomentumStream);  // bf16 momentum: quant.store_momentum_'s key
 }
 
+// The t of the bias correction and of beta2_decay of a unit whose step count becomes `step`.
+double step_t(const Param& q, float step) { return q.geo.bank ? std::max(double(step), 1.0) : double(step); }
+
+// The second moment's beta at t (beta2_decay d: 1 - t^d).
+double beta2_at(const Hyper& h, double t) { return h.beta2_decay ? 1.0 - std::pow(t, *h.beta2_decay) : h.beta2; }
+
 // Unit u's part of a step's count: whether it steps (a unit with elements; a bank slice also needs a nonzero gradient
 // element: types.active_units), the second moment's beta, the bias correction; returns its step count after this step
 // (count_steps stores it). Needs pass 1's sums of unit u and q's per-unit vectors sized (count_steps sizes them).
@@ -199,8 +252,8 @@ float unit_count(Param& q, const Hyper& h, int64_t u) {
   const float step = q.step[u] + float(on);
   // sqrt(1 - beta2^t) / (1 - beta1^t) in double (1 - beta in float32 is off by ~1e-5 relative); beta2_decay d:
   // beta2 = 1 - t^d and no second-moment correction (the schedule's average is unbiased)
-  const double t = G.bank ? std::max(double(step), 1.0) : double(step);
-  q.beta2[u] = h.beta2_decay ? 1.0 - std::pow(t, *h.beta2_decay) : h.beta2;
+  const double t = step_t(q, step);
+  q.beta2[u] = beta2_at(h, t);
   double c = h.beta2_decay ? 1.0 : std::sqrt(1.0 - std::pow(h.beta2, t));
   if (q.mfmt != kMomNone) c /= 1.0 - std::pow(h.beta1, t);
   q.corr[u] = c;
@@ -226,7 +279,8 @@ void count_steps(Param& q, const Hyper& h) {
 // Matrices [m_begin, m_end): the factored EMAs' new values (active units only), in double from pass 1's double sums,
 // each rounded once into T, stored into the state if kState; if kInverses, the row inverse denominators in double
 // from the new values, rounded once (a row's ratio to the mean can be below T's range where rinv is not), the column
-// ones in T. (`step` computes the inverses of a unit before the non-finite check, and stores its state after it.)
+// ones in T, and rmw: the row mean. (`step` computes the inverses of a unit before the non-finite check, and stores
+// its state after it.)
 template <class T, bool kState, bool kInverses>
 void update_factored(const Param& q, const Stats& s, const Hyper& h, int64_t m_begin, int64_t m_end) {
   const Geo& G = q.geo;
@@ -246,15 +300,17 @@ void update_factored(const Param& q, const Stats& s, const Hyper& h, int64_t m_b
     const double rmean = (on ? ema(rvs, rc / G.Cg + Radd) : rvs) / G.Rg;
     const double rm = std::max(rmean, h.add_mode ? std::numeric_limits<double>::min() : kRowMeanFloor);
     for (int64_t i = 0; i < R; ++i) {
-      const T r = on ? T(ema(double(rv[i]), row[i] / G.Cg + add)) : rv[i];
+      const T r = on ? factored_ema(ema, rv[i], row[i], G.Cg, add) : rv[i];
       if constexpr (kState) rv[i] = r;
       if constexpr (kInverses) rinv[i] = T(1.0 / std::sqrt(std::max(double(r) / rm, floor)));
     }
     for (int64_t j = 0; j < C; ++j) {
-      const T c = on ? T(ema(double(cv[j]), col[j] / G.Rg + add)) : cv[j];
+      const T c = on ? factored_ema(ema, cv[j], col[j], G.Rg, add) : cv[j];
       if constexpr (kState) cv[j] = c;
       if constexpr (kInverses) cinv[j] = T(1) / std::sqrt(std::max(c, fl));
     }
+    if constexpr (kInverses)
+      if (s.rmw) *s.at(s.rmw, m, 1) = rm;
   }
 }
 

@@ -152,6 +152,80 @@ double p2_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
   return double(lanes_sum(acc));
 }
 
+// Pass 2 of a weighted parameter in the three passes: block b's weighted column sums (pass 1's of the one-process step,
+// the rows weighted by row_var after the step, which update_factored has stored).
+template <class E>
+void p2_weighted_block(const Param& q, const Stats& st, int64_t b) {
+  if constexpr (!std::is_same_v<typename E::T, float>) {
+    TORCH_INTERNAL_ASSERT(false, "skewadam C++ CPU kernel: weighted column sums of a ", q.dtype, " parameter");
+  } else {
+  const Geo& G = q.geo;
+  const auto* g = at_<typename E::raw>(q.g);
+  int64_t m, i0, i1;
+  G.rows(b, m, i0, i1);
+  const int64_t C = G.C;
+  const float* rv = at_<float>(q.row_var) + m * G.R;
+  float* t = st.at(st.tp, m, G.blocks_per_mat * C) + (b % G.blocks_per_mat) * C;
+  std::fill_n(t, C, 0.0f);
+  row_groups(i0, i1, [&](auto ns, int64_t i, int64_t qr) {
+    constexpr int NS = decltype(ns)::value;
+    float w[NS];
+    for (int s = 0; s < NS; ++s) w[s] = 1.0f / rv[i + s * qr];
+    p1_weighted<E, NS>(g + (m * G.R + i) * C, qr * C, C, w, t);
+  });
+  }
+}
+
+// Unit u's sum of u^2 from its weighted column sums (a weighted parameter, after update_factored's inverses):
+// sum_ij (g_ij * rinv_i * c * cinv_j)^2 = c^2 * rm * sum_j cinv_j^2 * t_j with t_j = sum_i g_ij^2 / row_var_i, as
+// rinv_i^2 = rm / row_var_i where no row's ratio to the mean is floored (eps_mode "floor": a floored row's rinv is
+// the largest, 1 / sqrt(eps); a row at that value counts as floored). NaN (pass 2 then sums u^2 itself) where one
+// is, or a weighted column sum of a block left [kSafeMin, FLT_MAX] (as pass 1's float sums, what underflowed in it is
+// then below its rounding), unless it is 0 in a column of no nonzero element.
+template <class T>
+double weighted_sumsq(const Param& q, const Stats& s, const Hyper& h, int64_t u) {
+  const Geo& G = q.geo;
+  const int64_t R = G.R, C = G.C, nb = G.blocks_per_mat;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const T top = T(1.0 / std::sqrt(h.add_mode ? 0.0 : h.eps));  // (eps_mode "add": no floor; an infinite rinv fails)
+  double sum = 0;
+  for (int64_t m = u * G.mats_per_unit; m < (u + 1) * G.mats_per_unit; ++m) {
+    const T* rinv = s.at<T>(s.rinv, m, R);
+    T mx[kLanes] = {};  // the largest rinv, in lanes (a maximum is exact in any order; one chain would not vectorise)
+    for_lanes(R, [&](int64_t i, int k) { mx[k] = std::max(mx[k], rinv[i]); });
+    if (*std::max_element(mx, mx + kLanes) >= top) return nan;
+    const float* tp = s.at(s.tp, m, nb * C);
+    const double* col = s.at(s.col, m, C);
+    const T* cinv = s.at<T>(s.cinv, m, C);
+    // per column: the blocks' weighted sums added in block order, and their least (an infinite or NaN one makes the
+    // total so); vectorised over columns, as this runs once a unit on one thread
+    thread_local std::vector<double> tj;
+    thread_local std::vector<float> lo;
+    tj.assign(size_t(C), 0.0);
+    lo.assign(size_t(C), std::numeric_limits<float>::max());
+    double* __restrict tjp = tj.data();
+    float* __restrict lop = lo.data();
+    for (int64_t k = 0; k < nb; ++k) {
+      const float* __restrict tk = tp + k * C;
+      for_lanes(C, [&](int64_t j, int) {
+        tjp[j] += double(tk[j]);
+        lop[j] = std::min(lop[j], tk[j]);
+      });
+    }
+    int64_t bad = 0;
+    double sm = 0;
+    for (int64_t j = 0; j < C; ++j) {
+      bad += !((lop[j] >= kSafeMin || (tjp[j] == 0 && col[j] == 0)) && tjp[j] <= std::numeric_limits<float>::max());
+      sm += double(cinv[j]) * double(cinv[j]) * tjp[j];
+    }
+    if (bad) return nan;
+    sum += *s.at(s.rmw, m, 1) * sm;
+  }
+  const double c = double(T(q.corr[u]));
+  sum *= c * c;
+  return std::isfinite(sum) ? sum : nan;
+}
+
 // Pass 3, one block: p = p*(1 - lr*wd) - lr * u * clip (bf16: rounded stochastically).
 template <class E>
 void p3_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
@@ -195,6 +269,20 @@ T unit_sum(const Param& q, int64_t u, const std::vector<double>* partial = nullp
   double s = 0;
   for (int64_t k = 0; k < q.geo.blocks_per_unit; ++k) s += part[u * q.geo.blocks_per_unit + k];
   return T(s);
+}
+
+// Whether unit u's sum of u^2 comes from its weighted column sums (q.usq[u], set here), not from pass 2.
+template <class T>
+bool weighted_unit(Param& q, const Stats& st, const Hyper& h, int64_t u) {
+  if (!q.weighted) return false;
+  q.usq[u] = weighted_sumsq<T>(q, st, h, u);
+  return !std::isnan(q.usq[u]);
+}
+
+// Unit u's sum of u^2, in T: from its weighted column sums where weighted_unit said so, else pass 2's partials.
+template <class T>
+T unit_usq(const Param& q, int64_t u) {
+  return q.weighted && !std::isnan(q.usq[u]) ? T(q.usq[u]) : unit_sum<T>(q, u);
 }
 
 // 1 / max(1, rms(u)), as eager computes it in T.

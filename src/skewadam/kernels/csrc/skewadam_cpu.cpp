@@ -70,7 +70,8 @@ namespace {
 std::vector<StatsRec> grad_stats(const GroupRec& group) {
   const auto& recs = std::get<0>(group);
   const size_t n = recs.size();
-  const bool relative_step = std::get<8>(group);
+  const Hyper h = hyper_of(group);
+  const bool relative_step = h.relative_step;
   Contig ct;
   std::vector<Param> qs;
   qs.reserve(n);
@@ -114,7 +115,7 @@ std::vector<StatsRec> grad_stats(const GroupRec& group) {
   }
   run_items(int64_t(blocks.size()), elements, [&](int64_t k) {
     const auto [i, b] = blocks[k];
-    with_elem(qs[i], [&](auto e) { p1_any<decltype(e)>(qs[i], b, relative_step); });
+    with_elem(qs[i], [&](auto e) { p1_any<decltype(e)>(qs[i], h, b); });
   });
   for (size_t i = 0; i < n; ++i) {
     Param& q = qs[i];
@@ -142,6 +143,8 @@ std::vector<MomentsRec> update_moments(const GroupRec& group, const std::vector<
   qs.reserve(n);
   std::vector<MomentsRec> out;
   std::vector<std::pair<int32_t, int64_t>> blocks;
+  std::vector<std::vector<double>> rmws(n);  // weighted parameters: their Stats' rmw and tp
+  std::vector<std::vector<float>> tps(n);
   int64_t elements = 0;
   for (size_t i = 0; i < n; ++i) {
     Param& q = qs.emplace_back(make_param(recs[i], ct, skipped ? kStatsPass : kMomentsPass));
@@ -185,6 +188,13 @@ std::vector<MomentsRec> update_moments(const GroupRec& group, const std::vector<
       q.st.rvs = read(rvs);
       q.st.rinv = rinv->data_ptr();
       q.st.cinv = cinv->data_ptr();
+      if (q.weighted) {
+        q.usq.assign(G.units, std::numeric_limits<double>::quiet_NaN());
+        rmws[i].assign(G.M, 0.0);
+        q.st.rmw = rmws[i].data();
+        tps[i].assign(G.M * G.blocks_per_mat * G.C, 0.0f);
+        q.st.tp = tps[i].data();
+      }
       with_elem(q, [&](auto e) { update_factored<typename decltype(e)::T, true, true>(q, q.st, h, 0, G.M); });
     }
     if (G.bank) {
@@ -202,15 +212,39 @@ std::vector<MomentsRec> update_moments(const GroupRec& group, const std::vector<
     out.emplace_back(at::empty(units, opts), corr, rinv, cinv, active_t);
   }
   if (skipped) return out;
-  run_items(int64_t(blocks.size()), elements, [&](int64_t k) {
-    const auto [i, b] = blocks[k];
-    with_elem(qs[i], [&](auto e) { qs[i].partial[b] = p2_block<decltype(e)>(qs[i], qs[i].st, h, b); });
-  });
+  // the weighted parameters' weighted column sums (the one-process step's pass 1 computes them), the others' pass 2;
+  // then pass 2 of the weighted units whose weighted sums do not hold their sum of u^2 (weighted_sumsq)
+  const auto blocks_round = [&](const std::vector<std::pair<int32_t, int64_t>>& items, int64_t work, bool sweep) {
+    run_items(int64_t(items.size()), work, [&](int64_t k) {
+      const auto [i, b] = items[k];
+      with_elem(qs[i], [&](auto e) {
+        if (sweep && qs[i].weighted)
+          p2_weighted_block<decltype(e)>(qs[i], qs[i].st, b);
+        else
+          qs[i].partial[b] = p2_block<decltype(e)>(qs[i], qs[i].st, h, b);
+      });
+    });
+  };
+  blocks_round(blocks, elements, true);
+  std::vector<std::pair<int32_t, int64_t>> again;
+  int64_t again_elements = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Param& q = qs[i];
+    const Geo& G = q.geo;
+    for (int64_t u = 0; q.weighted && u < G.units; ++u) {
+      bool weighted = true;
+      with_elem(q, [&](auto e) { weighted = !q.active[u] || weighted_unit<typename decltype(e)::T>(q, q.st, h, u); });
+      if (weighted) continue;
+      for (int64_t b = u * G.blocks_per_unit; b < (u + 1) * G.blocks_per_unit; ++b) again.emplace_back(int32_t(i), b);
+      again_elements += G.unit_numel;
+    }
+  }
+  blocks_round(again, again_elements, false);
   for (size_t i = 0; i < n; ++i)
     with_elem(qs[i], [&](auto e) {
       using T = typename decltype(e)::T;
       T* us = std::get<0>(out[i]).data_ptr<T>();
-      for (int64_t u = 0; u < qs[i].geo.units; ++u) us[u] = qs[i].active[u] ? unit_sum<T>(qs[i], u) : T(0);
+      for (int64_t u = 0; u < qs[i].geo.units; ++u) us[u] = qs[i].active[u] ? unit_usq<T>(qs[i], u) : T(0);
     });
   ct.finish();
   return out;

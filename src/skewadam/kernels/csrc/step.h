@@ -72,6 +72,10 @@ void unit_stats(const Param& q, double* absmax, double* p_sumsq) {
 // has its own partial sum, so the order changes no result.
 template <class E>
 void p2_unit(Param& q, const Stats& st, const Hyper& h, int64_t u, bool backwards) {
+  if (weighted_unit<typename E::T>(q, st, h, u)) {  // no pass 2: the clip from pass 1's weighted column sums
+    q.clip[u] = clip_of(unit_usq<typename E::T>(q, u), q.geo.ng);
+    return;
+  }
   const int64_t b0 = u * q.geo.blocks_per_unit, n = q.geo.blocks_per_unit;
   for (int64_t k = 0; k < n; ++k) {
     const int64_t b = b0 + (backwards ? n - 1 - k : k);
@@ -90,7 +94,7 @@ void p3_unit(const Param& q, const Hyper& h, int64_t u) {
 template <class E>
 void early_unit(Param& q, const Hyper& h, int64_t u) {
   const Geo& G = q.geo;
-  for (int64_t b = u * G.blocks_per_unit; b < (u + 1) * G.blocks_per_unit; ++b) p1_any<E>(q, b, h.relative_step);
+  for (int64_t b = u * G.blocks_per_unit; b < (u + 1) * G.blocks_per_unit; ++b) p1_any<E>(q, h, b);
   p1_finish<typename E::T>(q, q.st, u * G.mats_per_unit, (u + 1) * G.mats_per_unit);
   unit_stat(q, u, q.absmax ? q.absmax_buf.data() : nullptr, q.p_sumsq ? q.p_sumsq_buf.data() : nullptr);
   unit_count(q, h, u);
@@ -119,8 +123,8 @@ void late_unit(Param& q, const Hyper& h, int64_t u) {
 void split_units(std::vector<Param>& qs, const std::vector<const Hyper*>& hs,
                  const std::vector<std::pair<int32_t, int64_t>>& units, int64_t batch) {
   for (size_t next = 0; next < units.size();) {
-    std::vector<std::pair<int32_t, int64_t>> blocks;  // (parameter, block)
-    int64_t bytes = 0, elements = 0;
+    std::vector<std::pair<int32_t, int64_t>> blocks, p2_blocks;  // (parameter, block): pass 3's, pass 2's
+    int64_t bytes = 0, elements = 0, p2_elements = 0;
     const size_t first = next;
     for (; next < units.size() && (next == first || bytes + source_bytes(qs[units[next].first]) <= batch);
          ++next) {
@@ -129,30 +133,37 @@ void split_units(std::vector<Param>& qs, const std::vector<const Hyper*>& hs,
       const Geo& G = q.geo;
       bytes += source_bytes(q);
       elements += G.unit_numel;
-      for (int64_t b = u * G.blocks_per_unit; b < (u + 1) * G.blocks_per_unit; ++b) blocks.emplace_back(i, b);
+      bool weighted = false;
       with_elem(q, [&](auto e) {
-        if (G.factored)
-          update_factored<typename decltype(e)::T, true, true>(q, q.st, *hs[i], u * G.mats_per_unit,
-                                                               (u + 1) * G.mats_per_unit);
+        using T = typename decltype(e)::T;
+        if (G.factored) update_factored<T, true, true>(q, q.st, *hs[i], u * G.mats_per_unit, (u + 1) * G.mats_per_unit);
+        weighted = weighted_unit<T>(q, q.st, *hs[i], u);
       });
+      for (int64_t b = u * G.blocks_per_unit; b < (u + 1) * G.blocks_per_unit; ++b) {
+        blocks.emplace_back(i, b);
+        if (!weighted) p2_blocks.emplace_back(i, b);
+      }
+      if (!weighted) p2_elements += G.unit_numel;
     }
-    const int64_t nb = int64_t(blocks.size());
-    const auto round = [&](bool backwards, auto body) {  // (p2_unit says why pass 3 walks backwards)
-      run_items(nb, elements, [&](int64_t j) {
-        const auto [i, b] = blocks[backwards ? nb - 1 - j : j];
+    const auto round = [&](const auto& items, int64_t work, bool backwards, auto body) {  // (p2_unit: backwards)
+      const int64_t nb = int64_t(items.size());
+      run_items(nb, work, [&](int64_t j) {
+        const auto [i, b] = items[backwards ? nb - 1 - j : j];
         with_elem(qs[i], [&](auto e) { body(e, qs[i], *hs[i], b); });
       });
     };
-    round(false, [&](auto e, Param& q, const Hyper& h, int64_t b) {
+    round(p2_blocks, p2_elements, false, [&](auto e, Param& q, const Hyper& h, int64_t b) {
       q.partial[b] = p2_block<decltype(e)>(q, q.st, h, b);
     });
     for (size_t k = first; k < next; ++k) {
       Param& q = qs[units[k].first];
       with_elem(q, [&](auto e) {
-        q.clip[units[k].second] = clip_of(unit_sum<typename decltype(e)::T>(q, units[k].second), q.geo.ng);
+        q.clip[units[k].second] = clip_of(unit_usq<typename decltype(e)::T>(q, units[k].second), q.geo.ng);
       });
     }
-    round(true, [&](auto e, Param& q, const Hyper& h, int64_t b) { p3_block<decltype(e)>(q, q.st, h, b); });
+    round(blocks, elements, true, [&](auto e, Param& q, const Hyper& h, int64_t b) {
+      p3_block<decltype(e)>(q, q.st, h, b);
+    });
   }
 }
 
@@ -192,6 +203,10 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite, int64_t ca
         q.p_sumsq = q.p_sumsq_buf.data();
       }
       size_counts(q);
+      if (q.weighted) {  // pass 1's row weights take the beta2 of each unit as if it steps (only such a unit uses them)
+        q.usq.assign(G.units, std::numeric_limits<double>::quiet_NaN());
+        for (int64_t u = 0; u < G.units; ++u) q.beta2[u] = beta2_at(hypers[gi], step_t(q, q.step[u] + 1.0f));
+      }
       hs.push_back(&hypers[gi]);
       const int32_t i = int32_t(qs.size() - 1);
       q.early = early(q, cache) && G.blocks_per_unit;
@@ -201,7 +216,7 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite, int64_t ca
       stats_at.push_back(-1);
       if (G.factored) {  // at a 64-byte boundary
         stats_at.back() = (stats_size + 63) / 64 * 64;
-        stats_size = stats_at.back() + Stats::bytes(G, G.M, c10::elementSize(math_dtype(q.dtype)));
+        stats_size = stats_at.back() + Stats::bytes(G, G.M, c10::elementSize(math_dtype(q.dtype)), q.weighted);
       }
     }
   }
@@ -210,7 +225,7 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite, int64_t ca
     if (stats_at[i] >= 0)
       with_elem(qs[i], [&](auto e) {
         qs[i].st = Stats::carve<typename decltype(e)::T>(stats.data_ptr<uint8_t>() + stats_at[i], qs[i].geo, 0,
-                                                         qs[i].geo.M);
+                                                         qs[i].geo.M, qs[i].weighted);
       });
   // pass 1 (with pass 2 of the early units)
   run_items(int64_t(items.size()), elements, [&](int64_t k) {
@@ -219,7 +234,7 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite, int64_t ca
       if (qs[i].early)
         early_unit<decltype(e)>(qs[i], *hs[i], b);
       else
-        p1_any<decltype(e)>(qs[i], b, hs[i]->relative_step);
+        p1_any<decltype(e)>(qs[i], *hs[i], b);
     });
   });
   bool finite = true;
