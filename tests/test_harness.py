@@ -143,3 +143,23 @@ def test_a_bench_directory_written_before_a_setting_existed_resumes_and_another_
     changed = BenchConfig(base=RunConfig(model="tiny", steps=3), optimizers=["adamw"])
     with pytest.raises(ValueError, match=r"different setup \(steps: 2 there vs 3 now\)"):
         _check_resume(tmp_path, changed)
+
+
+def test_a_resumed_bench_reruns_a_run_whose_arm_settings_changed_since_its_log(tmp_path):
+    """A log records its arm's settings (`Arm.settings`); a log that predates the record ran the arm as it was then
+    (`arms.BEFORE_LOGGED_SETTINGS`: the quality recipe before its cheaper Newton-Schulz). Resuming counts a log as
+    the run only if those settings are today's: an old quality log is run again, an old paper-recipe log is kept."""
+    from skewadam.bench.run import _log_problem
+
+    for optimizer in ("skewadam-quality", "skewadam"):
+        cfg = RunConfig(optimizer=optimizer, **TINY)
+        path = tmp_path / f"{run_name(cfg)}.json"
+        log = train(cfg, path, progress=None)
+        assert log["arm"] == arms.get(optimizer).settings() and _log_problem(path, cfg) is None
+        del log["arm"]
+        path.write_text(json.dumps(log))
+        problem = _log_problem(path, cfg)
+        if optimizer == "skewadam":
+            assert problem is None
+        else:
+            assert "skewadam-quality ran other settings then" in problem and "'ns_interval': 4" in problem

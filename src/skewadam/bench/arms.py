@@ -51,6 +51,7 @@ whose ``lr`` is a relative step size. (The paper trains its 6.78B model at 3e-4.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections import defaultdict
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -101,7 +102,8 @@ class Arm:
         shared: state allocated once per optimizer, not per tensor (bitsandbytes' quantisation maps).
         lr, weight_decay: defaults of `skewadam bench`: the best lr of the study (``docs/study``) on its model.
         tier_options: passed to `param_groups` (SkewAdam's tier ablations).
-        options: SkewAdam's keyword arguments (its constructor's: ``momentum_dtype``, the Newton-Schulz options, ...).
+        options: SkewAdam's keyword arguments (its constructor's: ``momentum_dtype``, the Newton-Schulz options, ...;
+            empty for the others): the planner's ZeRO figures resolve each group's state from them, as SkewAdam does.
         orthogonal: passed to `param_groups`: which tensors take the orthogonal update (`orthogonal_names`).
         variant_of: another implementation of that arm's math (`bench-step` compares it; `bench --optimizers all`
             and the study leave it out).
@@ -109,8 +111,6 @@ class Arm:
         kernels: steps with SkewAdam's kernels (`skewadam bench` builds the C++ one before its first run).
         in_backward: steps each tensor inside backward (`skewadam.backward`): the planner counts the gradients in
             flight rather than all of them; no global gradient to clip (``--grad-clip 0``).
-        options: SkewAdam's keyword arguments (its arms'; empty for the others): the planner's ZeRO figures resolve
-            each group's state from them, as the optimizer does.
     """
 
     name: str
@@ -131,7 +131,6 @@ class Arm:
     kernels: bool = False
     in_backward: bool = False
     reduced: Optional[Reduced] = None
-    options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def build(self, model: nn.Module, lr: Optional[float] = None, weight_decay: Optional[float] = None, *,
               impl: str = "auto"):
@@ -148,6 +147,13 @@ class Arm:
         groups = param_groups(model, weight_decay=wd, tier_options=dict(self.tier_options), log=False,
                               orthogonal=self.orthogonal)
         return self.make(groups, lr, impl)
+
+    def settings(self) -> dict[str, Any]:
+        """What the arm builds beyond its name, lr and weight decay, as JSON: a run's log records it, so that a
+        resumed bench re-runs an arm whose settings changed since (`logged_settings`)."""
+        return json.loads(json.dumps({"options": self.options, "tier_options": self.tier_options,
+                                      "orthogonal": self.orthogonal}, sort_keys=True,
+                                     default=lambda o: dict(o) if isinstance(o, Mapping) else repr(o)))
 
 
 class ChainedOptimizer:
@@ -373,6 +379,20 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in [
 PLAN_DEFAULT = ("adamw", "adamw8bit-bnb", "adamw8bit-torchao", "adafactor", "skewadam", "skewadam-expert-momentum",
                 "skewadam-factored-router", "skewadam-uniform", "skewadam-bf16m", "skewadam-lean")
 BENCH_STEP_DEFAULT = ("skewadam", "adamw", "adamw-foreach", "adafactor")  # the first is the one compared with
+
+
+#: Arms whose settings changed before run logs recorded them (`Arm.settings`), and the arm that builds today what
+#: they built then: the quality recipe's cheaper Newton-Schulz (docs/study/cheaper.md).
+BEFORE_LOGGED_SETTINGS = {"skewadam-quality": "skewadam-quality-fp32"}
+
+
+def logged_settings(log: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings a run's log ran its arm with: recorded, or for a log older than the record, the arm's settings
+    then (today's but for the arms of `BEFORE_LOGGED_SETTINGS`)."""
+    if "arm" in log:
+        return log["arm"]
+    name = log["config"]["optimizer"]
+    return get(BEFORE_LOGGED_SETTINGS.get(name, name)).settings()
 
 
 def names(*, buildable: bool = False, planned: bool = False, variants: bool = True) -> list[str]:

@@ -256,6 +256,7 @@ def train(cfg: RunConfig, log_path: Optional[Path] = None, *, tensorboard: Optio
         "name": name,
         "config": identity,
         "config_hash": config_hash(identity),
+        "arm": arm.settings(),
         "model": {"name": cfg.model, "params": sum(p.numel() for p in params.values()),
                   "params_by_tier": params_by_tier, "block_size": T, "balance_floor": built.balance_floor,
                   "config": built.config},
