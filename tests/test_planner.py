@@ -508,3 +508,14 @@ def test_zero_state_over_the_ranks_is_at_most_1_25x_one_process_and_each_rank_ke
         p = plan(model, optimizers=["skewadam"], param_dtype="bf16", zero=stage, shards=ranks)["skewadam"]
         assert p.state.total <= p.zero.state_ranks <= 1.25 * p.state.total, (stage, ranks, p.zero)
         assert p.zero.state <= 1.25 * p.state.total / ranks, (stage, ranks, p.zero)
+
+
+def test_planning_under_skewadam_impl_triton_in_the_interpreter_counts_the_triton_kernel_on_cpu(monkeypatch):
+    """The distributed workers test the Triton kernels on CPU tensors in Triton's interpreter with
+    ``SKEWADAM_IMPL=triton``: a plan there counts the backend the steps run, without building anything."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("SKEWADAM_IMPL", "triton")
+    assert plan("tiny", optimizers=["skewadam"]).backend == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="impl='triton' runs on CUDA tensors"):
+        plan("tiny", optimizers=["skewadam"])

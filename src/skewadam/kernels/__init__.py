@@ -65,8 +65,11 @@ class Backend:
         return importlib.import_module(self.module)
 
     def runs_on(self, device: torch.device | str) -> bool:
-        """Whether its device types include ``device``'s (not whether it builds or imports here: `available`)."""
-        return self.devices is None or torch.device(device).type in self.devices
+        """Whether its device types include ``device``'s, counting CPU for the Triton kernels in Triton's interpreter
+        (``TRITON_INTERPRET=1``), as `available` does (not whether it builds or imports here: `available`)."""
+        kind = torch.device(device).type
+        return self.devices is None or kind in self.devices or \
+            (self.name == "triton" and kind == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
     def available(self, device: torch.device | str, warn: bool = False) -> bool:
         """Whether it runs on ``device`` here: it builds or imports, and takes that device's tensors (the Triton
