@@ -87,8 +87,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            compute="2.1e14 Newton-Schulz FLOPs per step on average (1.5e13 for the 11 hidden matrices every step, "
                    "7.9e14 for the 384 expert slices every 4th), those of ~80k tokens' forward and backward",
            evidence="on the bench model level with the recipe before it (Newton-Schulz in fp32 on every slice every "
-                    "step) over 200 steps, 7.293 ± 0.096 against 7.214 ± 0.071 (lr 3e-2, 3 seeds), 4.568 against "
-                    "4.495 over 1,000 (lr 1e-2, seed 0 only), ahead of Muon+AdamW (8.437 ± 0.122, 4.715), at an "
+                    "step) over 200 steps, 7.293 ± 0.096 against 7.214 ± 0.071 (lr 3e-2, 3 seeds), and over 1,000 "
+                    "4.556 ± 0.053 against 4.550 ± 0.023 (lr 1e-2, 3 seeds), ahead of Muon+AdamW (8.437 ± 0.122, "
+                    "4.673 ± 0.040), at an "
                     "optimizer step 0.39x the 20.3M model's forward and backward where the former took 1.47x "
                     "(docs/study/cheaper.md); the former at 20.3M parameters led AdamW and the paper tiers and "
                     "trailed Muon+AdamW (4.520 against 4.402, 3.333 against 3.295; seed 0, docs/study/scale.md)"),
