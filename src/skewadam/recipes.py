@@ -91,8 +91,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
                     "4.556 ± 0.053 against 4.550 ± 0.023 (lr 1e-2, 3 seeds), ahead of Muon+AdamW (8.437 ± 0.122, "
                     "4.673 ± 0.040), at an "
                     "optimizer step 0.39x the 20.3M model's forward and backward where the former took 1.47x "
-                    "(docs/study/cheaper.md); the former at 20.3M parameters led AdamW and the paper tiers and "
-                    "trailed Muon+AdamW (4.520 against 4.402, 3.333 against 3.295; seed 0, docs/study/scale.md)"),
+                    "(docs/study/cheaper.md); at 20.3M parameters 4.504, ahead of the former (4.520) and AdamW "
+                    "(4.970), behind Muon+AdamW (4.402; seed 0, docs/study/scale.md)"),
 ]}
 DEFAULT_RECIPE = "paper"
 
