@@ -69,9 +69,10 @@ def _log_problem(path: Path, cfg: RunConfig) -> Optional[str]:
     except ValueError as e:
         return f"damaged log ({e})"
     problem = identity_problem(log, run_identity(cfg))
-    ran, now = arms.logged_settings(log), arms.get(cfg.optimizer).settings()
-    if problem is None and ran != now:
-        problem = f"{cfg.optimizer} ran other settings then ({ran}; now {now})"
+    if problem is None:  # (its optimizer is cfg's: an arm of the registry)
+        ran, now = arms.logged_settings(log), arms.get(cfg.optimizer).settings()
+        if ran != now:
+            problem = f"{cfg.optimizer} ran other settings then ({ran}; now {now})"
     return f"its log is not this run's: {problem}" if problem else None
 
 
