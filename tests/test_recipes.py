@@ -52,7 +52,7 @@ def test_the_quality_recipe_is_the_studys_best_configuration_at_its_lr():
     slices alone are orthogonalised every 4th step (docs/study/cheaper.md)."""
     model = _model()
     opt = SkewAdam.from_model(model, recipe="quality", log=False)
-    spelled = SkewAdam.from_model(model, lr=1e-2, orthogonal="experts", orthogonal_options={"use_momentum": True},
+    spelled = SkewAdam.from_model(model, lr=3e-3, orthogonal="experts", orthogonal_options={"use_momentum": True},
                                   momentum_dtype="int8", ns_dtype="auto", tier_options={"expert": {"ns_interval": 4}},
                                   log=False)
     assert _groups(opt) == _groups(spelled) and opt.defaults == spelled.defaults
@@ -60,7 +60,7 @@ def test_the_quality_recipe_is_the_studys_best_configuration_at_its_lr():
     assert {g["tier"] for g in orth} == {"backbone", "expert"}
     assert all(g["use_momentum"] and g["momentum_dtype"] == "int8" and g["ns_dtype"] == "auto" for g in orth)
     assert {g["tier"]: g["ns_interval"] for g in orth} == {"backbone": 1, "expert": 4}
-    assert opt.defaults["lr"] == 1e-2
+    assert opt.defaults["lr"] == 3e-3
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["bf16_matmuls", "emulated_bf16"])
@@ -94,9 +94,9 @@ def test_the_lean_recipe_keeps_int8_momentum_and_the_least_state():
 
 def test_explicit_keyword_arguments_override_a_recipe_and_dicts_key_by_key():
     model = _model()
-    opt = SkewAdam.from_model(model, recipe="quality", lr=3e-3, momentum_dtype="bf16",
+    opt = SkewAdam.from_model(model, recipe="quality", lr=1e-3, momentum_dtype="bf16",
                               orthogonal_options={"lr": 5e-3}, log=False)
-    assert opt.defaults["lr"] == 3e-3 and opt.defaults["momentum_dtype"] == "bf16"
+    assert opt.defaults["lr"] == 1e-3 != RECIPES["quality"].lr and opt.defaults["momentum_dtype"] == "bf16"
     orth = [g for g in opt.param_groups if g["update"] == "orthogonal"]
     assert orth and all(g["lr"] == 5e-3 and g["use_momentum"] for g in orth)  # the recipe's use_momentum stays
     assert apply("quality", {"orthogonal": False})["orthogonal"] is False
