@@ -70,7 +70,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            compute="none beyond the Adam-style update",
            evidence="the paper's configuration; on the bench model it matches AdamW at 0.117x its state over 1,000 "
                     "steps (6.540 ± 0.118 against 6.624 ± 0.077, 3 seeds, docs/study/long.md), and at 20.3M "
-                    "parameters, each at its best of three lrs (both 1e-3), 4.977 ± 0.011 against 4.962 ± 0.011 over 1,000 steps (2 seeds, docs/study/scale.md)"),
+                    "parameters, each at its best of three lrs (both 1e-3), 4.977 ± 0.011 against 4.962 ± 0.011 "
+                    "over 1,000 steps (2 seeds, docs/study/scale.md)"),
     Recipe("lean", "the paper's tiers with block-wise int8 momentum: the least memory", {"momentum_dtype": "int8"},
            1e-3,
            state=f"345.23 MiB (0.007x AdamW's 50.55 GiB; {_PLAN.format('skewadam-lean')})",
