@@ -70,8 +70,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            compute="none beyond the Adam-style update",
            evidence="the paper's configuration; on the bench model it matches AdamW at 0.117x its state over 1,000 "
                     "steps (6.540 ± 0.118 against 6.624 ± 0.077, 3 seeds, docs/study/long.md), and at 20.3M "
-                    "parameters, each at its best of three lrs (both 1e-3), 4.977 ± 0.011 against 4.962 ± 0.011 "
-                    "over 1,000 steps (2 seeds, docs/study/scale.md)"),
+                    "parameters, each at its best of three lrs (both 1e-3), 4.975 ± 0.008 against 4.962 ± 0.008 "
+                    "over 1,000 steps (3 seeds, docs/study/scale.md)"),
     Recipe("lean", "the paper's tiers with block-wise int8 momentum: the least memory", {"momentum_dtype": "int8"},
            1e-3,
            state=f"345.23 MiB (0.007x AdamW's 50.55 GiB; {_PLAN.format('skewadam-lean')})",
@@ -94,8 +94,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
                     "4.673 ± 0.040), at an "
                     "optimizer step 0.39x the 20.3M model's forward and backward where the former took 1.47x "
                     "(docs/study/cheaper.md); at 20.3M parameters over 1,000 steps, each arm at its best of three "
-                    "lrs, 4.094 at 3e-3 (4.276 at 1e-3, 4.504 at 1e-2), ahead of Muon+AdamW (4.413) and AdamW "
-                    "(4.970; seed 0, docs/study/scale.md): its lr here, as the larger model's best"),
+                    "lrs, 4.091 ± 0.023 at 3e-3 over 3 seeds (seed 0: 4.276 at 1e-3, 4.504 at 1e-2), ahead of "
+                    "Muon+AdamW (4.402 ± 0.035) and AdamW (4.962 ± 0.008; docs/study/scale.md): its lr here, "
+                    "the larger model's best"),
 ]}
 DEFAULT_RECIPE = "paper"
 
