@@ -81,19 +81,50 @@ def test_every_impl_matches_the_fp64_reference(impl, eps_mode):
 
 
 @needs_cpp
+@pytest.mark.parametrize("skip_nonfinite", [True, False], ids=["checked", "unchecked"])
 @pytest.mark.parametrize("cache", [1 << 10, None, 1 << 30], ids=["all-split", "this-cache", "none-split"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_cpp_single_process_step_is_bitwise_the_three_pass_path(dtype, cache, monkeypatch):
+def test_cpp_single_process_step_is_bitwise_the_three_pass_path(dtype, cache, skip_nonfinite, monkeypatch):
     # No reducer: one C++ call, its units scheduled by what fits a core's cache (`cpu.step_`: with a 1 KiB cache
-    # every unit is split, with 1 GiB none is). An identity reducer forces the three passes with the seam between.
+    # every unit is split, with 1 GiB none is; unchecked, an early unit's pass 3 follows its pass 2 at once). An
+    # identity reducer forces the three passes with the seam between.
     if cache is not None:
         monkeypatch.setattr(cpu, "cache_bytes", lambda: cache)
-    fused, opt_f = _run("cpp", SPECS, 6, dtype, lr=0.01, weight_decay=0.1)
-    passes, opt_p = _run("cpp", SPECS, 6, dtype, reducer=lambda items: None, lr=0.01, weight_decay=0.1)
+    hp = dict(lr=0.01, weight_decay=0.1, skip_nonfinite=skip_nonfinite)
+    fused, opt_f = _run("cpp", SPECS, 6, dtype, **hp)
+    passes, opt_p = _run("cpp", SPECS, 6, dtype, reducer=lambda items: None, **hp)
     for a, b in zip(fused, passes):
         assert torch.equal(a, b)
         for key, value in opt_f.state[a].items():
             assert torch.equal(value, opt_p.state[b][key]), key
+
+
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_unchecked_whole_units_write_a_non_finite_gradient_as_the_three_passes_do(dtype):
+    # skip_nonfinite=False: each early slice is written right after its pass 2, before later slices are read; a NaN
+    # in one slice and an inf in another reach the weights as the three passes (all reads first) write them
+    specs = [((4, 70, 130), "expert", {}), ((3, 5, 9), "expert", {})]
+    out = []
+    for reducer in (None, IDENTITY):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, dtype=dtype)) for s, _, _ in specs]
+        opt = SkewAdam([{"params": [p], "tier": t} for p, (_, t, _) in zip(params, specs)], lr=0.01,
+                       skip_nonfinite=False, impl="cpp")
+        opt._reducer = reducer
+        for step, grads in enumerate(step_grads(specs, 3, dtype)):
+            if step == 1:
+                grads[0][1, 3, 5], grads[1][2, 0, 0] = float("nan"), float("inf")
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+        out.append((params, opt))
+    (a, opt_a), (b, opt_b) = out
+    assert a[0][0].isfinite().all() and not a[1][2].isfinite().all()  # slice 0 stepped on; the inf reached slice 2
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+        for key, value in opt_a.state[x].items():
+            torch.testing.assert_close(value, opt_b.state[y][key], rtol=0, atol=0, equal_nan=True)
 
 
 @needs_cpp

@@ -118,7 +118,9 @@ class SkewAdam(BackwardMode, Optimizer):
         seed: seed of the stochastic rounding of bf16 parameters (and bf16 momentum).
         skip_nonfinite: if any gradient holds inf/NaN, skip the whole step (weights and state untouched) and count
             it in ``skipped_steps``, as AMP's GradScaler does; on the device where the backend can (no host sync).
-            With ``in_backward``, that tensor's update alone (``skipped_tensors``).
+            With ``in_backward``, that tensor's update alone (``skipped_tensors``). ``False`` (a loop that checks
+            the gradients itself) also lets the C++ kernel write each fp32 expert slice right after reading its
+            gradient, one read of the gradients fewer (docs/guide/kernels.md: ``whole``).
         impl: the backend, ``"auto"`` or a name of `skewadam.kernels.BACKENDS` (`skewadam.kernels.resolve_backend`:
             ``SKEWADAM_IMPL`` if set, else the preferred backend available on the parameters' device); same math.
         update: ``"adam"`` (the tiers' update) or ``"orthogonal"`` (above; matrices and banks of matrices only).

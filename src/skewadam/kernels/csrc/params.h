@@ -152,6 +152,7 @@ struct Param {
   int64_t mC = 1, mNB = 1;
   uint32_t mkey = 0;
   bool early = false;  // `step`: pass 2 of each unit right after its pass 1 (one process)
+  bool whole = false;  // `step`, early and no non-finite check: pass 3 of each unit right after its pass 2
 
   std::string label() const {
     std::string s = name ? std::string(py::str(name)) : std::string();

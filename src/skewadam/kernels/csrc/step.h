@@ -13,7 +13,9 @@ namespace {
 //   * early: a factored unit without a first moment, whose gradient fits a core's L2 cache: its pass 1, then its
 //     factored EMAs' inverses and pass 2 (which writes nothing else) with the gradient in cache, its clip; after the
 //     check its state and pass 3. The gradient is read from memory twice (pass 1, pass 3), with nothing else
-//     competing for the cache between pass 1 and pass 2.
+//     competing for the cache between pass 1 and pass 2. Without the non-finite check (skip_nonfinite false) a unit
+//     of fp32 or fp64 weights is whole: its state and pass 3 follow at once, the gradient read from memory once
+//     (bf16 weights wait: their rounding key sums every bank slice's step count).
 //   * fused: another unit whose pass-3 source (momentum, else gradient) fits the cache: after the check, passes 2
 //     and 3 back to back by one thread, the source read from memory once for both.
 //   * split: a larger unit, its blocks spread over the threads, pass 2 then pass 3, in batches whose sources fit a
@@ -118,6 +120,14 @@ void late_unit(Param& q, const Hyper& h, int64_t u) {
   p3_unit<E>(q, h, u);
 }
 
+// A whole unit (Param::whole): early_unit, its step count stored (count_steps' value), late_unit.
+template <class E>
+void whole_unit(Param& q, const Hyper& h, int64_t u) {
+  early_unit<E>(q, h, u);
+  q.step[u] += float(q.active[u]);
+  if (q.active[u]) late_unit<E>(q, h, u);
+}
+
 // Split units, their blocks spread over the threads, in batches: EMAs, pass 2, clips, pass 3. A batch's pass-3
 // sources take at most `batch` bytes, so that pass 3 finds them in the L3 cache where pass 2 left them.
 void split_units(std::vector<Param>& qs, const std::vector<const Hyper*>& hs,
@@ -210,6 +220,7 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite, int64_t ca
       hs.push_back(&hypers[gi]);
       const int32_t i = int32_t(qs.size() - 1);
       q.early = early(q, cache) && G.blocks_per_unit;
+      q.whole = q.early && !skip_nonfinite && q.dtype != at::kBFloat16;
       const int64_t n = q.early ? G.units : G.blocks();
       for (int64_t k = 0; k < n; ++k) items.emplace_back(i, k);
       elements += G.numel;
@@ -227,11 +238,13 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite, int64_t ca
         qs[i].st = Stats::carve<typename decltype(e)::T>(stats.data_ptr<uint8_t>() + stats_at[i], qs[i].geo, 0,
                                                          qs[i].geo.M, qs[i].weighted);
       });
-  // pass 1 (with pass 2 of the early units)
+  // pass 1 (with pass 2 of the early units, and pass 3 of the whole ones)
   run_items(int64_t(items.size()), elements, [&](int64_t k) {
     const auto [i, b] = items[k];
     with_elem(qs[i], [&](auto e) {
-      if (qs[i].early)
+      if (qs[i].whole)
+        whole_unit<decltype(e)>(qs[i], *hs[i], b);
+      else if (qs[i].early)
         early_unit<decltype(e)>(qs[i], *hs[i], b);
       else
         p1_any<decltype(e)>(qs[i], *hs[i], b);
@@ -254,6 +267,7 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite, int64_t ca
   int64_t whole_elements = 0;
   for (size_t i = 0; i < qs.size(); ++i) {
     Param& q = qs[i];
+    if (q.whole) continue;  // stepped
     count_steps(q, *hs[i]);
     for (int64_t u = 0; u < q.geo.units; ++u) {
       if (!q.active[u] || q.geo.blocks_per_unit == 0) continue;
