@@ -26,19 +26,13 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 
 from skewadam import SkewAdam  # noqa: E402
+from skewadam.bench.roofline import MOE  # noqa: E402
 from skewadam.pieces import Layout, TensorLayout  # noqa: E402
 from skewadam.state import format_bytes, measure_state, state_flags  # noqa: E402
 from skewadam.zero import Partition, ZeroSteps  # noqa: E402
 
-#: Issue 34's parameters: (name, shape, tier).
-PARAMS = [
-    ("tok_emb", (4096, 256), "backbone"),
-    *((f"attn.{w}", (256, 256), "backbone") for w in ("wq", "wk", "wv", "wo")),
-    ("ffn.w1", (512, 256), "backbone"), ("ffn.w2", (256, 512), "backbone"),
-    ("norm1", (256,), "backbone"), ("norm2", (256,), "backbone"),
-    ("experts.w1", (32, 1024, 256), "expert"), ("experts.w2", (32, 256, 512), "expert"),
-    ("router", (32, 256), "router"),
-]
+#: Issue 34's parameters, the roofline's: (name, shape, tier).
+PARAMS = [(name, shape, tier) for name, shape, tier, _ in MOE]
 TIERS = ("backbone", "expert", "router")
 
 

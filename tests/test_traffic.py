@@ -4,6 +4,7 @@ and ``skewadam bench-step --roofline`` dividing the model's bytes by the times i
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -49,7 +50,22 @@ def test_an_expert_bank_in_a_core_cache_moves_16_bytes_a_parameter_in_fp32_and_8
     for dtype, size in ((F32, 4), (BF16, 2)):
         t = traffic.cpp((32, 1024, 256), dtype, EXPERT, cache=MiB)
         assert t.schedule == "early" and _per_param(t, 32 * 1024 * 256) == [size, 0, 3 * size, 4 * size]
-        assert traffic.adamw_bytes(1, dtype) == 7 * size and traffic.stream_bytes(1, dtype) == 3 * size
+        assert t.read == 3 * size * 32 * 1024 * 256  # g twice and p: 3/4 of AdamW's reads
+
+
+def test_without_the_non_finite_check_an_fp32_expert_slice_reads_its_gradient_once():
+    # skip_nonfinite=False: pass 3 right after pass 2, the gradient in cache; bf16 keys wait for every slice's pass 1
+    n = 32 * 1024 * 256
+    for dtype, size, schedule, reads in ((F32, 4, "whole", 2), (torch.float64, 8, "whole", 2), (BF16, 2, "early", 3)):
+        t = traffic.cpp((32, 1024, 256), dtype, EXPERT, skip_nonfinite=False, cache=MiB // 2 * size)
+        assert (t.schedule, t.read) == (schedule, reads * size * n)
+
+
+def test_adamw_reads_four_streams_and_writes_three_a_stream_reads_two_and_writes_one():
+    for dtype, size in ((F32, 4), (BF16, 2)):
+        adamw, stream = traffic.adamw(10, dtype), traffic.stream(10, dtype)
+        assert (adamw.read, adamw.bytes) == (40 * size, 70 * size)
+        assert (stream.read, stream.bytes) == (20 * size, 30 * size)
 
 
 def test_the_cpp_schedule_follows_what_fits_a_core_cache():
@@ -99,14 +115,14 @@ def _num(x: float) -> str:
 
 def _table_row(label, shape, flags, momentum, dtype) -> str:
     """A row of the guide's table: the C++ kernel's schedule (1 MiB cache), its bytes per parameter by pass and in
-    all, over fused AdamW's; the Triton kernel's bytes, over AdamW's."""
+    all, over fused AdamW's, its reads over AdamW's; the Triton kernel's bytes, over AdamW's."""
     n = torch.Size(shape).numel()
     flags = flags._replace(momentum=momentum) if flags.momentum else flags
     t = traffic.cpp(shape, dtype, flags, cache=MiB)
     tr = traffic.triton(shape, dtype, flags)
-    adamw = traffic.adamw_bytes(n, dtype)
-    return (f"| {label} | {t.schedule} | {' | '.join(map(_num, _per_param(t, n)))} | {t.bytes / adamw:.2f} | "
-            f"{_num(tr.bytes / n)} | {tr.bytes / adamw:.2f} |")
+    adamw = traffic.adamw(n, dtype)
+    return (f"| {label} | {t.schedule} | {' | '.join(map(_num, _per_param(t, n)))} | {t.bytes / adamw.bytes:.2f} | "
+            f"{t.read / adamw.read:.2f} | {_num(tr.bytes / n)} | {tr.bytes / adamw.bytes:.2f} |")
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
@@ -128,17 +144,36 @@ def test_roofline_divides_the_modeled_bytes_by_the_measured_times(monkeypatch, c
     expert = res["rows"][1]
     assert expert["bytes"]["skewadam"] == traffic.cpp((2, 16, 8), F32, EXPERT).bytes
     assert expert["bytes"]["adamw"] == 28 * 256 and expert["bytes"]["stream"] == 12 * 256
+    assert expert["reads"] == {"skewadam": 12 * 256, "adamw": 16 * 256}
     assert all(t > 0 for r in res["rows"] for t in r["median_s"].values())
     out = roofline.format_roofline(res)
-    assert re.search(r"^expert \(early\) +256 +16\.00 ", out, re.M), out
+    assert re.search(r"^expert \(early\) +256 +16\.00 .* 0\.75x +[0-9.]+x$", out, re.M), out
+    assert res["add_over_dot"] > 0
+    assert re.search(r"^a\.add_\(b\) / torch\.dot\(a, b\), fp32, the whole set's size: [0-9]+\.[0-9]{2} ", out, re.M)
     assert main(["bench-step", "--roofline", "--rounds", "1", "--steps", "1", "--warmup", "0"]) == 0
     assert "eff/adamw" in capsys.readouterr().out
+    unchecked = roofline.roofline(rounds=1, steps=1, warmup=0, skip_nonfinite=False)
+    assert unchecked["rows"][1]["schedules"] == ["whole"] and unchecked["rows"][1]["reads"]["skewadam"] == 8 * 256
+    assert "no non-finite check" in roofline.format_roofline(unchecked)
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--roofline", "--optimizers", "adamw"], "drop --preset, --optimizers"),
-    (["--momentum", "int8"], "--momentum and --deepspeed go with --roofline"),
+    (["--momentum", "int8"], "--momentum, --deepspeed and --unchecked go with --roofline"),
+    (["--unchecked"], "--momentum, --deepspeed and --unchecked go with --roofline"),
 ])
 def test_bench_step_refuses_options_that_do_not_go_with_roofline(argv, message):
     with pytest.raises(SystemExit, match=message):
         main(["bench-step", *argv])
+
+
+def test_streams_benchmark_prints_each_op_with_the_traffic_models_stream_counts(capsys):
+    spec = importlib.util.spec_from_file_location("streams", Path(__file__).parents[1] / "benchmarks" / "streams.py")
+    streams = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(streams)
+    streams.main(["--numel", "4096", "--rounds", "2", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert re.search(r"^fused AdamW +4 +3 ", out, re.M) and re.search(r"^a\.add_\(b\) +2 +1 ", out, re.M), out
+    assert re.search(r"^a\.add_\(b\) / dot\(a, b\): [0-9]+\.[0-9]{2} ", out, re.M), out
+    with pytest.raises(SystemExit):
+        streams.main(["--numel", "0"])

@@ -421,6 +421,8 @@ def _add_bench_step(sub) -> None:
                    "and C++ path on fixed tensors, as GB/s of the bytes each moves (skewadam.bench.roofline)")
     p.add_argument("--momentum", choices=("fp32", "bf16", "int8"), default="fp32", help="with --roofline: its momentum")
     p.add_argument("--deepspeed", action="store_true", help="with --roofline: also time DeepSpeedCPUAdam")
+    p.add_argument("--unchecked", action="store_true", help="with --roofline: SkewAdam without its non-finite check "
+                   "(skip_nonfinite=False), as a loop that checks the gradients itself runs it")
     p.set_defaults(func=_bench_step)
 
 
@@ -437,8 +439,8 @@ def _bench_step(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     if args.roofline:
         return _roofline(args)
-    if args.deepspeed or args.momentum != "fp32":
-        raise SystemExit("skewadam bench-step: --momentum and --deepspeed go with --roofline")
+    if args.deepspeed or args.unchecked or args.momentum != "fp32":
+        raise SystemExit("skewadam bench-step: --momentum, --deepspeed and --unchecked go with --roofline")
     first, *others = arms.BENCH_STEP_DEFAULT
     names = tuple(dict.fromkeys((first, *(args.optimizers or others))))
     try:
@@ -461,7 +463,7 @@ def _roofline(args: argparse.Namespace) -> int:
                          "drop --preset, --optimizers, --set and --flush-mb")
     print(format_roofline(roofline(dtype=args.dtype, momentum_dtype=args.momentum, rounds=args.rounds,
                                    steps=args.steps, warmup=args.warmup, impl=args.impl, clock=args.clock,
-                                   deepspeed=args.deepspeed, seed=args.seed)))
+                                   deepspeed=args.deepspeed, skip_nonfinite=not args.unchecked, seed=args.seed)))
     return 0
 
 

@@ -9,20 +9,25 @@ or wrote it, which is what the C++ kernel's schedules are for (``cache``: a core
 
 - ``early``: a factored unit without momentum whose gradient fits the cache does pass 2 right after its pass 1, on
   the gradient in cache; pass 3, after the non-finite check, reads the gradient again.
+- ``whole``: such a unit of fp32 or fp64 weights without the non-finite check (``skip_nonfinite=False``): pass 3 too
+  right after, finding the gradient in cache.
 - ``fused``: another unit whose pass-2 streams (gradient, first moment, full second moment) fit the cache does
   passes 2 and 3 back to back, pass 3 finding the first (else the gradient) and full second moment in cache.
 - ``split`` (larger units) and every Triton launch: each pass reads what it needs from memory, except that a factored
   unit without momentum whose fp32 gradient exceeds `cpu.WEIGHTED_ABOVE` has no pass 2 in the C++ kernel: its clip
   comes from pass 1's weighted column sums.
 
-Fused AdamW (torch's ``fused=True``) moves 7 element-sized streams (reads p, g, m, v; writes p, m, v): 28 bytes a
-parameter in fp32 and 14 in bf16 (its state is in the parameter's dtype); a plain stream ``a.add_(b)`` moves 3.
+Fused AdamW (torch's ``fused=True``, `adamw`) moves 7 element-sized streams (reads p, g, m, v; writes p, m, v): 28
+bytes a parameter in fp32 and 14 in bf16 (its state is in the parameter's dtype); a plain stream ``a.add_(b)``
+(`stream`) moves 3. Reads and writes are kept apart (`Traffic.read`): one core of an AMD EPYC (Zen 4) takes the same
+time for ``a.add_(b)`` as for ``torch.dot(a, b)``, an in-place write costing next to nothing beside the reads
+(benchmarks/streams.py), so there the reads bound a step's time.
 
 Example:
     >>> from skewadam.state import state_flags
     >>> t = cpp((32, 1024, 256), torch.float32, state_flags({"tier": "expert"}), cache=1 << 20)
-    >>> t.schedule, t.bytes / (32 * 1024 * 256)
-    ('early', 16.0)
+    >>> t.schedule, t.bytes / (32 * 1024 * 256), t.read / adamw(32 * 1024 * 256, torch.float32).read
+    ('early', 16.0, 0.75)
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import torch
 from ..state import TierSpec
 from . import cpu
 
-__all__ = ["Pass", "Traffic", "cpp", "triton", "adamw_bytes", "stream_bytes", "PASSES"]
+__all__ = ["Pass", "Traffic", "cpp", "triton", "adamw", "stream", "PASSES"]
 
 PASSES = ("pass 1", "pass 2", "pass 3")
 
@@ -49,12 +54,16 @@ class Pass(NamedTuple):
 class Traffic(NamedTuple):
     """One tensor's traffic in one step."""
 
-    schedule: str  # the C++ kernel's "early", "fused" or "split"; "triton"
+    schedule: str  # the C++ kernel's "early", "whole", "fused" or "split"; "triton"; "adamw", "stream"
     passes: tuple[Pass, ...]
 
     @property
     def bytes(self) -> int:
         return sum(p.read + p.written for p in self.passes)
+
+    @property
+    def read(self) -> int:
+        return sum(p.read for p in self.passes)
 
 
 class _Sizes(NamedTuple):
@@ -79,7 +88,7 @@ def _sizes(shape: Sequence[int], dtype: torch.dtype, flags: TierSpec) -> _Sizes:
 
 
 def cpp(shape: Sequence[int], dtype: torch.dtype, flags: TierSpec, *, relative_step: bool = False,
-        cache: Optional[int] = None) -> Traffic:
+        skip_nonfinite: bool = True, cache: Optional[int] = None) -> Traffic:
     """The C++ kernel's one-process step (`skewadam.kernels.cpu.step_`) of a tensor of ``shape`` and ``dtype`` in a
     group of state ``flags`` (`skewadam.state.state_flags`), its units scheduled for a core's cache of ``cache``
     bytes (default: this machine's, `cpu.cache_bytes`)."""
@@ -87,6 +96,8 @@ def cpp(shape: Sequence[int], dtype: torch.dtype, flags: TierSpec, *, relative_s
     cache = cpu.cache_bytes() if cache is None else cache
     p1 = Pass("pass 1", s.g * (1 + relative_step), 0)
     if s.factored and not s.m and s.unit[0] <= cache:
+        if not skip_nonfinite and dtype != torch.bfloat16:
+            return Traffic("whole", (p1, Pass("pass 2", 0, 0), Pass("pass 3", s.g, s.g)))
         return Traffic("early", (p1, Pass("pass 2", 0, 0), Pass("pass 3", 2 * s.g, s.g)))
     if s.factored and not s.m and dtype == torch.float32 and s.unit[0] > cpu.WEIGHTED_ABOVE:
         return Traffic("split", (p1, Pass("pass 2", 0, 0), Pass("pass 3", 2 * s.g, s.g)))
@@ -105,11 +116,14 @@ def triton(shape: Sequence[int], dtype: torch.dtype, flags: TierSpec, *, relativ
                               Pass("pass 3", s.g + (s.m or s.g) + s.v, s.g)))
 
 
-def adamw_bytes(numel: int, dtype: torch.dtype) -> int:
-    """Fused AdamW's bytes for ``numel`` parameters of ``dtype`` (state in the parameter's dtype)."""
-    return 7 * numel * dtype.itemsize
+def adamw(numel: int, dtype: torch.dtype) -> Traffic:
+    """Fused AdamW's step over ``numel`` parameters of ``dtype`` (state in the parameter's dtype): one pass reading
+    p, g, m and v, writing p, m and v."""
+    n = numel * dtype.itemsize
+    return Traffic("adamw", (Pass("step", 4 * n, 3 * n),))
 
 
-def stream_bytes(numel: int, dtype: torch.dtype) -> int:
-    """``a.add_(b)``'s bytes over ``numel`` elements of ``dtype``."""
-    return 3 * numel * dtype.itemsize
+def stream(numel: int, dtype: torch.dtype) -> Traffic:
+    """``a.add_(b)`` over ``numel`` elements of ``dtype``: reads a and b, writes a."""
+    n = numel * dtype.itemsize
+    return Traffic("stream", (Pass("add_", 2 * n, n),))
