@@ -168,6 +168,24 @@ def test_a_bank_slice_with_a_tiny_nonzero_gradient_is_active(impl, three_pass, d
                                    atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_an_unchecked_bank_slice_with_a_nan_gradient_is_left_untouched(impl, three_pass, dtype):
+    """Without the non-finite check a NaN reaches no weight of a bank: its slice is idle (`types.active_units`; fp64
+    decides by max |g|, where kernels' maxima take a NaN differently, and the NaN sum), the other slices step."""
+    specs = [((3, 5, 9), "expert", {}), ((3, 4, 6), "expert", {"use_factored": False, "use_momentum": True})]
+    params, opt, _ = _train(impl, specs, [_grads(specs)], dtype, three_pass=three_pass, skip_nonfinite=False)
+    before = [p.detach().clone() for p in params]
+    grads = _grads(specs, seed=2)
+    for g in grads:
+        g[1, 2, 3] = float("nan")
+    for p, g in zip(params, grads):
+        p.grad = g.to(dtype)
+    opt.step()
+    for p, b in zip(params, before):
+        assert opt.state[p]["step"].tolist() == [2.0, 1.0, 2.0]
+        assert torch.equal(p[1], b[1]) and not torch.equal(p[0], b[0]) and bool(p.isfinite().all())
+
+
 def test_activity_is_decidable_from_shards_summed(impl):
     """A bank row-sharded in two: each shard's statistics (`types.stat_dims`: what a reducer sums), added, tell the
     active slices as the whole tensor's do; slice 1's only nonzero element (1e-170, whose square underflows fp64) lies

@@ -166,10 +166,14 @@ def unit_dims(ndim: int, bank: bool) -> tuple[int, ...]:
 
 
 def active_units(stats: GradStats) -> Tensor:
-    """Per unit, whether its gradient has a nonzero element (a bank slice without one is an expert that received no
-    token: idle, left untouched): ``sumsq > 0``, or for fp64 parameters ``absmax > 0``. Both stay decidable after the
-    reducer sums them across shards (a sum of per-shard maxima is > 0 iff one is)."""
-    return (stats.absmax if stats.absmax is not None else stats.sumsq) > 0
+    """Per unit, whether its gradient has a nonzero element and no NaN (a bank slice without one is an expert that
+    received no token: idle, left untouched; one with a NaN, stepped without the non-finite check, is left untouched
+    too): ``sumsq > 0``, or for fp64 parameters, whose squares can underflow, ``absmax > 0`` and ``sumsq`` not NaN
+    (whether a max takes a NaN differs between kernels; a sum always does). All stay decidable after the reducer sums
+    them across shards (a sum of per-shard maxima is > 0 iff one is)."""
+    if stats.absmax is None:
+        return stats.sumsq > 0
+    return (stats.absmax > 0) & ~stats.sumsq.isnan()
 
 
 def unit_numel(shape: Sequence[int], bank: bool) -> int:

@@ -246,8 +246,9 @@ double beta2_at(const Hyper& h, double t) { return h.beta2_decay ? 1.0 - std::po
 // (count_steps stores it). Needs pass 1's sums of unit u and q's per-unit vectors sized (count_steps sizes them).
 float unit_count(Param& q, const Hyper& h, int64_t u) {
   const Geo& G = q.geo;
-  // an expert that saw no token has an all-zero slice: leave it
-  const bool on = G.ng > 0 && (!G.bank || (q.absmax ? q.absmax : q.sumsq)[u] > 0.0);
+  // an expert that saw no token has an all-zero slice: leave it (and one with a NaN: types.active_units)
+  const bool live = q.absmax ? q.absmax[u] > 0.0 && !std::isnan(q.sumsq[u]) : q.sumsq[u] > 0.0;
+  const bool on = G.ng > 0 && (!G.bank || live);
   q.active[u] = on;
   const float step = q.step[u] + float(on);
   // sqrt(1 - beta2^t) / (1 - beta1^t) in double (1 - beta in float32 is off by ~1e-5 relative); beta2_decay d:

@@ -172,7 +172,8 @@ def unit_sums(tab, units, scratch, part0, flag, DST: tl.constexpr, T: tl.constex
 def count_steps(tab, keys, skip, n_tensors, T: tl.constexpr, HAS_MOM: tl.constexpr, HAS_SKIP: tl.constexpr,
                 RELATIVE: tl.constexpr, DECAY: tl.constexpr, UB: tl.constexpr):
     """Per tensor: which units are active (bank: a gradient with a nonzero element, ``sum g^2 > 0``, or for fp64
-    parameters, whose squares can underflow, ``max |g| > 0``), step counts advanced, the bias corrections
+    parameters, whose squares can underflow, ``max |g| > 0`` and ``sum g^2`` not NaN: `types.active_units`), step
+    counts advanced, the bias corrections
     ``corr = sqrt(1 - beta2^t) [/ (1 - beta1^t)]`` in float64 (a beta2 decay, DECAY: no ``sqrt(1 - beta2^t)``), pass
     3's ``scale`` (``corr``; a relative step, RELATIVE: ``corr * max(eps2, sqrt(sum p^2 / n))``, rounded once), and
     the rounding keys of the weight and of a bf16 momentum."""
@@ -181,10 +182,8 @@ def count_steps(tab, keys, skip, n_tensors, T: tl.constexpr, HAS_MOM: tl.constex
     E = tl.load(row + TAB_E)
     bank = tl.load(row + TAB_BANK)
     ng = tl.load(row + TAB_NG)
-    if T == tl.float64:
-        live = addr(row, TAB_AMAX, tl.float64)
-    else:
-        live = addr(row, TAB_SUMSQ, tl.float64)
+    sumsq = addr(row, TAB_SUMSQ, tl.float64)
+    amax = addr(row, TAB_AMAX, tl.float64)
     step = addr(row, TAB_STEP, tl.float32)
     corr = addr(row, TAB_CORR, T)
     scale = addr(row, TAB_SCALE, T)
@@ -196,7 +195,12 @@ def count_steps(tab, keys, skip, n_tensors, T: tl.constexpr, HAS_MOM: tl.constex
         um = us < E
         # (a block and a scalar are combined with tl.where: the interpreter mistypes `block & scalar`); a unit
         # without elements in the global shape (NG = 0) is left untouched, its step count included
-        active = tl.where(bank != 0, tl.load(live + us, mask=um, other=0.0) > 0, tl.where(ng > 0, um, False))
+        sq = tl.load(sumsq + us, mask=um, other=0.0)
+        if T == tl.float64:
+            live = (tl.load(amax + us, mask=um, other=0.0) > 0) & (sq == sq)
+        else:
+            live = sq > 0
+        active = tl.where(bank != 0, live, tl.where(ng > 0, um, False))
         new = tl.load(step + us, mask=um, other=0.0) + active.to(tl.float32)
         write = um
         if HAS_SKIP:
