@@ -421,8 +421,7 @@ def _add_bench_step(sub) -> None:
                    "and C++ path on fixed tensors, as GB/s of the bytes each moves (skewadam.bench.roofline)")
     p.add_argument("--momentum", choices=("fp32", "bf16", "int8"), default="fp32", help="with --roofline: its momentum")
     p.add_argument("--deepspeed", action="store_true", help="with --roofline: also time DeepSpeedCPUAdam")
-    p.add_argument("--unchecked", action="store_true", help="with --roofline: SkewAdam without its non-finite check "
-                   "(skip_nonfinite=False), as a loop that checks the gradients itself runs it")
+    p.add_argument("--unchecked", action="store_true", help="with --roofline: SkewAdam(skip_nonfinite=False)")
     p.set_defaults(func=_bench_step)
 
 
