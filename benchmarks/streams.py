@@ -33,22 +33,24 @@ def ops(numel: int) -> dict[str, tuple[int, int, Callable[[], object]]]:
     p.grad = torch.randn(numel)
     adamw = torch.optim.AdamW([p], lr=1e-3, fused=True)
     size = torch.float32.itemsize * numel
-    streams = {name: (t.read // size, (t.bytes - t.read) // size)
-               for name, t in (("adamw", traffic.adamw(numel, torch.float32)),
-                               ("add_", traffic.stream(numel, torch.float32)))}
+
+    def streams(t: traffic.Traffic) -> tuple[int, int]:
+        return t.read // size, (t.bytes - t.read) // size
+
     return {
         "vector_norm(a)": (1, 0, lambda: torch.linalg.vector_norm(a)),
         "dot(a, b)": (2, 0, lambda: torch.dot(a, b)),
         "b.mul_(s)": (1, 1, lambda: b.mul_(1.0)),
-        "a.add_(b)": (*streams["add_"], lambda: a.add_(b)),
+        "a.add_(b)": (*streams(traffic.stream(numel, torch.float32)), lambda: a.add_(b)),
         "a.addcmul_(b, c)": (3, 1, lambda: a.addcmul_(b, c)),
-        "fused AdamW": (*streams["adamw"], adamw.step),
+        "fused AdamW": (*streams(traffic.adamw(numel, torch.float32)), adamw.step),
         "d.copy_(c)": (1, 1, lambda: d.copy_(c)),  # d's lines are read before they are overwritten
     }
 
 
-def measure(numel: int, rounds: int, steps: int, clock: Callable[[], float]) -> dict[str, float]:
-    table = ops(numel)
+def measure(table: dict[str, tuple[int, int, Callable[[], object]]], rounds: int, steps: int,
+            clock: Callable[[], float]) -> dict[str, float]:
+    """Per op of `ops`: its median time over ``rounds`` rotated rounds of ``steps`` calls."""
     names = list(table)
     times: dict[str, list[float]] = {n: [] for n in names}
     for name in names:
@@ -74,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--threads, --numel, --rounds and --steps must be at least 1")
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.threads == 1 else time.perf_counter
-    med = measure(args.numel, args.rounds, args.steps, clock)
-    table = ops(1)
+    table = ops(args.numel)
+    med = measure(table, args.rounds, args.steps, clock)
     size = 4 * args.numel
     print(f"benchmarks/streams.py: {args.numel:,} fp32 elements a tensor ({size / 1e6:.1f} MB); CPU: {cpu_info()[0]}; "
           f"{args.threads} thread{'s' if args.threads != 1 else ''}, {'CPU' if args.threads == 1 else 'wall'} time, "

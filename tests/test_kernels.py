@@ -102,8 +102,8 @@ def test_cpp_single_process_step_is_bitwise_the_three_pass_path(dtype, cache, sk
 @needs_cpp
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_unchecked_whole_units_write_a_non_finite_gradient_as_the_three_passes_do(dtype):
-    # skip_nonfinite=False: each early slice is written right after its pass 2, before later slices are read; a NaN
-    # in one slice and an inf in another reach the weights as the three passes (all reads first) write them
+    # skip_nonfinite=False: each early slice is written right after its pass 2, before later slices are read; a
+    # slice with a NaN (idle) and one with an inf (stepped) end as the three passes (all reads first) leave them
     specs = [((4, 70, 130), "expert", {}), ((3, 5, 9), "expert", {})]
     out = []
     for reducer in (None, IDENTITY):
