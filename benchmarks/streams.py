@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from skewadam.bench.bench_step import cpu_info
+from skewadam.bench.bench_step import cpu_info, page_size
 from skewadam.kernels import traffic
 
 
@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
     table = ops(args.numel)
     med = measure(table, args.rounds, args.steps, clock)
     size = 4 * args.numel
-    print(f"benchmarks/streams.py: {args.numel:,} fp32 elements a tensor ({size / 1e6:.1f} MB); CPU: {cpu_info()[0]}; "
+    print(f"benchmarks/streams.py: {args.numel:,} fp32 elements a tensor ({size / 1e6:.1f} MB); CPU: {cpu_info()[0]}, "
+          f"{page_size()} pages; "
           f"{args.threads} thread{'s' if args.threads != 1 else ''}, {'CPU' if args.threads == 1 else 'wall'} time, "
           f"{args.rounds} interleaved rounds x {args.steps}, medians")
     print(f"{'op':<18} {'reads':>5} {'writes':>6} {'ms':>7} {'ms/read':>7} {'GB/s reads':>10} {'GB/s all':>8}")

@@ -507,7 +507,7 @@ def test_bench_step_defaults_to_one_thread_cpu_time_and_prints_the_spread_cpu_an
     args = build_parser().parse_args(["bench-step"])
     assert (args.threads, args.clock) == (1, "cpu")
     out = _cli(["bench-step", "--preset", "tiny", "--rounds", "3", "--steps", "1", "--warmup", "1"], capsys)
-    from skewadam.bench.bench_step import cpu_info
+    from skewadam.bench.bench_step import cpu_info, page_size
 
     model, isa = cpu_info()
     assert f"CPU: {model}" in out and "1 thread, cpu clock, 3 interleaved rounds" in out
@@ -515,7 +515,8 @@ def test_bench_step_defaults_to_one_thread_cpu_time_and_prints_the_spread_cpu_an
     row = next(line for line in out.splitlines() if line.startswith("adamw "))
     q1, q3, lo, hi = map(float, re.search(r"x\s+([\d.]+)-([\d.]+)\s+([\d.]+)-([\d.]+)", row).groups())
     assert lo <= q1 <= q3 <= hi
-    assert f"({os.cpu_count()} CPUs; {' '.join(isa) or 'baseline instruction set'}); SkewAdam backend: " in out
+    assert (f"({os.cpu_count()} CPUs; {' '.join(isa) or 'baseline instruction set'}; {page_size()} pages); SkewAdam "
+            "backend: ") in out
     backend = resolve_backend("auto", "cpu")
     assert f"SkewAdam backend: {backend.name} ({backend.summary})" in out
     flags = open("/proc/cpuinfo").read()

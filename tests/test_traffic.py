@@ -5,13 +5,17 @@ and ``skewadam bench-step --roofline`` dividing the model's bytes by the times i
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from skewadam.bench import roofline
+from skewadam.bench.bench_step import page_size
 from skewadam.cli import main
 from skewadam.kernels import cpu, traffic
 from skewadam.state import state_flags
@@ -150,6 +154,7 @@ def test_roofline_divides_the_modeled_bytes_by_the_measured_times(monkeypatch, c
     assert re.search(r"^expert \(early\) +256 +16\.00 .* 0\.75x +[0-9.]+x$", out, re.M), out
     assert res["add_over_dot"] > 0
     assert re.search(r"^a\.add_\(b\) / torch\.dot\(a, b\), fp32, the whole set's size: [0-9]+\.[0-9]{2} ", out, re.M)
+    assert f"CPU: {res['cpu']}, {page_size()} pages; " in out
     assert main(["bench-step", "--roofline", "--rounds", "1", "--steps", "1", "--warmup", "0"]) == 0
     assert "eff/adamw" in capsys.readouterr().out
     unchecked = roofline.roofline(rounds=1, steps=1, warmup=0, skip_nonfinite=False)
@@ -175,5 +180,30 @@ def test_streams_benchmark_prints_each_op_with_the_traffic_models_stream_counts(
     out = capsys.readouterr().out
     assert re.search(r"^fused AdamW +4 +3 ", out, re.M) and re.search(r"^a\.add_\(b\) +2 +1 ", out, re.M), out
     assert re.search(r"^a\.add_\(b\) / dot\(a, b\): [0-9]+\.[0-9]{2} ", out, re.M), out
+    assert f"{page_size()} pages; " in out
     with pytest.raises(SystemExit):
         streams.main(["--numel", "0"])
+
+
+def _transparent_huge_pages() -> str | None:
+    """This kernel's transparent huge page mode (always, madvise, never), or None where it has none."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+@pytest.mark.parametrize("torch_asks", [False, True], ids=["THP_MEM_ALLOC_ENABLE unset", "THP_MEM_ALLOC_ENABLE=1"])
+def test_page_size_reports_4_kib_unless_a_large_tensor_gets_huge_pages(torch_asks):
+    """Under `madvise` a tensor gets 2 MiB pages where torch asks for them and 4 KiB ones where it does not; under
+    `never` 4 KiB whatever it asks (under `always` it depends on free memory: not checked)."""
+    mode = _transparent_huge_pages()
+    if mode not in ("madvise", "never") or not Path("/proc/self/smaps_rollup").exists():
+        pytest.skip(f"transparent huge pages {mode!r}: what a tensor gets is not fixed here")
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if torch_asks:
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
+    code = "from skewadam.bench.bench_step import page_size; print(page_size())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == ("2 MiB" if torch_asks and mode == "madvise" else "4 KiB")

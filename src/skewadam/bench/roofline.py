@@ -35,7 +35,7 @@ import torch
 from ..kernels import traffic
 from ..state import state_flags
 from ..tiers import Tier
-from .bench_step import cpu_info
+from .bench_step import cpu_info, page_size
 
 __all__ = ["MOE", "PATHS", "roofline", "format_roofline"]
 
@@ -135,6 +135,7 @@ def roofline(dtype: str = "fp32", momentum_dtype: str = "fp32", rounds: int = 9,
     probe = _interleaved({"add_": lambda: a.add_(b), "dot": lambda: torch.dot(a, b)}, rounds, steps, warmup, timer)
     return {"dtype": dtype, "momentum_dtype": momentum_dtype, "skip_nonfinite": skip_nonfinite, "backend": backend,
             "clock": clock, "threads": torch.get_num_threads(), "rounds": rounds, "steps": steps, "cpu": cpu_info()[0],
+            "pages": page_size(),
             "load": (load_before, os.getloadavg()), "rows": rows, "add_over_dot": probe["ratio"]["dot"]}
 
 
@@ -179,7 +180,7 @@ def format_roofline(res: dict[str, Any]) -> str:
     lines = [
         f"skewadam bench-step --roofline: {res['dtype']} weights, {res['momentum_dtype']} momentum"
         f"{'' if res['skip_nonfinite'] else ', no non-finite check'}; backend "
-        f"{res['backend']}; CPU: {res['cpu']}; {res['threads']} thread{'s' if res['threads'] != 1 else ''}, "
+        f"{res['backend']}; CPU: {res['cpu']}, {res['pages']} pages; {res['threads']} thread{'s' if res['threads'] != 1 else ''}, "
         f"{res['clock']} clock, {res['rounds']} interleaved rounds x {res['steps']} steps, load average {l1:.1f} -> "
         f"{l2:.1f}",
         "bytes: skewadam.kernels.traffic (SkewAdam), 7 streams (AdamW), 3 (a.add_(b)); efficiency: SkewAdam's GB/s "
