@@ -235,7 +235,8 @@ def bench_step(
         "backend": backend,
         "threads": torch.get_num_threads(), "params": sum(p.numel() for p in params), "tensors": len(params),
         "largest": max(p.numel() for p in params), "load": (load_before, os.getloadavg()), "rounds": rounds,
-        "steps": steps, "cpu": model_name, "isa": isa, "pages": page_size(), "batch_size": batch_size, "block_size": cfg.block_size,
+        "steps": steps, "cpu": model_name, "isa": isa, "pages": page_size(), "batch_size": batch_size,
+        "block_size": cfg.block_size,
         "fwd_bwd_s": statistics.median(times[FWD_BWD]) if batch_size else None,
         "results": {
             n: {"median_s": statistics.median(times[n]), "ratio": statistics.median(ratios[n]),

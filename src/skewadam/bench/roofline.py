@@ -180,7 +180,8 @@ def format_roofline(res: dict[str, Any]) -> str:
     lines = [
         f"skewadam bench-step --roofline: {res['dtype']} weights, {res['momentum_dtype']} momentum"
         f"{'' if res['skip_nonfinite'] else ', no non-finite check'}; backend "
-        f"{res['backend']}; CPU: {res['cpu']}, {res['pages']} pages; {res['threads']} thread{'s' if res['threads'] != 1 else ''}, "
+        f"{res['backend']}; CPU: {res['cpu']}, {res['pages']} pages; "
+        f"{res['threads']} thread{'s' if res['threads'] != 1 else ''}, "
         f"{res['clock']} clock, {res['rounds']} interleaved rounds x {res['steps']} steps, load average {l1:.1f} -> "
         f"{l2:.1f}",
         "bytes: skewadam.kernels.traffic (SkewAdam), 7 streams (AdamW), 3 (a.add_(b)); efficiency: SkewAdam's GB/s "
