@@ -59,8 +59,10 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = (_CSRC / "skewadam_cpu.cpp", *sorted(_CSRC.glob("*.h")))
 
 
-#: Elements per work item (a run of rows of one matrix, or of elements of one unit).
-BLOCK = 1 << 15
+#: Elements per work item (a run of rows of one matrix, or of elements of one unit). A block's passes walk it as
+#: kStreams runs; shorter runs than 1 << 17's (64 KiB of bf16) restart the hardware prefetcher often enough to
+#: slow the expert step (docs/guide/kernels.md).
+BLOCK = 1 << 17
 #: Rows per block at least: bounds pass 1's column partials of a matrix at 1/64 of its elements.
 MIN_BLOCK_ROWS = 64
 #: A core's L2 cache where the OS does not say (`cache_bytes`): 1 MiB, the smallest of current server cores.
