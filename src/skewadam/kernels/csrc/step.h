@@ -70,8 +70,11 @@ void unit_stats(const Param& q, double* absmax, double* p_sumsq) {
 
 // Pass 2 of unit u's blocks, then its clip; pass 3. A pass over a unit whose data the pass before left in cache walks
 // its blocks the other way: what that pass read last comes first, while a cache of least-recently-used eviction
-// still holds it (in the same order, a unit a little larger than the cache would miss on every block). Each block
-// has its own partial sum, so the order changes no result.
+// still holds it (in the same order, a unit a little larger than the cache would miss on every block). An early
+// unit's pass 2 walks backwards, so its pass 3 walks forwards, as the units do: where its gradient is back in memory
+// (the check read every gradient since), each run goes on where the last block's ended, which the prefetcher follows
+// (walked backwards, the fp32 expert banks' step took ~1.1x the time: docs/guide/kernels.md). Each block has its own
+// partial sum, so the order changes no result.
 template <class E>
 void p2_unit(Param& q, const Stats& st, const Hyper& h, int64_t u, bool backwards) {
   if (weighted_unit<typename E::T>(q, st, h, u)) {  // no pass 2: the clip from pass 1's weighted column sums
@@ -87,8 +90,9 @@ void p2_unit(Param& q, const Stats& st, const Hyper& h, int64_t u, bool backward
 }
 
 template <class E>
-void p3_unit(const Param& q, const Hyper& h, int64_t u) {
-  for (int64_t b = (u + 1) * q.geo.blocks_per_unit; b-- > u * q.geo.blocks_per_unit;) p3_block<E>(q, q.st, h, b);
+void p3_unit(const Param& q, const Hyper& h, int64_t u, bool backwards) {
+  const int64_t b0 = u * q.geo.blocks_per_unit, n = q.geo.blocks_per_unit;
+  for (int64_t k = 0; k < n; ++k) p3_block<E>(q, q.st, h, b0 + (backwards ? n - 1 - k : k));
 }
 
 // An early unit before the non-finite check: pass 1 of its blocks, its sums, step count (not stored), factored
@@ -117,7 +121,7 @@ void late_unit(Param& q, const Hyper& h, int64_t u) {
     if (G.factored) update_factored<typename E::T, true, true>(q, q.st, h, m0, m1);
     p2_unit<E>(q, q.st, h, u, false);
   }
-  p3_unit<E>(q, h, u);
+  p3_unit<E>(q, h, u, !q.early);
 }
 
 // A whole unit (Param::whole): early_unit, its step count stored (count_steps' value), late_unit.
@@ -261,8 +265,7 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite, int64_t ca
     for (int64_t u = 0; u < q.geo.units; ++u) finite = finite && std::isfinite(q.sumsq[u]);
   }
   if (skip_nonfinite && !finite) return at::scalar_tensor(true, at::TensorOptions().dtype(at::kBool));
-  // the writes: early and fused units whole by one thread each (the last read first: likeliest still in cache), then
-  // the split ones
+  // the writes: early and fused units whole by one thread each, in order (p3_unit), then the split ones
   std::vector<std::pair<int32_t, int64_t>> whole, split;
   int64_t whole_elements = 0;
   for (size_t i = 0; i < qs.size(); ++i) {
@@ -276,7 +279,6 @@ Tensor step(const std::vector<GroupRec>& groups, bool skip_nonfinite, int64_t ca
       if (whole_unit) whole_elements += q.geo.unit_numel;
     }
   }
-  std::reverse(whole.begin(), whole.end());
   run_items(int64_t(whole.size()), whole_elements, [&](int64_t k) {
     const auto [i, u] = whole[k];
     with_elem(qs[i], [&](auto e) { late_unit<decltype(e)>(qs[i], *hs[i], u); });
