@@ -75,14 +75,14 @@ def test_adamw_reads_four_streams_and_writes_three_a_stream_reads_two_and_writes
 def test_the_cpp_schedule_follows_what_fits_a_core_cache():
     shape = (32, 1024, 256)  # 1 MiB fp32 slices
     assert traffic.cpp(shape, F32, EXPERT, cache=MiB).schedule == "early"
+    # a split fp32 slice takes its clip from pass 1's weighted column sums: no third read of its gradient
     split = traffic.cpp(shape, F32, EXPERT, cache=MiB // 2)
-    assert split.schedule == "split" and split.bytes == 20 * 32 * 1024 * 256  # g read a third time
-    # above cpu.WEIGHTED_ABOVE an fp32 slice's clip comes from pass 1's weighted column sums: no third read
+    assert split.schedule == "split" and _per_param(split, 32 * 1024 * 256) == [4, 0, 12, 16]
     big = (8, 2048, 1024)  # 8 MiB fp32 slices
-    assert 2048 * 1024 * 4 > cpu.WEIGHTED_ABOVE
-    split = traffic.cpp(big, F32, EXPERT, cache=MiB)
-    assert split.schedule == "split" and _per_param(split, 8 * 2048 * 1024) == [4, 0, 12, 16]
-    assert _per_param(traffic.cpp(big, BF16, EXPERT, cache=MiB), 8 * 2048 * 1024) == [2, 2, 6, 10]  # bf16 re-reads
+    # fp64 statistics and bf16 slices above cpu.WEIGHTED_BF16_MAX keep pass 2, which reads the gradient a third time
+    assert 2048 * 1024 * 2 > cpu.WEIGHTED_BF16_MAX
+    assert _per_param(traffic.cpp(big, BF16, EXPERT, cache=MiB), 8 * 2048 * 1024) == [2, 2, 6, 10]
+    assert _per_param(traffic.cpp(big, torch.float64, EXPERT, cache=MiB), 8 * 2048 * 1024) == [8, 8, 24, 40]
     # with momentum a unit is done whole when its pass-2 streams (g and m) fit: 24 bytes, else 28 (AdamW's)
     fused = traffic.cpp((256, 1024), F32, MATRIX, cache=2 * MiB)
     assert fused.schedule == "fused" and fused.bytes == 24 * 256 * 1024

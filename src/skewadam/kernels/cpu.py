@@ -67,19 +67,19 @@ BLOCK = 1 << 17
 MIN_BLOCK_ROWS = 64
 #: A core's L2 cache where the OS does not say (`cache_bytes`): 1 MiB, the smallest of current server cores.
 DEFAULT_CACHE = 1 << 20
-#: A factored unit without momentum whose fp32 gradient has more bytes than this takes its clip's sum of u^2 from pass
-#: 1's weighted column sums, not from a second read of its gradient: above it that read comes from memory on most
-#: cores, below it from cache (a fixed size, not the machine's cache, so that results do not depend on the machine);
-#: bf16 gradients, half the bytes to re-read, keep pass 2 (docs/guide/kernels.md).
-WEIGHTED_ABOVE = DEFAULT_CACHE
+#: The largest bf16 unit (bytes of its gradient) whose clip comes from pass 1's weighted column sums (`weighted`):
+#: a larger one (split) would keep them at 4 bytes per column and block of rows, up to 3% of its weights' bytes
+#: beside the step, to save a pass 2 that reads 2 bytes a parameter. A fixed size, so that results do not depend on
+#: the machine.
+WEIGHTED_BF16_MAX = DEFAULT_CACHE
 
 
 def _defines() -> list[str]:
     """The constants the kernel shares with the Python modules that define them, as -D flags (hashed into the build)."""
     return [
         f"-DSKEWADAM_BLOCK={BLOCK}",
+        f"-DSKEWADAM_WEIGHTED_BF16_MAX={WEIGHTED_BF16_MAX}",
         f"-DSKEWADAM_MIN_BLOCK_ROWS={MIN_BLOCK_ROWS}",
-        f"-DSKEWADAM_WEIGHTED_ABOVE={WEIGHTED_ABOVE}",
         f"-DSKEWADAM_QBLOCK={quant.BLOCK}",
         f"-DSKEWADAM_QMAX={float(quant.QMAX).hex()}",
         f"-DSKEWADAM_MOMENTUM_STREAM={quant.MOMENTUM_STREAM:#x}u",
@@ -288,13 +288,21 @@ def stochastic_round_bf16(x: Tensor, key: int) -> Tensor:
     return _ext().stochastic_round_bf16(x, key & 0xFFFFFFFF)
 
 
+def weighted(param_dtype: torch.dtype, unit_numel: int) -> bool:
+    """Whether a factored unit without momentum of ``unit_numel`` elements takes its clip's sum of u^2 from pass 1's
+    weighted column sums (t_j = sum_i g_ij^2 / row_var_i, added right after each group of rows' sums, the rows still
+    in L1), not from a pass 2 that reads its gradient again: fp32 units, and bf16 ones up to `WEIGHTED_BF16_MAX`
+    bytes, where weighting costs less than that read, even from cache (docs/guide/kernels.md). fp64 keeps pass 2."""
+    return param_dtype == torch.float32 or (param_dtype == torch.bfloat16 and 2 * unit_numel <= WEIGHTED_BF16_MAX)
+
+
 def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dtype: torch.dtype) -> int:
     """Bytes `step_` allocates for parameters ``[(shape, bank), ...]``, an upper bound (the state is not known here):
     the row and column statistics pass 1 keeps for the factored parameters (every tensor whose units are matrices),
     per matrix ``[R, C]`` ``3 + R + C`` sums in float64 (plus ``C`` per block of rows when it has several), ``R + C``
-    denominators in the statistics dtype and, for fp32 units (bank slices, else tensors) above `WEIGHTED_ABOVE`
-    bytes, ``C`` weighted column sums per block of rows in float32 (kept for a parameter without momentum), each
-    parameter's 64-byte aligned; 64 bytes for the result and empty buffers. Not counted: row- and unit-sized scratch
+    denominators in the statistics dtype and, for units that take their clip from them (`weighted`), ``C``
+    weighted column sums per block of rows in float32 (kept for a parameter without momentum), each parameter's
+    64-byte aligned; 64 bytes for the result and empty buffers. Not counted: row- and unit-sized scratch
     outside torch's allocator (~0.02 MiB per step measured) and contiguous copies of non-contiguous tensors."""
     itemsize = state_dtype_for(param_dtype).itemsize
     kept = 0
@@ -304,8 +312,8 @@ def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dt
             continue
         R, C = shape[-2:]
         blocks = -(-R // max(1, min(R, max(MIN_BLOCK_ROWS, BLOCK // max(C, 1)))))
+        per_matrix = 8 * (3 + R + C + (blocks * C if blocks > 1 else 0)) + itemsize * (R + C)  # bytes
         unit = R * C if bank else math.prod(shape)  # elements of a unit: a bank slice, else the tensor
-        weighted = 4 * blocks * C if param_dtype == torch.float32 and 4 * unit > WEIGHTED_ABOVE else 0
-        per_matrix = 8 * (3 + R + C + (blocks * C if blocks > 1 else 0)) + itemsize * (R + C) + weighted  # bytes
+        per_matrix += 4 * blocks * C if weighted(param_dtype, unit) else 0
         kept += -(-math.prod(shape[:-2]) * per_matrix // 64) * 64
     return kept + (64 if tensors else 0)

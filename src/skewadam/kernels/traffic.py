@@ -7,15 +7,16 @@ full second moment, an in-place update as one read and one write. Not counted: s
 matrix, step counts, and what a pass finds in a core's L2 cache because an earlier pass of the same unit just read
 or wrote it, which is what the C++ kernel's schedules are for (``cache``: a core's L2, `cpu.cache_bytes`):
 
-- ``early``: a factored unit without momentum whose gradient fits the cache does pass 2 right after its pass 1, on
-  the gradient in cache; pass 3, after the non-finite check, reads the gradient again.
+- ``early``: a factored unit without momentum whose gradient fits the cache takes its clip from pass 1
+  (`cpu.weighted`), else does pass 2 right after its pass 1, on the gradient in cache; pass 3, after the non-finite
+  check, reads the gradient again.
 - ``whole``: such a unit of fp32 or fp64 weights without the non-finite check (``skip_nonfinite=False``): pass 3 too
   right after, finding the gradient in cache.
 - ``fused``: another unit whose pass-2 streams (gradient, first moment, full second moment) fit the cache does
   passes 2 and 3 back to back, pass 3 finding the first (else the gradient) and full second moment in cache.
 - ``split`` (larger units) and every Triton launch: each pass reads what it needs from memory, except that a factored
-  unit without momentum whose fp32 gradient exceeds `cpu.WEIGHTED_ABOVE` has no pass 2 in the C++ kernel: its clip
-  comes from pass 1's weighted column sums.
+  unit without momentum of fp32 weights (`cpu.weighted`) has no pass 2 in the C++ kernel: its clip comes from pass
+  1's weighted column sums.
 
 Fused AdamW (torch's ``fused=True``, `adamw`) moves 7 element-sized streams (reads p, g, m, v; writes p, m, v): 28
 bytes a parameter in fp32 and 14 in bf16 (its state is in the parameter's dtype); a plain stream ``a.add_(b)``
@@ -99,7 +100,7 @@ def cpp(shape: Sequence[int], dtype: torch.dtype, flags: TierSpec, *, relative_s
         if not skip_nonfinite and dtype != torch.bfloat16:
             return Traffic("whole", (p1, Pass("pass 2", 0, 0), Pass("pass 3", s.g, s.g)))
         return Traffic("early", (p1, Pass("pass 2", 0, 0), Pass("pass 3", 2 * s.g, s.g)))
-    if s.factored and not s.m and dtype == torch.float32 and s.unit[0] > cpu.WEIGHTED_ABOVE:
+    if s.factored and not s.m and cpu.weighted(dtype, s.unit[0] // dtype.itemsize):
         return Traffic("split", (p1, Pass("pass 2", 0, 0), Pass("pass 3", 2 * s.g, s.g)))
     p2 = Pass("pass 2", s.g + s.m + s.v, s.m + s.v)
     if s.unit[1] <= cache:

@@ -25,7 +25,7 @@
 #include <vector>
 
 #if !defined(SKEWADAM_QBLOCK) || !defined(SKEWADAM_QMAX) || !defined(SKEWADAM_MOMENTUM_STREAM) || \
-    !defined(SKEWADAM_WEIGHTED_ABOVE) || !defined(SKEWADAM_MUL1) || !defined(SKEWADAM_MUL2) || \
+    !defined(SKEWADAM_WEIGHTED_BF16_MAX) || !defined(SKEWADAM_MUL1) || !defined(SKEWADAM_MUL2) || \
     !defined(SKEWADAM_GOLDEN) || \
     !defined(SKEWADAM_ROW_MEAN_FLOOR) || !defined(SKEWADAM_RELATIVE_STEP_EPS) || !defined(SKEWADAM_MOM_PLAIN) || \
     !defined(SKEWADAM_MOM_BF16) || !defined(SKEWADAM_MOM_INT8) || !defined(SKEWADAM_MOM_NONE)
@@ -41,7 +41,7 @@ using OptTensor = std::optional<Tensor>;
 
 constexpr int64_t kBlock = SKEWADAM_BLOCK;           // cpu.BLOCK: target elements per work item
 constexpr int64_t kMinBlockRows = SKEWADAM_MIN_BLOCK_ROWS;  // cpu.MIN_BLOCK_ROWS: bounds pass 1's column partials
-constexpr int64_t kWeightedAbove = SKEWADAM_WEIGHTED_ABOVE;  // cpu.WEIGHTED_ABOVE: bytes of a unit's gradient
+constexpr int64_t kWeightedBf16Max = SKEWADAM_WEIGHTED_BF16_MAX;  // cpu.WEIGHTED_BF16_MAX: bytes of a unit's gradient
 constexpr int64_t kSerialBelow = int64_t(1) << 18;   // elements: less work than this runs on one thread
 constexpr int64_t kQBlock = SKEWADAM_QBLOCK;         // quant.BLOCK: int8 momentum values per scale (last dim)
 constexpr double kQMax = SKEWADAM_QMAX;              // quant.QMAX: the int8 grid's largest code

@@ -139,7 +139,7 @@ struct Param {
   const double* p_sumsq = nullptr;  // relative step: per unit, sum of p^2 before the step
   std::vector<double> clip;      // per unit: 1 / max(1, rms(u)), in T's precision
   bool weighted = false;         // the clip's sum of u^2 from pass 1's weighted column sums where they hold it (a
-                                 // factored unit without momentum, fp32 weights, gradient above kWeightedAbove)
+                                 // factored unit without momentum: cpu.weighted)
   std::vector<double> usq;       // weighted: per unit, that sum (weighted_sumsq), NaN where pass 2 sums u^2
   std::vector<double> partial;   // per block: sum of g^2 or of u^2
   std::vector<double> p_partial;  // relative step: per block, sum of p^2
@@ -272,7 +272,8 @@ Param make_param(const ParamRec& r, Contig& ct, Pass pass, bool reads_param = fa
     q.col_var = ct.write(cv);
   }
   q.geo = make_geo(p, bank, factored, shape, q.mfmt == kMomInt8 && !factored ? q.mC : 1);
-  q.weighted = factored && q.mfmt == kMomNone && q.dtype == at::kFloat && q.geo.unit_numel * 4 > kWeightedAbove;
+  q.weighted = factored && q.mfmt == kMomNone &&
+               (q.dtype == at::kFloat || (q.dtype == at::kBFloat16 && q.geo.unit_numel * 2 <= kWeightedBf16Max));
   return q;
 }
 
