@@ -229,9 +229,17 @@ using Int = std::integral_constant<int, N>;
 
 template <class T>
 inline T lanes_sum(const T* a) {
-  T b[8], c[4];
-  for (int k = 0; k < 8; ++k) b[k] = a[k] + a[k + 8];
-  for (int k = 0; k < 4; ++k) c[k] = b[k] + b[k + 4];
+  // the tree in vector halves: written per lane, GCC adds the 16 lanes one by one through the stack
+  using V8 [[gnu::vector_size(8 * sizeof(T))]] = T;
+  using V4 [[gnu::vector_size(4 * sizeof(T))]] = T;
+  V8 lo, hi;
+  std::memcpy(&lo, a, sizeof lo);
+  std::memcpy(&hi, a + 8, sizeof hi);
+  const V8 b = lo + hi;  // b[k] = a[k] + a[k + 8]
+  V4 b0, b1;
+  std::memcpy(&b0, &b, sizeof b0);
+  std::memcpy(&b1, reinterpret_cast<const char*>(&b) + sizeof b0, sizeof b1);
+  const V4 c = b0 + b1;  // c[k] = b[k] + b[k + 4]
   return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
