@@ -11,9 +11,9 @@ namespace {
 // `step` orders the passes of each unit by what its pass 2 writes (the non-finite check over every gradient comes
 // before the first write):
 //   * early: a factored unit without a first moment, whose gradient fits a core's L2 cache: its pass 1, then its
-//     factored EMAs' inverses and its clip (from pass 1's weighted column sums where the statistics are float, else
-//     or where they do not hold it from pass 2, which writes nothing else, on the gradient in cache); after the
-//     check its state and pass 3. The gradient is read from memory twice (pass 1, pass 3), with nothing else
+//     factored EMAs' inverses and its clip (from pass 1's weighted column sums, cpu.weighted; else, or where they
+//     do not hold it, from pass 2, which writes nothing else, on the gradient in cache); after the check its state
+//     and pass 3. The gradient is read from memory twice (pass 1, pass 3), with nothing else
 //     competing for the cache between pass 1 and pass 2. Without the non-finite check (skip_nonfinite false) a unit
 //     of fp32 or fp64 weights is whole: its state and pass 3 follow at once, the gradient read from memory once
 //     (bf16 weights wait: their rounding key sums every bank slice's step count).
