@@ -15,6 +15,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // vload and vmadd on AVX-512 and FMA
+#endif
 #include <limits>
 #include <optional>
 #include <string>
@@ -269,6 +272,53 @@ inline void for_lanes(int64_t n, const F& body) {
     for (int k = 0; k < kLanes; ++k) body(j + k, k);
   }
   for (int k = 0; k < n - j; ++k) body(j + k, k);
+}
+
+// kLanes floats as one vector, for pass 1's loops: from scalar code GCC widens bf16 8 lanes at a time, with a shuffle
+// for each half (pass 1 of the bf16 expert banks took ~1.1x the time: docs/guide/kernels.md). Each lane does the
+// scalar loop's operations in its order (madd: fused where the CPU has FMA), so the results are the same bits.
+using VF = float [[gnu::vector_size(kLanes * sizeof(float))]];
+
+// Elements p[0, kLanes) as floats.
+template <class E>
+inline VF vload(const typename E::raw* p) {
+  static_assert(std::is_same_v<typename E::T, float>, "vectors of floats");
+  if constexpr (std::is_same_v<typename E::raw, uint16_t>) {
+#ifdef __AVX512F__
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return VF(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+#else
+    using VH = uint16_t [[gnu::vector_size(kLanes * sizeof(uint16_t))]];
+    using VW = uint32_t [[gnu::vector_size(kLanes * sizeof(uint32_t))]];
+    VH h;
+    std::memcpy(&h, p, sizeof h);
+    return reinterpret_cast<VF>(__builtin_convertvector(h, VW) << 16);
+#endif
+  } else {
+    VF x;
+    std::memcpy(&x, p, sizeof x);
+    return x;
+  }
+}
+
+inline void vstore(float* p, VF x) { std::memcpy(p, &x, sizeof x); }
+
+// madd, lane by lane.
+inline VF vmadd(VF a, VF b, VF c) {
+#if defined(__AVX512F__) && defined(__FMA__)
+  return VF(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));
+#elif defined(__FMA__)
+  using V8 = float [[gnu::vector_size(8 * sizeof(float))]];
+  V8 h[3][2];
+  std::memcpy(h[0], &a, sizeof a);
+  std::memcpy(h[1], &b, sizeof b);
+  std::memcpy(h[2], &c, sizeof c);
+  for (int k = 0; k < 2; ++k) h[2][k] = V8(_mm256_fmadd_ps(__m256(h[0][k]), __m256(h[1][k]), __m256(h[2][k])));
+  std::memcpy(&c, h[2], sizeof c);
+  return c;
+#else
+  return a * b + c;
+#endif
 }
 
 // f(ns, i, q): rows [i0, i1) as groups of kStreams rows i, i + q, i + 2q, ...; the rows left over one at a time.

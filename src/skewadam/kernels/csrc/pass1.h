@@ -28,21 +28,49 @@ inline bool safe(const float* x, int64_t n) {
 }
 
 // Pass 1, NS rows of n elements `stride` apart, in A: each row's sum of g^2 into out[s * out_stride], column sums
-// into col.
+// into col. (In float as vectors, base.h; for_lanes' lanes and order either way.)
 template <class E, class A, int NS>
 inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t n, A* __restrict col,
                     A* __restrict out, int64_t out_stride) {
-  A acc[NS][kLanes] = {};
-  for_lanes<4>(n, [&](int64_t jk, int k) {
-    A c = col[jk];
-    for (int s = 0; s < NS; ++s) {
-      const A x = E::load(g[s * stride + jk]);
-      acc[s][k] = madd(x, x, acc[s][k]);
-      c = madd(x, x, c);
+  if constexpr (std::is_same_v<A, float>) {
+    VF acc[NS] = {};
+    int64_t j = 0;
+    for (; j + kLanes <= n; j += kLanes) {
+      VF c = vload<Elem<float>>(col + j);
+      for (int s = 0; s < NS; ++s) {
+        const VF x = vload<E>(g + s * stride + j);
+        acc[s] = vmadd(x, x, acc[s]);
+        c = vmadd(x, x, c);
+      }
+      vstore(col + j, c);
     }
-    col[jk] = c;
-  });
-  for (int s = 0; s < NS; ++s) out[s * out_stride] = lanes_sum(acc[s]);
+    for (int k = 0; j + k < n; ++k) {
+      float c = col[j + k];
+      for (int s = 0; s < NS; ++s) {
+        const float x = E::load(g[s * stride + j + k]);
+        acc[s][k] = madd(x, x, acc[s][k]);
+        c = madd(x, x, c);
+      }
+      col[j + k] = c;
+    }
+    for (int s = 0; s < NS; ++s) {
+      float a[kLanes];
+      std::memcpy(a, &acc[s], sizeof a);
+      out[s * out_stride] = lanes_sum(a);
+    }
+  } else {
+    A acc[NS][kLanes] = {};
+    for_lanes<4>(n, [&](int64_t jk, int k) {
+      A c = col[jk];
+      for (int s = 0; s < NS; ++s) {
+        const A x = E::load(g[s * stride + jk]);
+        acc[s][k] = madd(x, x, acc[s][k]);
+        c = madd(x, x, c);
+      }
+      col[jk] = c;
+    });
+    for (int s = 0; s < NS; ++s) out[s * out_stride] = lanes_sum(acc[s]);
+  }
 }
 
 // A factored EMA's new value for a row or column of sum of squares `sum` over n elements, rounded once into T (in
@@ -60,14 +88,23 @@ template <class E, int NS>
 inline void p1_weighted(const typename E::raw* __restrict g, int64_t stride, int64_t n, const float* w,
                         float* __restrict t) {
   static_assert(std::is_same_v<typename E::T, float>, "weighted column sums are float statistics");
-  for_lanes<4>(n, [&](int64_t jk, int) {
-    float c = t[jk];
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    VF c = vload<Elem<float>>(t + j);
     for (int s = 0; s < NS; ++s) {
-      const float x = E::load(g[s * stride + jk]);
+      const VF x = vload<E>(g + s * stride + j);
+      c = vmadd(x * w[s], x, c);
+    }
+    vstore(t + j, c);
+  }
+  for (; j < n; ++j) {
+    float c = t[j];
+    for (int s = 0; s < NS; ++s) {
+      const float x = E::load(g[s * stride + j]);
       c = madd(x * w[s], x, c);
     }
-    t[jk] = c;
-  });
+    t[j] = c;
+  }
 }
 
 // Row i's weight in pass 1's weighted column sums, from its sum of g^2: 1 / row_var_i after the step (update_factored's
