@@ -1,8 +1,9 @@
 """The update kernels: every backend equals the fp64 reference; the C++ kernel's element-wise state is bitwise
 eager's and its weights equal eager's to rounding; it is bitwise equal to itself across its fused and three-pass
-(distributed seam) paths and across thread counts, rounds bf16 with the bits of `skewadam.kernels.rounding`,
-allocates no parameter-sized buffer, and degrades to eager without a compiler. Every kernel refuses a gradient or
-state that does not fit its parameter (naming it), leaves tensors with a zero-size dim untouched, and takes a tensor lr.
+(distributed seam) paths, across thread counts and across SIMD widths (an x86-64-v3 build), rounds bf16 with the
+bits of `skewadam.kernels.rounding`, allocates no parameter-sized buffer, and degrades to eager without a compiler.
+Every kernel refuses a gradient or state that does not fit its parameter (naming it), leaves tensors with a zero-size
+dim untouched, and takes a tensor lr.
 
 `impl` (a fixture over `skewadam.kernels.cpu_backends(interpreted=True)`) runs a test on every backend usable here
 (without a GPU, the Triton kernel in Triton's interpreter: tests/conftest.py sets it); `three_pass` runs it on one
@@ -16,6 +17,7 @@ representative case (`_interpreted_case`).
 from __future__ import annotations
 
 import os
+import platform
 
 import pytest
 import torch
@@ -202,6 +204,41 @@ def test_cpp_results_do_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+def _x86_64_v3() -> bool:
+    """Whether this CPU runs x86-64-v3 code (AVX2, FMA, BMI1/2, F16C, MOVBE, LZCNT)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"} <= set(flags)
+
+
+@needs_cpp
+@pytest.mark.skipif(not _x86_64_v3(), reason="the CPU does not run x86-64-v3 (AVX2 and FMA) code")
+def test_cpp_results_do_not_depend_on_the_simd_width(monkeypatch):
+    # A build for x86-64-v3 (AVX2 and FMA, no AVX-512: 8-lane vectors, base.h's vmadd in halves) against this CPU's:
+    # each lane does the same IEEE operations in the same order, so every weight and state tensor has the same bits.
+    cases = [(torch.float32, {}), (torch.bfloat16, {}), (torch.float32, {"momentum_dtype": "int8"})]
+
+    def results():
+        out = []
+        for dtype, kw in cases:
+            params, opt = _run("cpp", SPECS, 3, dtype, lr=0.01, **kw)
+            out += [*params, *(t for st in opt.state_dict()["state"].values() for t in st.values())]
+        return out
+
+    native = results()
+    assert "-march=native" in cpu._CFLAGS
+    monkeypatch.setattr(cpu, "_CFLAGS", ["-march=x86-64-v3" if f == "-march=native" else f for f in cpu._CFLAGS])
+    monkeypatch.setattr(cpu, "_lib", None)
+    v3 = results()
+    assert cpu._lib is not None and len(native) == len(v3) > 3 * len(SPECS)
+    assert all(torch.equal(a, b) for a, b in zip(native, v3))
 
 
 @pytest.mark.parametrize("where", ["last tensor", "bank slice"])
