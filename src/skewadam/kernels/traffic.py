@@ -15,8 +15,8 @@ or wrote it, which is what the C++ kernel's schedules are for (``cache``: a core
 - ``fused``: another unit whose pass-2 streams (gradient, first moment, full second moment) fit the cache does
   passes 2 and 3 back to back, pass 3 finding the first (else the gradient) and full second moment in cache.
 - ``split`` (larger units) and every Triton launch: each pass reads what it needs from memory, except that a factored
-  unit without momentum of fp32 weights (`cpu.weighted`) has no pass 2 in the C++ kernel: its clip comes from pass
-  1's weighted column sums.
+  unit without momentum that `cpu.weighted` names (fp32 weights; bf16 up to `cpu.WEIGHTED_BF16_MAX`) has no pass 2
+  in the C++ kernel: its clip comes from pass 1's weighted column sums.
 
 Fused AdamW (torch's ``fused=True``, `adamw`) moves 7 element-sized streams (reads p, g, m, v; writes p, m, v): 28
 bytes a parameter in fp32 and 14 in bf16 (its state is in the parameter's dtype); a plain stream ``a.add_(b)``

@@ -28,49 +28,35 @@ inline bool safe(const float* x, int64_t n) {
 }
 
 // Pass 1, NS rows of n elements `stride` apart, in A: each row's sum of g^2 into out[s * out_stride], column sums
-// into col. (In float as vectors, base.h; for_lanes' lanes and order either way.)
+// into col. In float, whole groups of kLanes as vectors (base.h), the lanes and order of for_lanes.
 template <class E, class A, int NS>
 inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t n, A* __restrict col,
                     A* __restrict out, int64_t out_stride) {
+  A acc[NS][kLanes] = {};
+  int64_t j = 0;  // elements [0, j) done as vectors
   if constexpr (std::is_same_v<A, float>) {
-    VF acc[NS] = {};
-    int64_t j = 0;
+    VF v[NS] = {};
     for (; j + kLanes <= n; j += kLanes) {
       VF c = vload<Elem<float>>(col + j);
       for (int s = 0; s < NS; ++s) {
         const VF x = vload<E>(g + s * stride + j);
-        acc[s] = vmadd(x, x, acc[s]);
+        v[s] = vmadd(x, x, v[s]);
         c = vmadd(x, x, c);
       }
       vstore(col + j, c);
     }
-    for (int k = 0; j + k < n; ++k) {
-      float c = col[j + k];
-      for (int s = 0; s < NS; ++s) {
-        const float x = E::load(g[s * stride + j + k]);
-        acc[s][k] = madd(x, x, acc[s][k]);
-        c = madd(x, x, c);
-      }
-      col[j + k] = c;
-    }
-    for (int s = 0; s < NS; ++s) {
-      float a[kLanes];
-      std::memcpy(a, &acc[s], sizeof a);
-      out[s * out_stride] = lanes_sum(a);
-    }
-  } else {
-    A acc[NS][kLanes] = {};
-    for_lanes<4>(n, [&](int64_t jk, int k) {
-      A c = col[jk];
-      for (int s = 0; s < NS; ++s) {
-        const A x = E::load(g[s * stride + jk]);
-        acc[s][k] = madd(x, x, acc[s][k]);
-        c = madd(x, x, c);
-      }
-      col[jk] = c;
-    });
-    for (int s = 0; s < NS; ++s) out[s * out_stride] = lanes_sum(acc[s]);
+    for (int s = 0; s < NS; ++s) std::memcpy(acc[s], &v[s], sizeof v[s]);
   }
+  for_lanes<4>(n - j, [&](int64_t jk, int k) {
+    A c = col[j + jk];
+    for (int s = 0; s < NS; ++s) {
+      const A x = E::load(g[s * stride + j + jk]);
+      acc[s][k] = madd(x, x, acc[s][k]);
+      c = madd(x, x, c);
+    }
+    col[j + jk] = c;
+  });
+  for (int s = 0; s < NS; ++s) out[s * out_stride] = lanes_sum(acc[s]);
 }
 
 // A factored EMA's new value for a row or column of sum of squares `sum` over n elements, rounded once into T (in
@@ -88,7 +74,7 @@ template <class E, int NS>
 inline void p1_weighted(const typename E::raw* __restrict g, int64_t stride, int64_t n, const float* w,
                         float* __restrict t) {
   static_assert(std::is_same_v<typename E::T, float>, "weighted column sums are float statistics");
-  int64_t j = 0;
+  int64_t j = 0;  // elements [0, j) done as vectors
   for (; j + kLanes <= n; j += kLanes) {
     VF c = vload<Elem<float>>(t + j);
     for (int s = 0; s < NS; ++s) {
@@ -97,14 +83,14 @@ inline void p1_weighted(const typename E::raw* __restrict g, int64_t stride, int
     }
     vstore(t + j, c);
   }
-  for (; j < n; ++j) {
-    float c = t[j];
+  for_lanes(n - j, [&](int64_t jk, int) {
+    float c = t[j + jk];
     for (int s = 0; s < NS; ++s) {
-      const float x = E::load(g[s * stride + j]);
+      const float x = E::load(g[s * stride + j + jk]);
       c = madd(x * w[s], x, c);
     }
-    t[j] = c;
-  }
+    t[j + jk] = c;
+  });
 }
 
 // Row i's weight in pass 1's weighted column sums, from its sum of g^2: 1 / row_var_i after the step (update_factored's
