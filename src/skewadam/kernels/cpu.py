@@ -59,9 +59,9 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = (_CSRC / "skewadam_cpu.cpp", *sorted(_CSRC.glob("*.h")))
 
 
-#: Elements per work item (a run of rows of one matrix, or of elements of one unit). A block's passes walk it as
-#: kStreams runs; shorter runs than 1 << 17's (64 KiB of bf16) restart the hardware prefetcher often enough to
-#: slow the expert step (docs/guide/kernels.md).
+#: Elements per work item (a run of rows of one matrix, or of elements of one unit). A block's passes walk it as one
+#: to four runs (kStreams); runs shorter than a quarter of 1 << 17 elements (64 KiB of bf16) restarted the hardware
+#: prefetcher often enough to slow the expert step (docs/guide/kernels.md).
 BLOCK = 1 << 17
 #: Rows per block at least: bounds pass 1's column partials of a matrix at 1/64 of its elements.
 MIN_BLOCK_ROWS = 64

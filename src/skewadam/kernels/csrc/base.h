@@ -222,10 +222,11 @@ template <class E, int NS, class F, class F2>
 }
 
 // ------------------------------------------------------------------------------------------------ streams
-// A core reads one sequential stream at ~60% of the rate it reads several (measured here: 9-12 GB/s for one, 19-25
-// for four), so the hot loops walk kStreams runs far apart at once. Sums go to kLanes independent partial sums
-// added in a fixed tree: the order, hence the result, is the same whatever the SIMD width or thread count.
-constexpr int kStreams = 4;
+// The hot loops walk kStreams runs far apart at once (on Zen 4 one stream read at ~60% of several's rate): two, as
+// four took Zen 5 ~1.1x the fp32 step's time and Zen 4 the same (bf16 pass 1: kP1Streams; pass 3: one). Sums go to
+// kLanes independent partial sums added in a fixed tree: the order, hence the result, is the same whatever the
+// SIMD width or thread count.
+constexpr int kStreams = 2;
 constexpr int kLanes = 16;
 template <int N>
 using Int = std::integral_constant<int, N>;
@@ -321,20 +322,20 @@ inline VF vmadd(VF a, VF b, VF c) {
 #endif
 }
 
-// f(ns, i, q): rows [i0, i1) as groups of kStreams rows i, i + q, i + 2q, ...; the rows left over one at a time.
-template <class F>
+// f(ns, i, q): rows [i0, i1) as groups of S rows i, i + q, i + 2q, ...; the rows left over one at a time.
+template <int S = kStreams, class F>
 inline void row_groups(int64_t i0, int64_t i1, const F& f) {
-  const int64_t q = (i1 - i0) / kStreams;
-  for (int64_t k = 0; k < q; ++k) f(Int<kStreams>{}, i0 + k, q);
-  for (int64_t i = i0 + kStreams * q; i < i1; ++i) f(Int<1>{}, i, int64_t(0));
+  const int64_t q = (i1 - i0) / S;
+  for (int64_t k = 0; k < q; ++k) f(Int<S>{}, i0 + k, q);
+  for (int64_t i = i0 + S * q; i < i1; ++i) f(Int<1>{}, i, int64_t(0));
 }
 
-// f(ns, e, n, stride): elements [e0, e1) as kStreams runs of n elements, `stride` apart; the rest as one run.
-template <class F>
+// f(ns, e, n, stride): elements [e0, e1) as S runs of n elements, `stride` apart; the rest as one run.
+template <int S = kStreams, class F>
 inline void run_groups(int64_t e0, int64_t e1, const F& f) {
-  const int64_t n = (e1 - e0) / (kStreams * kLanes) * kLanes;
-  if (n) f(Int<kStreams>{}, e0, n, n);
-  if (e0 + kStreams * n < e1) f(Int<1>{}, e0 + kStreams * n, e1 - e0 - kStreams * n, int64_t(0));
+  const int64_t n = (e1 - e0) / (S * kLanes) * kLanes;
+  if (n) f(Int<S>{}, e0, n, n);
+  if (e0 + S * n < e1) f(Int<1>{}, e0 + S * n, e1 - e0 - S * n, int64_t(0));
 }
 
 // ------------------------------------------------------------------------------------------------ work items

@@ -87,7 +87,7 @@ inline void p3_span(typename E::raw* __restrict p, decltype(std::declval<const S
 
 // Block b of a factored parameter as spans: f(ns, e, stride, n, m, i, qr, c0) for NS rows i, i + qr, ... of matrix m,
 // columns [c0, c0 + n). A chunked codec gets one row at a time, cut at its int8 blocks.
-template <bool kChunked, class F>
+template <bool kChunked, int S = kStreams, class F>
 inline void factored_spans(const Geo& G, int64_t b, const F& f) {
   int64_t m, i0, i1;
   G.rows(b, m, i0, i1);
@@ -97,7 +97,7 @@ inline void factored_spans(const Geo& G, int64_t b, const F& f) {
       for (int64_t c0 = 0; c0 < C; c0 += kQBlock)
         f(Int<1>{}, (m * G.R + i) * C + c0, int64_t(0), std::min(kQBlock, C - c0), m, i, int64_t(0), c0);
   } else {
-    row_groups(i0, i1, [&](auto ns, int64_t i, int64_t qr) {
+    row_groups<S>(i0, i1, [&](auto ns, int64_t i, int64_t qr) {
       f(ns, (m * G.R + i) * C, qr * C, C, m, i, qr, int64_t(0));
     });
   }
@@ -105,7 +105,7 @@ inline void factored_spans(const Geo& G, int64_t b, const F& f) {
 
 // Block b of a full parameter as spans: f(ns, e, stride, n). A chunked codec's cut at its int8 blocks (int8 blocks of
 // a full tensor hold whole rows of q.mC elements: make_geo's `align`).
-template <bool kChunked, class F>
+template <bool kChunked, int S = kStreams, class F>
 inline void full_spans(const Param& q, int64_t b, const F& f) {
   int64_t e0, e1;
   q.geo.range(b, e0, e1);
@@ -116,7 +116,7 @@ inline void full_spans(const Param& q, int64_t b, const F& f) {
       e += n;
     }
   } else {
-    run_groups(e0, e1, [&](auto ns, int64_t e, int64_t n, int64_t stride) { f(ns, e, stride, n); });
+    run_groups<S>(e0, e1, [&](auto ns, int64_t e, int64_t n, int64_t stride) { f(ns, e, stride, n); });
   }
 }
 
@@ -167,7 +167,7 @@ void p2_weighted_block(const Param& q, const Stats& st, int64_t b) {
   const float* rv = at_<float>(q.row_var) + m * G.R;
   float* t = st.at(st.tp, m, G.blocks_per_mat * C) + (b % G.blocks_per_mat) * C;
   std::fill_n(t, C, 0.0f);
-  row_groups(i0, i1, [&](auto ns, int64_t i, int64_t qr) {
+  row_groups<kP1Streams<E>>(i0, i1, [&](auto ns, int64_t i, int64_t qr) {
     constexpr int NS = decltype(ns)::value;
     float w[NS];
     for (int s = 0; s < NS; ++s) w[s] = 1.0f / rv[i + s * qr];
@@ -227,6 +227,8 @@ double weighted_sumsq(const Param& q, const Stats& s, const Hyper& h, int64_t u)
 }
 
 // Pass 3, one block: p = p*(1 - lr*wd) - lr * u * clip (bf16: rounded stochastically).
+// Its rows one run at a time: two runs took Zen 5 1.03x-1.09x the expert banks' step time (on Zen 4 one matched
+// four). It writes each element alone, so the runs change no result.
 template <class E>
 void p3_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
   using T = typename E::T;
@@ -236,8 +238,8 @@ void p3_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
   with_momentum<E>(q, h, [&](const auto& mom) {
     constexpr bool kChunked = std::decay_t<decltype(mom)>::kChunked;
     if (G.factored) {
-      factored_spans<kChunked>(G, b, [&](auto ns, int64_t e, int64_t stride, int64_t n, int64_t mt, int64_t i,
-                                         int64_t qr, int64_t c0) {
+      factored_spans<kChunked, 1>(G, b, [&](auto ns, int64_t e, int64_t stride, int64_t n, int64_t mt, int64_t i,
+                                            int64_t qr, int64_t c0) {
         constexpr int NS = decltype(ns)::value;
         const int64_t u = G.unit_of_mat(mt);
         const T cc = T(q.scale[u]) * T(q.clip[u]) * nlr;
@@ -251,7 +253,7 @@ void p3_block(const Param& q, const Stats& st, const Hyper& h, int64_t b) {
       const int64_t u = b / G.blocks_per_unit;
       const FullDir<T> dir{T(q.scale[u]) * T(q.clip[u]) * nlr, h.add_mode ? T(0) : T(h.eps), 0.0,
                            Ema<double>(0.0)};  // (pass 3 updates no moment)
-      full_spans<kChunked>(q, b, [&](auto ns, int64_t e, int64_t stride, int64_t n) {
+      full_spans<kChunked, 1>(q, b, [&](auto ns, int64_t e, int64_t stride, int64_t n) {
         constexpr int NS = decltype(ns)::value;
         Rounder rnd[NS];
         for (int s = 0; s < NS; ++s) rnd[s] = rounder(e + s * stride, q.key);
