@@ -17,8 +17,8 @@ namespace {
 // in double.
 constexpr float kSafeMin = 0x1p-90f;
 
-// Runs pass 1 walks at once: bf16 gradients four (with two, Zen 5 took 1.04x-1.09x the bf16 expert banks' time),
-// others kStreams. Pass 2's weighted column sums group rows the same way, so that they add them in pass 1's order.
+// Runs pass 1 walks at once: bf16 gradients four (with two, Zen 5 took ~1.09x the bf16 expert banks' time), others
+// kStreams. Pass 2's weighted column sums group rows the same way, so that they add them in pass 1's order.
 template <class E>
 constexpr int kP1Streams = std::is_same_v<typename E::raw, uint16_t> ? 4 : kStreams;
 
