@@ -44,6 +44,7 @@ inline void p1_rows(const typename E::raw* __restrict g, int64_t stride, int64_t
     for (; j + kLanes <= n; j += kLanes) {
       VF c = vload<Elem<float>>(col + j);
       for (int s = 0; s < NS; ++s) {
+        prefetch_ahead(g + s * stride + j);
         const VF x = vload<E>(g + s * stride + j);
         v[s] = vmadd(x, x, v[s]);
         c = vmadd(x, x, c);
