@@ -60,8 +60,8 @@ _SOURCES = (_CSRC / "skewadam_cpu.cpp", *sorted(_CSRC.glob("*.h")))
 
 
 #: Elements per work item (a run of rows of one matrix, or of elements of one unit). A block's passes walk it as one
-#: to four runs (kStreams); runs shorter than a quarter of 1 << 17 elements (64 KiB of bf16) restarted the hardware
-#: prefetcher often enough to slow the expert step (docs/guide/kernels.md).
+#: to four runs (kStreams, kP1Streams); runs shorter than a quarter of 1 << 17 elements (64 KiB of bf16) restarted
+#: the hardware prefetcher often enough to slow the expert step (docs/guide/kernels.md).
 BLOCK = 1 << 17
 #: Rows per block at least: bounds pass 1's column partials of a matrix at 1/64 of its elements.
 MIN_BLOCK_ROWS = 64
