@@ -106,9 +106,11 @@ def test_int8_momentum_counts_its_scales_and_a_relative_step_reads_the_weights_i
     assert rel.passes[0].read == 2 * 32 * 1024 * 256 * 4
 
 
-def test_triton_reads_in_every_pass_what_it_needs_from_memory():
+def test_triton_reads_in_every_pass_what_it_needs_from_memory_with_no_pass_2_for_weighted_units():
     n = 32 * 1024 * 256
-    assert _per_param(traffic.triton((32, 1024, 256), F32, EXPERT), n) == [4, 4, 12, 20]
+    assert _per_param(traffic.triton((32, 1024, 256), F32, EXPERT), n) == [4, 0, 12, 16]
+    assert _per_param(traffic.triton((32, 1024, 256), BF16, EXPERT), n) == [2, 0, 6, 8]
+    assert _per_param(traffic.triton((32, 1024, 256), torch.float64, EXPERT), n) == [8, 8, 24, 40]
     assert _per_param(traffic.triton((4096, 256), F32, MATRIX), 4096 * 256) == [4, 12, 12, 28]
     assert _per_param(traffic.triton((65536,), F32, ONE_D), 65536) == [4, 20, 16, 40]
 

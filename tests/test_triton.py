@@ -28,8 +28,9 @@ from allocations import Allocations  # noqa: E402
 from kernel_cases import (HP, LARGE, LIVE, SPECS, ZERO_SPECS, eager_step, make_states, record_group,  # noqa: E402
                           step_grads)
 from reference import RefParam  # noqa: E402
-from skewadam.kernels import rounding, triton_layout  # noqa: E402
+from skewadam.kernels import eager, rounding, triton_layout  # noqa: E402
 from skewadam.kernels import triton as tk  # noqa: E402
+from skewadam.kernels.triton import entry, passes  # noqa: E402
 from skewadam.kernels.types import Group  # noqa: E402
 from skewadam.state import is_bank  # noqa: E402
 
@@ -213,16 +214,59 @@ def test_bf16_rounding_draws_rounding_py_s_bits(key, offset):
 
 
 # ---------------------------------------------------------------------------------------------- paths and skips
-@pytest.mark.parametrize("dtype,momentum_dtype", [(torch.float32, "bf16"), (torch.bfloat16, "int8")])
-def test_fused_step_is_bitwise_the_three_passes_with_an_identity_reducer(dtype, momentum_dtype):
-    a = make(SMALL, dtype, momentum_dtype)
+# Factored tensors without momentum, whose units take sum u^2 from weighted column sums (a bank, a matrix).
+WEIGHTED = [((3, 40, 70), "expert", {}), ((24, 20), "expert", {"bank": False})]
+
+
+@pytest.mark.parametrize("dtype,momentum_dtype,items,options", [
+    (torch.float32, "bf16", "whole", {}), (torch.bfloat16, "int8", "whole", {}), (torch.float32, "fp32", "cut", {}),
+    (torch.bfloat16, "fp32", "cut", {"relative_step": True, "beta2_decay": -0.8})])
+def test_fused_step_is_bitwise_the_three_passes_with_an_identity_reducer(dtype, momentum_dtype, items, options,
+                                                                          request):
+    """Including the weighted column sums: the one-process step's pass 1 computes them with the row_var a unit gets
+    if it steps, the three passes' pass 2 from the row_var stored; the same bits."""
+    if items == "cut":
+        request.getfixturevalue("cut_items")
+    specs = SMALL + WEIGHTED
+    a = make(specs, dtype, momentum_dtype)
     b = [p.clone() for p in a]
-    all_grads = grads_for(SMALL, 2, dtype)
-    run(a, all_grads, triton_step)
-    run(b, all_grads, triton_three_passes)
+    all_grads = grads_for(specs, 2, dtype)
+    run(a, all_grads, triton_step, **options)
+    run(b, all_grads, triton_three_passes, **options)
     for x, y in zip(a, b):
         assert torch.equal(x.param, y.param)
         assert_state_equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_row", [False, True])
+def test_sum_u2_comes_from_weighted_column_sums_without_pass_2_unless_a_row_is_floored(dtype, zero_row, monkeypatch):
+    """u_sumsq equals eager's to rounding. With pass 2's `direction_tiles` launch dropped for these tensors it still
+    does where no row's rinv is floored (pass 2 is not needed there), and not for the one bank slice with a floored
+    row (floor mode, an all-zero row at the first step: its own pass 2 over the gradient is what gives it)."""
+    grads = grads_for(WEIGHTED, 1, dtype)[0]
+    if zero_row:
+        grads[0][1, 7].zero_()
+
+    def u_sumsq(step_kernel):
+        ps = make(WEIGHTED, dtype)
+        g = record_group(ps, [x.clone() for x in grads], eps_mode="floor")
+        return [m.u_sumsq.cpu() for m in step_kernel.update_moments_(g, step_kernel.grad_stats(g))]
+
+    want = u_sumsq(eager)
+    for got, ref in zip(u_sumsq(tk), want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=0)
+    real = entry.launch
+
+    def launch(kernel, grid, *args, **meta):
+        if not (kernel is passes.direction_tiles and meta.get("WEIGHTED")):
+            real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(entry, "launch", launch)
+    got = u_sumsq(tk)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=0)
+    close = torch.isclose(got[0], want[0], rtol=1e-5, atol=0).flatten().tolist()
+    assert close == [True, not zero_row, True]
 
 
 def _nonfinite_grads(ps, specs, dtype):
@@ -435,7 +479,7 @@ def test_work_items_cover_every_element_once_inside_one_unit(specs, kind):
         numel, E = math.prod(shape), (shape[0] if bank else 1)
         items = [it for it in L.items if it[0] == t]
         covered = torch.zeros(numel, dtype=torch.int32)
-        for _, u, b, row0, nrows, e0, n, colp in items:
+        for _, u, b, row0, nrows, e0, n, colp, wcol in items:
             covered[e0: e0 + n] += 1
             unit = numel // E
             assert u * unit <= e0 and e0 + n <= (u + 1) * unit  # an item never crosses a unit
@@ -463,12 +507,14 @@ def test_step_allocates_what_step_transient_bytes_says(relative_step):
     with Allocations(DEVICE) as tracked:
         tk.step_([g], skip_nonfinite=True)
     planned = tk.step_transient_bytes([(s, p.bank) for (s, _, _), p in zip(specs, ps)], torch.bfloat16)
-    assert tracked.peak == planned if relative_step else 0 < tracked.peak < planned
+    assert tracked.peak == planned if relative_step else 0 < tracked.peak < planned, (tracked.peak, planned)
 
 
 @pytest.mark.parametrize("d_expert", [4096, 1024])
-def test_transient_memory_of_a_paper_model_step_is_below_one_percent_of_the_parameters(d_expert):
-    """The paper's 6.78B model (128-expert banks [128, 4096, 4096]) and the GPU benchmark's scaled one."""
+def test_transient_memory_of_a_paper_model_step_is_below_one_and_a_half_percent_of_the_parameters(d_expert):
+    """The paper's 6.78B model (128-expert banks [128, 4096, 4096]) and the GPU benchmark's scaled one: float64
+    statistics, column partials and weighted column sums are each at most ~1/1024 of the elements of a matrix of
+    >= 1024 rows (0.39% of bf16 bytes)."""
     from skewadam.groups import param_groups
     from skewadam.bench.models import MoETransformer, get_config
 
@@ -479,7 +525,7 @@ def test_transient_memory_of_a_paper_model_step_is_below_one_percent_of_the_para
         planned = sum(tk.step_transient_bytes([(tuple(p.shape), is_bank(p.ndim, g["tier"], None)) for p in g["params"]],
                                               dtype) for g in groups)
         params = sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
-        assert planned / params < 0.01, (dtype, planned / params)
+        assert planned / params < 0.015, (dtype, planned / params)
 
 
 # ---------------------------------------------------------------------------------------------- GPU only

@@ -15,8 +15,9 @@ or wrote it, which is what the C++ kernel's schedules are for (``cache``: a core
 - ``fused``: another unit whose pass-2 streams (gradient, first moment, full second moment) fit the cache does
   passes 2 and 3 back to back, pass 3 finding the first (else the gradient) and full second moment in cache.
 - ``split`` (larger units) and every Triton launch: each pass reads what it needs from memory, except that a factored
-  unit without momentum that `cpu.weighted` names (fp32 weights; bf16 up to `cpu.WEIGHTED_BF16_MAX`) has no pass 2
-  in the C++ kernel: its clip comes from pass 1's weighted column sums.
+  unit without momentum has no pass 2 in the C++ kernel where `cpu.weighted` names it (fp32 weights; bf16 up to
+  `cpu.WEIGHTED_BF16_MAX`) and in the Triton kernel for fp32 and bf16 weights: its clip comes from pass 1's weighted
+  column sums (the Triton kernel reads each group of rows twice, the second time from cache, not counted).
 
 Fused AdamW (torch's ``fused=True``, `adamw`) moves 7 element-sized streams (reads p, g, m, v; writes p, m, v): 28
 bytes a parameter in fp32 and 14 in bf16 (its state is in the parameter's dtype); a plain stream ``a.add_(b)``
@@ -109,11 +110,14 @@ def cpp(shape: Sequence[int], dtype: torch.dtype, flags: TierSpec, *, relative_s
 
 
 def triton(shape: Sequence[int], dtype: torch.dtype, flags: TierSpec, *, relative_step: bool = False) -> Traffic:
-    """The Triton kernel's step of a tensor (`cpp`'s arguments), per pass, each one launch per bucket:
-    ``stats_tiles`` (pass 1), ``direction_tiles`` (passes 2 and 3); its other launches move statistics only."""
+    """The Triton kernel's one-process step (`step_`) of a tensor (`cpp`'s arguments), per pass, each one launch per
+    bucket: ``stats_tiles`` (pass 1), ``direction_tiles`` (passes 2 and 3; no pass 2 for a factored tensor without
+    momentum of fp32 or bf16 weights, `Bucket.weighted`, where no row's rinv is floored); its other launches move
+    statistics only."""
     s = _sizes(shape, dtype, flags)
+    weighted = s.factored and not s.m and dtype in (torch.float32, torch.bfloat16)
     return Traffic("triton", (Pass("pass 1", s.g * (1 + relative_step), 0),
-                              Pass("pass 2", s.g + s.m + s.v, s.m + s.v),
+                              Pass("pass 2", 0, 0) if weighted else Pass("pass 2", s.g + s.m + s.v, s.m + s.v),
                               Pass("pass 3", s.g + (s.m or s.g) + s.v, s.g)))
 
 

@@ -7,7 +7,9 @@ The work is cut into *items* (one program each, ~`TARGET` elements): a strip of 
 along rows), or a run of one unit's elements (``"flat"``). Items, matrices and units are listed in three int64 tables
 that depend only on the shapes (cached); their columns are the kernels' ``ITEM_*``, ``MAT_*`` and ``UNIT_*``. A
 strip holds >= `MIN_ROWS` rows, so the float64 column partials of a matrix cut into several strips are at most
-numel / 1024 elements.
+numel / 1024 elements. Each strip also has C float64 weighted column sums (``wcol``: a factored unit without
+momentum takes its clip from them, `skewadam.kernels.traffic`), numel / min(R, 1024) elements a matrix, in every
+factored workspace (what `step_transient_bytes` counts does not depend on the state).
 
 Shape legend: ``E`` units (bank slices, dim 0; 1 for a single tensor), ``B`` matrices ``[R, C]`` of a factored tensor
 (all dims but the last two), ``R`` rows, ``C`` columns, ``M`` rows of the ``[M, C]`` view of a tensor.
@@ -55,7 +57,7 @@ class Layout:
         self.moments: list[tuple[int, ...]] = []  # per tensor: offsets of u_sumsq, corr, scale (all tensors'
         # first), rinv, cinv
         self.act: list[int] = []  # per tensor: offset in the bank-activity buffer (-1: not a bank)
-        self.n_units = self.colp = self.stats_numel = self.moments_numel = self.act_numel = 0
+        self.n_units = self.colp = self.wcol = self.stats_numel = self.moments_numel = self.act_numel = 0
         self.max_c = self.max_rc = 1  # the longest row, the most rows or columns of a matrix
         self.aligned8 = True  # every item starts, and (rows layouts) every row holds, a multiple of 8 elements
         self._tables: dict[torch.device, tuple[Tensor, Tensor, Tensor]] = {}
@@ -69,7 +71,9 @@ class Layout:
             start += rows + cols
         self.moments_numel = start
         self.stats64_numel = self.stats_numel + self.n_units
-        self.scratch64_numel = self.colp + 2 * len(self.items)  # column partials, per item sum g^2 and max |g|
+        # column partials, per item sum g^2 and max |g|, weighted column sums (`wcol0`)
+        self.wcol0 = self.colp + 2 * len(self.items)
+        self.scratch64_numel = self.wcol0 + self.wcol
         self.psq_numel = len(self.items) + self.n_units  # float64: per item then per unit, a relative step's sum p^2
 
     def _add(self, t: int, shape: tuple[int, ...], bank: bool) -> None:
@@ -88,7 +92,8 @@ class Layout:
             if per_unit[u][1] == 0:
                 per_unit[u][0] = len(self.items)
             per_unit[u][1] += 1
-            self.items.append([t, u, b, row0, nrows, e0, n, colp])
+            self.items.append([t, u, b, row0, nrows, e0, n, colp, self.wcol if factored else -1])
+            self.wcol += C if factored else 0
             self.aligned8 = self.aligned8 and e0 % 8 == 0 and (self.kind == "flat" or C % 8 == 0)
 
         if factored:

@@ -37,9 +37,11 @@ TAB_WIDTH = tl.constexpr(TABLE_WIDTH)
 HDR_W1, HDR_W2, HDR_B1, HDR_B2, HDR_ADD, HDR_FLOOR, HDR_RM_FLOOR, HDR_LR, HDR_WD, HDR_DECAY, HDR_LR_ADDR = (
     tl.constexpr(i) for i in range(11))
 # Items (`triton_layout.Layout.items`): tensor, unit, matrix (factored), first row and rows (rows layouts), first
-# element and elements, and the offset of the item's column partials in the scratch (-1: the column sums themselves).
-ITEM_T, ITEM_U, ITEM_B, ITEM_ROW0, ITEM_NROWS, ITEM_E0, ITEM_N, ITEM_COLP = (tl.constexpr(i) for i in range(8))
-ITEM_WIDTH = tl.constexpr(8)
+# element and elements, the offset of the item's column partials in the scratch (-1: the column sums themselves) and
+# of its weighted column sums (factored; from `Layout.wcol0`).
+ITEM_T, ITEM_U, ITEM_B, ITEM_ROW0, ITEM_NROWS, ITEM_E0, ITEM_N, ITEM_COLP, ITEM_WCOL = (
+    tl.constexpr(i) for i in range(9))
+ITEM_WIDTH = tl.constexpr(9)
 # Matrices (factored): tensor, unit, matrix, offset of its column partials (-1: one strip), strips.
 MAT_T, MAT_U, MAT_B, MAT_COLP, MAT_S = (tl.constexpr(i) for i in range(5))
 MAT_WIDTH = tl.constexpr(5)
@@ -177,12 +179,16 @@ def updated(row, u, skip, HAS_SKIP: tl.constexpr):
 
 
 @triton.jit
-def second_moment_beta(tab, row, u, DECAY: tl.constexpr):
+def second_moment_beta(tab, row, u, DECAY: tl.constexpr, AHEAD: tl.constexpr = False):
     """``(beta2, 1 - beta2)`` of unit ``u``'s second-moment EMAs, in float64: the group's, or with a beta2 decay
     ``d`` (DECAY), ``1 - t**d`` at the unit's (new) step count ``t >= 1``, with ``t**d`` as ``exp(d * log(t))``
-    (Triton has no float64 pow on every target: within a few ulps of the host's)."""
+    (Triton has no float64 pow on every target: within a few ulps of the host's). AHEAD: before `count_steps`, at
+    the count the unit has if it steps."""
     if DECAY:
-        t = tl.maximum(tl.load(addr(row, TAB_STEP, tl.float32) + u).to(tl.float64), 1.0)  # (idle: masked out)
+        t = tl.load(addr(row, TAB_STEP, tl.float32) + u)
+        if AHEAD:
+            t = t + 1.0
+        t = tl.maximum(t.to(tl.float64), 1.0)  # (idle: masked out)
         b = 1.0 - tl.exp(hyper(tab, HDR_DECAY) * tl.log(t))
         w = 1.0 - b
     else:
@@ -243,12 +249,19 @@ def first_moment(g, m, ms, offs, mask, sidx, smask, b1, w1, key, T: tl.constexpr
 
 
 @triton.jit
+def factor_new(old, sums, n, add, b2, w2, T: tl.constexpr):
+    """A factored statistic's new value from its old one (in T) and the gradient's float64 sums: ``ema(old, sums / n
+    + eps, beta2)`` in float64 (``n``, ``add`` and the coefficients float64), rounded once into T."""
+    return ema(old.to(tl.float64), sums / n + add, b2, w2).to(T)
+
+
+@triton.jit
 def factor_ema(var, sums, idx, mask, n, add, b2, w2, write, active, T: tl.constexpr):
     """A chunk ``idx`` of a factored statistic (row_var or col_var at ``var``, in T, from the gradient's float64 sums
-    at ``sums``): ``ema(var, sums / n + eps, beta2)`` in float64 (``n``, ``add`` and the coefficients float64), rounded
-    once into T and stored if ``write``; returns the value the step uses (the stored one for an idle unit)."""
+    at ``sums``): `factor_new`, stored if ``write``; returns the value the step uses (the stored one for an idle
+    unit)."""
     old = tl.load(var + idx, mask=mask, other=1.0)
-    new = ema(old.to(tl.float64), tl.load(sums + idx, mask=mask, other=0.0) / n + add, b2, w2).to(T)
+    new = factor_new(old, tl.load(sums + idx, mask=mask, other=0.0), n, add, b2, w2, T)
     tl.store(var + idx, new, mask=tl.where(write, mask, False))
     return tl.where(active, new, old)
 

@@ -18,6 +18,7 @@ from .passes import (count_steps, direction_tiles, factored_moments, prepare_app
                      stats_tiles, unit_sums)
 from .device import TAB_AMAX, TAB_PSQ, TAB_SUMSQ, TAB_USQ
 from .tables import TL, Bucket, Table, Work, addrs, check_device, on, prepare, tensor_table, written
+from .weighted import weighted_tiles, weighted_usq
 
 _MAT_BLOCK = 1024  # rows or columns per program of the per-matrix kernels
 _SMALL_BLOCK = 256  # units per loop of the per-tensor and per-unit kernels
@@ -30,18 +31,22 @@ def launch(kernel, grid: tuple[int, ...], *args, warps: int = 4, **meta) -> None
         kernel[grid](*args, num_warps=warps, enable_fp_fusion=False, **meta)
 
 
-def _pass1(b: Bucket, table: Table, scratch: Tensor, pbuf: Optional[Tensor], flag: Optional[Tensor]) -> None:
-    """Pass 1 of a bucket, float64: ``scratch`` (`Layout.scratch64_numel`) holds the column and item partials;
-    ``pbuf`` (a relative step's), the item partials then the per-unit sums of ``p^2``."""
+def _pass1(b: Bucket, group: Group, table: Table, scratch: Tensor, pbuf: Optional[Tensor], flag: Optional[Tensor],
+           *, weighted_sums: bool) -> None:
+    """Pass 1 of a bucket, float64: ``scratch`` (`Layout.scratch64_numel`) holds the column and item partials
+    and, ``weighted_sums`` (the one-process step), a `Bucket.weighted`'s weighted column sums; ``pbuf`` (a relative
+    step's), the item partials then the per-unit sums of ``p^2``."""
     L, tab = b.layout, table.tensor
     items, mats, units = L.tables(tab.device)
     amax = b.T == torch.float64  # (fp64 squares can underflow: the activity is max |g|)
     launch(stats_tiles, (len(L.items),), tab, items, scratch, L.colp, L.colp + len(L.items),
-           pbuf if pbuf is not None else tab, PD=TL[b.pd], FACTORED=b.factored, RELATIVE=pbuf is not None, AMAX=amax,
+           pbuf if pbuf is not None else tab, L.wcol0, PD=TL[b.pd], T=TL[b.T], FACTORED=b.factored,
+           RELATIVE=pbuf is not None, AMAX=amax, WEIGHTED=b.weighted, WSUMS=weighted_sums and b.weighted,
+           DECAY=group.beta2_decay is not None,
            ALIGNED=table.aligned, warps=8, **b.tiles())
     launch(stats_matrices, (len(L.mats), triton.cdiv(L.max_rc, _MAT_BLOCK)), tab, mats, scratch, T=TL[b.T],
            BLK=_MAT_BLOCK, SB=8)
-    sums = dict(T=tl.float64, HAS_FLAG=False, TMAX=0.0, BLOCK=_SMALL_BLOCK)
+    sums = dict(T=tl.float64, HAS_FLAG=False, TMAX=0.0, ONLY_NAN=False, BLOCK=_SMALL_BLOCK)
     launch(unit_sums, (L.n_units,), tab, units, scratch, L.colp, flag if flag is not None else tab, DST=TAB_SUMSQ,
            FROM_MATS=b.factored, MAX=False, **{**sums, "HAS_FLAG": flag is not None,
                                                 "TMAX": torch.finfo(torch.float64).max})
@@ -54,8 +59,9 @@ def _pass1(b: Bucket, table: Table, scratch: Tensor, pbuf: Optional[Tensor], fla
 
 def _directions(b: Bucket, group: Group, table: Table, scratch: Tensor, clips: Tensor, keys: Tensor,
                 skip: Optional[Tensor], *, apply: bool) -> None:
-    """`direction_tiles` over the bucket's items: pass 2 (``scratch``, of T, gets the items' partial ``sum u^2``) or,
-    ``apply``, pass 3 (with the units' ``clips``)."""
+    """`direction_tiles` over the bucket's items: pass 2 (``scratch``, of T, gets the items' partial ``sum u^2``;
+    a `Bucket.weighted`'s only of the units `weighted_usq` left NaN) or, ``apply``, pass 3 (with the units'
+    ``clips``)."""
     L, tab = b.layout, table.tensor
     lr = group.lr
     lr_ptr = apply and isinstance(lr, Tensor) and lr.device == tab.device
@@ -63,12 +69,16 @@ def _directions(b: Bucket, group: Group, table: Table, scratch: Tensor, clips: T
            skip if skip is not None else tab, len(b.index), PD=TL[b.pd], T=TL[b.T], MD=TL[b.md],
            FACTORED=b.factored, FLAT=L.kind == "flat", MOM=b.mom.value, EPS_ADD=group.eps_mode == "add",
            HAS_SKIP=skip is not None, DECAY=group.beta2_decay is not None, APPLY=apply, LR_PTR=lr_ptr,
-           LRD=TL[lr.dtype] if lr_ptr else tl.float32, ALIGNED=table.aligned, warps=8, **b.tiles())
+           LRD=TL[lr.dtype] if lr_ptr else tl.float32, ALIGNED=table.aligned, warps=8,
+           WEIGHTED=b.weighted and not apply, **b.tiles())
 
 
-def _pass2(b: Bucket, group: Group, table: Table, scratch: Tensor, keys: Tensor, skip: Optional[Tensor]) -> None:
+def _pass2(b: Bucket, group: Group, table: Table, scratch: Tensor, keys: Tensor, skip: Optional[Tensor],
+           wbuf: Optional[Tensor]) -> None:
+    """Pass 2 of a bucket; a `Bucket.weighted`'s weighted column sums are at ``wbuf`` (the one-process step's pass
+    1 left them there) or, None, computed here from the gradient (`weighted_tiles`)."""
     L, T, tab = b.layout, TL[b.T], table.tensor
-    _, mats, units = L.tables(tab.device)
+    items, mats, units = L.tables(tab.device)
     skip_arg = skip if skip is not None else tab
     nt = len(b.index)
     decay = group.beta2_decay is not None
@@ -77,9 +87,17 @@ def _pass2(b: Bucket, group: Group, table: Table, scratch: Tensor, keys: Tensor,
     if b.factored:
         launch(factored_moments, (len(L.mats), triton.cdiv(L.max_rc, _MAT_BLOCK)), tab, mats, skip_arg, T=T,
                EPS_ADD=group.eps_mode == "add", HAS_SKIP=skip is not None, DECAY=decay, BLK=_MAT_BLOCK)
+    if b.weighted:
+        if wbuf is None:
+            wbuf = torch.empty(L.wcol, dtype=torch.float64, device=tab.device)
+            tiles = b.tiles()
+            launch(weighted_tiles, (len(L.items),), tab, items, wbuf, skip_arg, PD=TL[b.pd], T=T,
+                   HAS_SKIP=skip is not None, ALIGNED=table.aligned, warps=8, RB=tiles["RB"], BC=tiles["BC"])
+        launch(weighted_usq, (L.n_units,), tab, units, items, wbuf, T=T, EPS_ADD=group.eps_mode == "add",
+               DECAY=decay, BLK=_SMALL_BLOCK)
     _directions(b, group, table, scratch, tab, keys, skip, apply=False)
     launch(unit_sums, (L.n_units,), tab, units, scratch, 0, tab, DST=TAB_USQ, T=T, FROM_MATS=False, MAX=False,
-           HAS_FLAG=False, TMAX=0.0, BLOCK=_SMALL_BLOCK)
+           HAS_FLAG=False, TMAX=0.0, BLOCK=_SMALL_BLOCK, ONLY_NAN=b.weighted)
 
 
 def _pass3(b: Bucket, group: Group, table: Table, clips: Tensor, keys: Tensor, skip: Optional[Tensor]) -> None:
@@ -144,7 +162,7 @@ def _grad_stats(work: Work) -> list[GradStats]:
         pbuf = _pbuf(work, L)
         tab = tensor_table(b, work, [_stat_addrs(stats, pbuf, L, j) for j in range(len(b.index))],
                            [[0] * 6] * len(b.index))
-        _pass1(b, tab, scratch, pbuf, None)
+        _pass1(b, group, tab, scratch, pbuf, None, weighted_sums=False)
         for j, i in enumerate(b.index):
             shapes = _stat_shapes(group.params[i], b.factored)
             v = [_view(stats, o, s) for o, s in zip(L.stats[j], shapes)]
@@ -208,7 +226,7 @@ def _update_moments(work: Work, stats: Sequence[GradStats], skip: Optional[Tenso
             a.append(_checked("absmax", st.absmax, shapes[0], f64, work.device, i) if b.T == f64 else 0)
             stat_addrs.append(a)
         tab = tensor_table(b, work, stat_addrs, [_moment_addrs(moments, active, L, j) for j in range(len(b.index))])
-        _pass2(b, group, tab, scratch, keys, skip)
+        _pass2(b, group, tab, scratch, keys, skip, None)
         for j, i in enumerate(b.index):
             pt = group.params[i]
             shapes = _stat_shapes(pt, b.factored)
@@ -290,9 +308,10 @@ def _step(works: list[Work], device: torch.device, skip_nonfinite: bool) -> Tens
         for b in work.buckets:
             runs.append((work, b, *_workspace(work, b)))
     for work, b, tab, ws64, ws, pbuf, active, keys in runs:
-        _pass1(b, tab, ws64[b.layout.stats64_numel:], pbuf, flag)
+        _pass1(b, work.group, tab, ws64[b.layout.stats64_numel:], pbuf, flag, weighted_sums=True)
     for work, b, tab, ws64, ws, pbuf, active, keys in runs:
-        _pass2(b, work.group, tab, ws[b.layout.moments_numel:], keys, flag)
+        _pass2(b, work.group, tab, ws[b.layout.moments_numel:], keys, flag,
+               ws64[b.layout.stats64_numel + b.layout.wcol0:])
     for work, b, tab, ws64, ws, pbuf, active, keys in runs:
         _pass3(b, work.group, tab, ws[ws.numel() - b.layout.n_units:], keys, flag)
     for work in works:

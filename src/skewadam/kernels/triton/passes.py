@@ -2,9 +2,12 @@
 `skewadam.kernels.triton_layout` and the tensor table (`device`'s ``TAB_*`` columns).
 
 1. `stats_tiles`, `stats_matrices`, `unit_sums`: sums of ``g^2`` per row and column (per item, then per matrix in
-   strip order), per matrix and per unit; fixed orders, deterministic.
+   strip order), per matrix and per unit; fixed orders, deterministic. In the one-process step, a factored bucket
+   without momentum also gets its weighted column sums here (`weighted.weighted_columns`).
 2. `count_steps`, `factored_moments`, `direction_tiles` (pass 2), `unit_sums`: step counts and bias corrections, the
-   factored EMAs and ``rinv``/``cinv``, the first and full second moments and ``sum u^2``.
+   factored EMAs and ``rinv``/``cinv``, the first and full second moments and ``sum u^2``. A factored unit without
+   momentum takes ``sum u^2`` from its weighted column sums (`weighted.weighted_usq`; in the three passes
+   `weighted.weighted_tiles` computes them), and `direction_tiles` reads its gradient only where they do not hold it.
 3. `prepare_apply`, `direction_tiles` (pass 3): the clips, then the weights.
 
 `direction_tiles` is the one definition of the update direction both passes 2 and 3 use.
@@ -16,25 +19,41 @@ import triton
 import triton.language as tl
 
 from .device import (HDR_ADD, HDR_B1, HDR_B2, HDR_FLOOR, HDR_LR, HDR_LR_ADDR, HDR_RM_FLOOR, HDR_W1, HDR_WD, ITEM_B,
-                     ITEM_COLP, ITEM_E0, ITEM_N, ITEM_NROWS, ITEM_ROW0, ITEM_T, ITEM_U, ITEM_WIDTH, MAT_B, MAT_COLP,
-                     MAT_S, MAT_T, MAT_U, MAT_WIDTH, MOMENTUM_STREAM, RELATIVE_STEP_EPS, TAB_ACT, TAB_AMAX, TAB_BANK,
-                     TAB_C, TAB_CG, TAB_CINV, TAB_COL, TAB_CORR, TAB_CV, TAB_E, TAB_G, TAB_KBASE, TAB_M, TAB_MS, TAB_NB,
-                     TAB_NG, TAB_P, TAB_PSQ, TAB_R, TAB_RC, TAB_RG, TAB_RINV, TAB_ROW, TAB_RV, TAB_RVS, TAB_SCALE,
-                     TAB_STEP, TAB_SUMSQ, TAB_UNIT0, TAB_USQ, TAB_V, UNIT_ITEM0, UNIT_MAT0, UNIT_NITEMS, UNIT_NMATS,
-                     UNIT_T, UNIT_U, UNIT_WIDTH, addr, big, div, factor_ema, first_moment, full_direction, hyper,
-                     inv_sqrt, load8, mix32, powi, round_bf16, second_moment_beta, sqrt, tensor_row, updated,
-                     write_param)
+                     ITEM_COLP, ITEM_E0, ITEM_N, ITEM_NROWS, ITEM_ROW0, ITEM_T, ITEM_U, ITEM_WCOL, ITEM_WIDTH, MAT_B,
+                     MAT_COLP, MAT_S, MAT_T, MAT_U, MAT_WIDTH, MOMENTUM_STREAM, RELATIVE_STEP_EPS, TAB_ACT, TAB_AMAX,
+                     TAB_BANK, TAB_C, TAB_CG, TAB_CINV, TAB_COL, TAB_CORR, TAB_CV, TAB_E, TAB_G, TAB_KBASE, TAB_M,
+                     TAB_MS, TAB_NB, TAB_NG, TAB_P, TAB_PSQ, TAB_R, TAB_RC, TAB_RG, TAB_RINV, TAB_ROW, TAB_RV, TAB_RVS,
+                     TAB_SCALE, TAB_STEP, TAB_SUMSQ, TAB_UNIT0, TAB_USQ, TAB_V, UNIT_ITEM0, UNIT_MAT0, UNIT_NITEMS,
+                     UNIT_NMATS, UNIT_T, UNIT_U, UNIT_WIDTH, addr, big, div, factor_ema, factor_new, first_moment,
+                     full_direction, hyper, inv_sqrt, load8, mix32, powi, round_bf16, second_moment_beta, sqrt,
+                     tensor_row, updated, write_param)
+from .weighted import weighted_columns
 
 
 # ================================================================================================ pass 1
 @triton.jit
-def stats_tiles(tab, items, scratch, part0, amax0, pbuf, PD: tl.constexpr, FACTORED: tl.constexpr,
-                RELATIVE: tl.constexpr, AMAX: tl.constexpr, ALIGNED: tl.constexpr, RB: tl.constexpr,
-                BC: tl.constexpr, BLOCK: tl.constexpr):
+def _tile(g, p, rows, rm, cols, cm, C, pacc, RELATIVE: tl.constexpr):
+    """A [rows, cols] tile of a factored item's gradient in float64; RELATIVE: its weights' squares added to pacc."""
+    offs = rows[:, None] * C + cols[None, :]
+    mask = rm[:, None] & cm[None, :]
+    if RELATIVE:
+        xp = tl.load(p + offs, mask=mask, other=0.0).to(tl.float64)
+        pacc += xp * xp
+    return tl.load(g + offs, mask=mask, other=0.0).to(tl.float64), pacc
+
+
+@triton.jit
+def stats_tiles(tab, items, scratch, part0, amax0, pbuf, wcol0, PD: tl.constexpr, T: tl.constexpr,
+                FACTORED: tl.constexpr, RELATIVE: tl.constexpr, AMAX: tl.constexpr, WEIGHTED: tl.constexpr,
+                WSUMS: tl.constexpr, DECAY: tl.constexpr, ALIGNED: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr,
+                BLOCK: tl.constexpr):
     """Per item, in float64 (the square of an fp32 or bf16 value is exact there): factored, its rows' sums of g^2 and
     its column partials; otherwise its sum of g^2 (a partial, at ``scratch + part0``). AMAX (fp64 parameters, whose
     squares can underflow): also its max |g| (at ``scratch + amax0``). RELATIVE (a relative step): also its sum of
-    p^2 (into ``pbuf``)."""
+    p^2 (into ``pbuf``). WEIGHTED (a factored bucket without momentum, `Bucket.weighted`): groups of RB rows
+    outer, and with WSUMS (the one-process step) each group's weighted column sums right after its sums, while its
+    rows are still in cache (`weighted.weighted_columns`, at ``scratch + wcol0``, with the row_var the unit gets if it
+    steps)."""
     pid = tl.program_id(0)
     it = items + pid * ITEM_WIDTH
     row = tensor_row(tab, tl.load(it + ITEM_T))
@@ -50,31 +69,55 @@ def stats_tiles(tab, items, scratch, part0, amax0, pbuf, PD: tl.constexpr, FACTO
             col_out = addr(row, TAB_COL, tl.float64) + tl.load(it + ITEM_B) * C
         else:
             col_out = scratch + colp
-        if RELATIVE:
-            pacc = tl.zeros([RB, BC], tl.float64)
-        if AMAX:
-            mx = tl.zeros([RB, BC], tl.float64)
-        for c in range(0, C, BC):
-            cols = c + tl.arange(0, BC)
-            cm = cols < C
-            acc = tl.zeros([BC], tl.float64)
+        if WSUMS:
+            wcol = scratch + wcol0 + tl.load(it + ITEM_WCOL)
+            rv = addr(row, TAB_RV, T)
+            Cg = tl.maximum(tl.load(row + TAB_CG).to(tl.float64), 1.0)
+            add = hyper(tab, HDR_ADD)
+            b2, w2 = second_moment_beta(tab, row, tl.load(it + ITEM_U), DECAY, True)
+        pacc = tl.zeros([RB, BC], tl.float64)  # (RELATIVE)
+        if WEIGHTED:
+            # rows outer: a group's row sums are whole after its columns, for its weights, while its rows are in
+            # cache (each column adds the groups in row order, each row its chunks in column order: the bits of
+            # columns outer)
+            tl.static_assert(not AMAX, "weighted column sums are for fp32 statistics")
             for r in range(r0, r1, RB):
                 rows = r + tl.arange(0, RB)
                 rm = rows < r1
-                offs = rows[:, None] * C + cols[None, :]
-                mask = rm[:, None] & cm[None, :]
-                x = tl.load(g + offs, mask=mask, other=0.0).to(tl.float64)
-                sq = x * x
-                acc += tl.sum(sq, 0)
-                prev = tl.load(row_out + rows, mask=rm, other=0.0)  # the rows' sums so far (zero-initialised)
-                tl.store(row_out + rows, prev + tl.sum(sq, 1), mask=rm)
-                if AMAX:
-                    mx = tl.maximum(mx, tl.abs(x))
-                if RELATIVE:
-                    xp = tl.load(p + offs, mask=mask, other=0.0).to(tl.float64)
-                    pacc += xp * xp
-            tl.store(col_out + cols, acc, mask=cm)
-            tl.debug_barrier()  # this chunk's row sums are stored before the next chunk reads them
+                rs = tl.zeros([RB], tl.float64)
+                for c in range(0, C, BC):
+                    cols = c + tl.arange(0, BC)
+                    cm = cols < C
+                    x, pacc = _tile(g, p, rows, rm, cols, cm, C, pacc, RELATIVE)
+                    sq = x * x
+                    rs += tl.sum(sq, 1)
+                    prev = tl.load(col_out + cols, mask=tl.where(r == r0, False, cm), other=0.0)
+                    tl.store(col_out + cols, prev + tl.sum(sq, 0), mask=cm)
+                tl.store(row_out + rows, rs, mask=rm)
+                if WSUMS:
+                    old = tl.load(rv + rows, mask=rm, other=1.0)
+                    w = 1.0 / factor_new(old, rs, Cg, add, b2, w2, T).to(tl.float64)
+                    weighted_columns(g, wcol, rows, rm, r == r0, C, w, BC)
+                tl.debug_barrier()  # this group's column sums are stored before the next group reads them
+        else:
+            if AMAX:
+                mx = tl.zeros([RB, BC], tl.float64)
+            for c in range(0, C, BC):
+                cols = c + tl.arange(0, BC)
+                cm = cols < C
+                acc = tl.zeros([BC], tl.float64)
+                for r in range(r0, r1, RB):
+                    rows = r + tl.arange(0, RB)
+                    rm = rows < r1
+                    x, pacc = _tile(g, p, rows, rm, cols, cm, C, pacc, RELATIVE)
+                    sq = x * x
+                    acc += tl.sum(sq, 0)
+                    prev = tl.load(row_out + rows, mask=rm, other=0.0)  # the rows' sums so far (zero-initialised)
+                    tl.store(row_out + rows, prev + tl.sum(sq, 1), mask=rm)
+                    if AMAX:
+                        mx = tl.maximum(mx, tl.abs(x))
+                tl.store(col_out + cols, acc, mask=cm)
+                tl.debug_barrier()  # this chunk's row sums are stored before the next chunk reads them
     else:
         e0 = load8(it + ITEM_E0, ALIGNED)
         e1 = e0 + tl.load(it + ITEM_N)
@@ -140,9 +183,11 @@ def stats_matrices(tab, mats, scratch, T: tl.constexpr, BLK: tl.constexpr, SB: t
 
 @triton.jit
 def unit_sums(tab, units, scratch, part0, flag, DST: tl.constexpr, T: tl.constexpr, FROM_MATS: tl.constexpr,
-              MAX: tl.constexpr, HAS_FLAG: tl.constexpr, TMAX: tl.constexpr, BLOCK: tl.constexpr):
+              MAX: tl.constexpr, HAS_FLAG: tl.constexpr, TMAX: tl.constexpr, ONLY_NAN: tl.constexpr,
+              BLOCK: tl.constexpr):
     """Per unit, in T: the sum of its matrices' ``rc`` (FROM_MATS) or of its items' partials (MAX: their maximum),
-    into column DST; with a flag, raise it if the sum is not finite."""
+    into column DST (ONLY_NAN: where it holds NaN, `weighted.weighted_usq`'s mark); with a flag, raise it if the sum
+    is not finite."""
     un = units + tl.program_id(0) * UNIT_WIDTH
     row = tensor_row(tab, tl.load(un + UNIT_T))
     if FROM_MATS:
@@ -162,7 +207,12 @@ def unit_sums(tab, units, scratch, part0, flag, DST: tl.constexpr, T: tl.constex
         total = tl.max(acc, 0)
     else:
         total = tl.sum(acc, 0)
-    tl.store(addr(row, DST, T) + tl.load(un + UNIT_U), total)
+    dst = addr(row, DST, T) + tl.load(un + UNIT_U)
+    if ONLY_NAN:
+        now = tl.load(dst)
+        tl.store(dst, total, mask=now != now)
+    else:
+        tl.store(dst, total)
     if HAS_FLAG:
         tl.atomic_max(flag, ((total != total) | (tl.abs(total) > TMAX)).to(tl.int32))
 
@@ -268,19 +318,23 @@ def direction_tiles(tab, items, scratch, part0, clips, keys, skip, n_tensors, PD
                     MD: tl.constexpr, FACTORED: tl.constexpr, FLAT: tl.constexpr, MOM: tl.constexpr,
                     EPS_ADD: tl.constexpr, HAS_SKIP: tl.constexpr, DECAY: tl.constexpr, APPLY: tl.constexpr,
                     LR_PTR: tl.constexpr, LRD: tl.constexpr, ALIGNED: tl.constexpr, RB: tl.constexpr,
-                    BC: tl.constexpr, BLOCK: tl.constexpr):
+                    BC: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr):
     """Per item of an updated unit, the update direction ``u = src * (rinv_i * scale) * cinv_j`` (factored) or
     ``src * scale / sqrt(v)`` (`full_direction`), with ``src`` the first moment (`first_moment`) and ``scale`` the
     bias correction (`count_steps`'s corr). Pass 2 (not APPLY): the first moment and the full second moment advanced
     in place, and the item's partial ``sum u^2``. Pass 3 (APPLY): ``scale`` is count_steps' times the unit's clip, and
     ``p = p * (1 - lr*wd) - u * lr`` (eager's operations, each rounded; lr and the decay float64 rounded to T, a
-    tensor lr read here on the device), rounded stochastically for bf16 parameters."""
+    tensor lr read here on the device), rounded stochastically for bf16 parameters. WEIGHTED (pass 2): only units
+    whose u_sumsq `weighted.weighted_usq` left NaN."""
     pid = tl.program_id(0)
     it = items + pid * ITEM_WIDTH
     t = tl.load(it + ITEM_T)
     row = tensor_row(tab, t)
     u = tl.load(it + ITEM_U)
     go = updated(row, u, skip, HAS_SKIP)
+    if WEIGHTED:
+        have = tl.load(addr(row, TAB_USQ, T) + u)
+        go = go & (have != have)
     g = big(row, TAB_G, PD, ALIGNED)
     m = big(row, TAB_M, MD, ALIGNED)
     ms = addr(row, TAB_MS, tl.float32)

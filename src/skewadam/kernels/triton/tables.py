@@ -47,6 +47,12 @@ class Bucket(NamedTuple):
     def factored(self) -> bool:
         return self.layout.kind == "factored"
 
+    @property
+    def weighted(self) -> bool:
+        """Whether its units take ``sum u^2`` from weighted column sums (`passes.weighted_usq`), not from a pass 2
+        over the gradient: factored, without momentum, fp32 statistics (fp32 and bf16 weights)."""
+        return self.factored and self.mom == MomFmt.NONE and self.T == torch.float32
+
     def tiles(self) -> dict[str, int]:
         """Tile shapes of the item kernels: [RB, BC] (rows layouts; BC one int8 block for int8 momentum) or [BLOCK],
         from a few sizes only (each is a compiled variant)."""
