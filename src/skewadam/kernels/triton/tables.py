@@ -49,7 +49,7 @@ class Bucket(NamedTuple):
 
     @property
     def weighted(self) -> bool:
-        """Whether its units take ``sum u^2`` from weighted column sums (`passes.weighted_usq`), not from a pass 2
+        """Whether its units take ``sum u^2`` from weighted column sums (`weighted.weighted_usq`), not from a pass 2
         over the gradient: factored, without momentum, fp32 statistics (fp32 and bf16 weights)."""
         return self.factored and self.mom == MomFmt.NONE and self.T == torch.float32
 
