@@ -592,6 +592,23 @@ def test_nonfinite_grad_skips_the_whole_step_and_counts_it(dtype, bad):
     _assert_same(_snapshot(opt, params), _snapshot(clean_opt, clean))
 
 
+def test_skipped_steps_add_up_between_reads():
+    """Each step adds its skip flag to a count kept as a tensor (no host read); read, it is the number of skips."""
+    params = make_params(torch.float32)
+    opt = SkewAdam(params)
+    gen = torch.Generator().manual_seed(0)
+    for bad in (True, False, True, True):
+        make_grads(params, gen)
+        if bad:
+            params[1].grad.view(-1)[0] = float("inf")
+        opt.step()
+    assert opt.skipped_steps == 3 and isinstance(opt.skipped_steps, int)
+    make_grads(params, gen)
+    params[0].grad.view(-1)[0] = float("nan")
+    opt.step()
+    assert opt.skipped_steps == 4
+
+
 def test_nonfinite_grad_is_applied_when_skipping_is_off():
     params = make_params(torch.float32)
     opt = SkewAdam(params, skip_nonfinite=False)

@@ -316,8 +316,8 @@ class Counter:
     def add(obj: Any, name: str, count: Tensor) -> None:
         """Add the 0-d ``count`` to the count ``name`` of ``obj``, on its device."""
         key = getattr(type(obj), name).pending
-        pending, count = obj.__dict__.get(key), count.to(torch.int64)
-        obj.__dict__[key] = count if pending is None else pending + count
+        pending = obj.__dict__.get(key)  # (one op a step: right after a step, each costs ~10 us in cold caches)
+        obj.__dict__[key] = count.to(torch.int64) if pending is None else pending + count  # int64 + bool: int64
 
 
 class _InBackward:

@@ -316,7 +316,7 @@ class SkewAdam(BackwardMode, Optimizer):
         if any(p.grad is not None for group in self.param_groups for p in group["params"]):
             flags.append(self._step())
         if flags:
-            Counter.add(self, "skipped_steps", stacked(flags).any())
+            Counter.add(self, "skipped_steps", flags[0] if len(flags) == 1 else stacked(flags).any())
         return loss
 
     def step_parameter(self, group: int, position: int) -> Tensor:
