@@ -269,6 +269,20 @@ def test_sum_u2_comes_from_weighted_column_sums_without_pass_2_unless_a_row_is_f
     assert close == [True, not zero_row, True]
 
 
+def test_weighted_u_sumsq_of_an_idle_slice_or_a_skipped_step_is_zero():
+    """As pass 2's partials give it: the three passes' weighted column sums start from zeros, and an idle bank slice
+    or a skipped step adds nothing to them."""
+    ps = make(WEIGHTED, torch.float32)
+    grads = grads_for(WEIGHTED, 1, torch.float32)[0]
+    grads[0][1].zero_()  # bank slice 1 idle
+    g = record_group(ps, grads)
+    usq = tk.update_moments_(g, tk.grad_stats(g))[0].u_sumsq.flatten().tolist()
+    assert usq[1] == 0 and usq[0] > 0 and usq[2] > 0
+    g = record_group(ps, grads_for(WEIGHTED, 1, torch.float32, seed=2)[0])
+    skipped = tk.update_moments_(g, tk.grad_stats(g), skip=torch.ones((), dtype=torch.bool, device=DEVICE))
+    assert all(not m.u_sumsq.any() for m in skipped)
+
+
 def _nonfinite_grads(ps, specs, dtype):
     """Gradients with a NaN in a bank and an inf in another tensor."""
     grads = grads_for(specs, 1, dtype)[0]

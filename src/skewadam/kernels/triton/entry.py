@@ -89,7 +89,7 @@ def _pass2(b: Bucket, group: Group, table: Table, scratch: Tensor, keys: Tensor,
                EPS_ADD=group.eps_mode == "add", HAS_SKIP=skip is not None, DECAY=decay, BLK=_MAT_BLOCK)
     if b.weighted:
         if wbuf is None:
-            wbuf = torch.empty(L.wcol, dtype=torch.float64, device=tab.device)
+            wbuf = torch.zeros(L.wcol, dtype=torch.float64, device=tab.device)  # (an idle or skipped unit: 0)
             tiles = b.tiles()
             launch(weighted_tiles, (len(L.items),), tab, items, wbuf, skip_arg, PD=TL[b.pd], T=T,
                    HAS_SKIP=skip is not None, ALIGNED=table.aligned, warps=8, RB=tiles["RB"], BC=tiles["BC"])
