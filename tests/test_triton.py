@@ -239,14 +239,17 @@ def test_fused_step_is_bitwise_the_three_passes_with_an_identity_reducer(dtype, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("zero_row", [False, True])
-def test_sum_u2_comes_from_weighted_column_sums_without_pass_2_unless_a_row_is_floored(dtype, zero_row, monkeypatch):
+@pytest.mark.parametrize("odd", [None, "zero row", "tiny column"])
+def test_sum_u2_comes_from_weighted_column_sums_without_pass_2_unless_they_cannot_hold_it(dtype, odd, monkeypatch):
     """u_sumsq equals eager's to rounding. With pass 2's `direction_tiles` launch dropped for these tensors it still
-    does where no row's rinv is floored (pass 2 is not needed there), and not for the one bank slice with a floored
-    row (floor mode, an all-zero row at the first step: its own pass 2 over the gradient is what gives it)."""
+    does for the units whose weighted column sums hold it (pass 2 is not needed there), and not for the one bank
+    slice where they do not, whose own pass 2 over the gradient is what gives it: a floored row (floor mode, an
+    all-zero row at the first step), or a column whose weighted sum lies below what float32 holds (`SAFE_MIN`)."""
     grads = grads_for(WEIGHTED, 1, dtype)[0]
-    if zero_row:
+    if odd == "zero row":
         grads[0][1, 7].zero_()
+    elif odd == "tiny column":
+        grads[0][1, :, 5] = 1e-20  # t_5 ~ 40 * 1e-40 / row_var ~ 1e-37 < 2^-100
 
     def u_sumsq(step_kernel):
         ps = make(WEIGHTED, dtype)
@@ -266,7 +269,7 @@ def test_sum_u2_comes_from_weighted_column_sums_without_pass_2_unless_a_row_is_f
     got = u_sumsq(tk)
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=0)
     close = torch.isclose(got[0], want[0], rtol=1e-5, atol=0).flatten().tolist()
-    assert close == [True, not zero_row, True]
+    assert close == [True, odd is None, True]
 
 
 def test_weighted_u_sumsq_of_an_idle_slice_or_a_skipped_step_is_zero():
@@ -525,10 +528,10 @@ def test_step_allocates_what_step_transient_bytes_says(relative_step):
 
 
 @pytest.mark.parametrize("d_expert", [4096, 1024])
-def test_transient_memory_of_a_paper_model_step_is_below_one_and_a_half_percent_of_the_parameters(d_expert):
-    """The paper's 6.78B model (128-expert banks [128, 4096, 4096]) and the GPU benchmark's scaled one: float64
-    statistics, column partials and weighted column sums are each at most ~1/1024 of the elements of a matrix of
-    >= 1024 rows (0.39% of bf16 bytes)."""
+def test_transient_memory_of_a_paper_model_step_is_about_one_percent_of_the_parameters(d_expert):
+    """The paper's 6.78B model (128-expert banks [128, 4096, 4096]): below 1% in fp32 and bf16. The GPU benchmark's
+    scaled one (banks [128, 1024, 4096] and [128, 4096, 1024]): below 1.05%, its float64 row and column sums, column
+    partials and float32 weighted column sums each ~1/1024 of a matrix's elements."""
     from skewadam.groups import param_groups
     from skewadam.bench.models import MoETransformer, get_config
 
@@ -539,7 +542,7 @@ def test_transient_memory_of_a_paper_model_step_is_below_one_and_a_half_percent_
         planned = sum(tk.step_transient_bytes([(tuple(p.shape), is_bank(p.ndim, g["tier"], None)) for p in g["params"]],
                                               dtype) for g in groups)
         params = sum(p.numel() for p in model.parameters()) * torch.empty((), dtype=dtype).element_size()
-        assert planned / params < 0.015, (dtype, planned / params)
+        assert planned / params < (0.01 if d_expert == 4096 else 0.0105), (dtype, planned / params)
 
 
 # ---------------------------------------------------------------------------------------------- GPU only

@@ -7,9 +7,9 @@ The work is cut into *items* (one program each, ~`TARGET` elements): a strip of 
 along rows), or a run of one unit's elements (``"flat"``). Items, matrices and units are listed in three int64 tables
 that depend only on the shapes (cached); their columns are the kernels' ``ITEM_*``, ``MAT_*`` and ``UNIT_*``. A
 strip holds >= `MIN_ROWS` rows, so the float64 column partials of a matrix cut into several strips are at most
-numel / 1024 elements. Each strip also has C float64 weighted column sums (``wcol``: a factored unit without
-momentum takes its clip from them, `skewadam.kernels.traffic`), numel / min(R, 1024) elements a matrix, in every
-factored workspace (what `step_transient_bytes` counts does not depend on the state).
+numel / 1024 elements. Each strip also has C weighted column sums in the statistics dtype (``wcol``: a factored
+unit without momentum takes its clip from them, `skewadam.kernels.traffic`), numel / min(R, 1024) elements a
+matrix, in every factored workspace (what `step_transient_bytes` counts does not depend on the state).
 
 Shape legend: ``E`` units (bank slices, dim 0; 1 for a single tensor), ``B`` matrices ``[R, C]`` of a factored tensor
 (all dims but the last two), ``R`` rows, ``C`` columns, ``M`` rows of the ``[M, C]`` view of a tensor.
@@ -71,9 +71,7 @@ class Layout:
             start += rows + cols
         self.moments_numel = start
         self.stats64_numel = self.stats_numel + self.n_units
-        # column partials, per item sum g^2 and max |g|, weighted column sums (`wcol0`)
-        self.wcol0 = self.colp + 2 * len(self.items)
-        self.scratch64_numel = self.wcol0 + self.wcol
+        self.scratch64_numel = self.colp + 2 * len(self.items)  # column partials, per item sum g^2 and max |g|
         self.psq_numel = len(self.items) + self.n_units  # float64: per item then per unit, a relative step's sum p^2
 
     def _add(self, t: int, shape: tuple[int, ...], bank: bool) -> None:
@@ -166,8 +164,8 @@ def upload(rows: list[list[int]], device: torch.device) -> Tensor:
 
 def workspace_numel(L: Layout) -> tuple[int, int]:
     """Elements one bucket's `step_` uses: float64 (the statistics, every unit's max |g|, pass 1's partials) and of
-    T (u_sumsq, corr, scale, rinv and cinv, the items' partial sums of u^2, the clips)."""
-    return L.stats64_numel + L.scratch64_numel, L.moments_numel + len(L.items) + L.n_units
+    T (u_sumsq, corr, scale, rinv and cinv, the items' partial sums of u^2, the weighted column sums, the clips)."""
+    return L.stats64_numel + L.scratch64_numel, L.moments_numel + len(L.items) + L.wcol + L.n_units
 
 
 def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dtype: torch.dtype) -> int:

@@ -32,16 +32,17 @@ def launch(kernel, grid: tuple[int, ...], *args, warps: int = 4, **meta) -> None
 
 
 def _pass1(b: Bucket, group: Group, table: Table, scratch: Tensor, pbuf: Optional[Tensor], flag: Optional[Tensor],
-           *, weighted_sums: bool) -> None:
-    """Pass 1 of a bucket, float64: ``scratch`` (`Layout.scratch64_numel`) holds the column and item partials
-    and, ``weighted_sums`` (the one-process step), a `Bucket.weighted`'s weighted column sums; ``pbuf`` (a relative
-    step's), the item partials then the per-unit sums of ``p^2``."""
+           wsums: Optional[Tensor]) -> None:
+    """Pass 1 of a bucket, float64: ``scratch`` (`Layout.scratch64_numel`) holds the column and item partials;
+    ``pbuf`` (a relative step's), the item partials then the per-unit sums of ``p^2``; ``wsums`` (the one-process
+    step), of T, gets a `Bucket.weighted`'s weighted column sums."""
     L, tab = b.layout, table.tensor
     items, mats, units = L.tables(tab.device)
     amax = b.T == torch.float64  # (fp64 squares can underflow: the activity is max |g|)
     launch(stats_tiles, (len(L.items),), tab, items, scratch, L.colp, L.colp + len(L.items),
-           pbuf if pbuf is not None else tab, L.wcol0, PD=TL[b.pd], T=TL[b.T], FACTORED=b.factored,
-           RELATIVE=pbuf is not None, AMAX=amax, WEIGHTED=b.weighted, WSUMS=weighted_sums and b.weighted,
+           pbuf if pbuf is not None else tab, wsums if wsums is not None else tab, PD=TL[b.pd], T=TL[b.T],
+           FACTORED=b.factored, RELATIVE=pbuf is not None, AMAX=amax, WEIGHTED=b.weighted,
+           WSUMS=wsums is not None and b.weighted,
            DECAY=group.beta2_decay is not None,
            ALIGNED=table.aligned, warps=8, **b.tiles())
     launch(stats_matrices, (len(L.mats), triton.cdiv(L.max_rc, _MAT_BLOCK)), tab, mats, scratch, T=TL[b.T],
@@ -89,7 +90,7 @@ def _pass2(b: Bucket, group: Group, table: Table, scratch: Tensor, keys: Tensor,
                EPS_ADD=group.eps_mode == "add", HAS_SKIP=skip is not None, DECAY=decay, BLK=_MAT_BLOCK)
     if b.weighted:
         if wbuf is None:
-            wbuf = torch.zeros(L.wcol, dtype=torch.float64, device=tab.device)  # (an idle or skipped unit: 0)
+            wbuf = torch.zeros(L.wcol, dtype=b.T, device=tab.device)  # (an idle or skipped unit: 0)
             tiles = b.tiles()
             launch(weighted_tiles, (len(L.items),), tab, items, wbuf, skip_arg, PD=TL[b.pd], T=T,
                    HAS_SKIP=skip is not None, ALIGNED=table.aligned, warps=8, RB=tiles["RB"], BC=tiles["BC"])
@@ -162,7 +163,7 @@ def _grad_stats(work: Work) -> list[GradStats]:
         pbuf = _pbuf(work, L)
         tab = tensor_table(b, work, [_stat_addrs(stats, pbuf, L, j) for j in range(len(b.index))],
                            [[0] * 6] * len(b.index))
-        _pass1(b, group, tab, scratch, pbuf, None, weighted_sums=False)
+        _pass1(b, group, tab, scratch, pbuf, None, None)
         for j, i in enumerate(b.index):
             shapes = _stat_shapes(group.params[i], b.factored)
             v = [_view(stats, o, s) for o, s in zip(L.stats[j], shapes)]
@@ -308,10 +309,9 @@ def _step(works: list[Work], device: torch.device, skip_nonfinite: bool) -> Tens
         for b in work.buckets:
             runs.append((work, b, *_workspace(work, b)))
     for work, b, tab, ws64, ws, pbuf, active, keys in runs:
-        _pass1(b, work.group, tab, ws64[b.layout.stats64_numel:], pbuf, flag, weighted_sums=True)
+        _pass1(b, work.group, tab, ws64[b.layout.stats64_numel:], pbuf, flag, _wsums(b.layout, ws))
     for work, b, tab, ws64, ws, pbuf, active, keys in runs:
-        _pass2(b, work.group, tab, ws[b.layout.moments_numel:], keys, flag,
-               ws64[b.layout.stats64_numel + b.layout.wcol0:])
+        _pass2(b, work.group, tab, ws[b.layout.moments_numel:], keys, flag, _wsums(b.layout, ws))
     for work, b, tab, ws64, ws, pbuf, active, keys in runs:
         _pass3(b, work.group, tab, ws[ws.numel() - b.layout.n_units:], keys, flag)
     for work in works:
@@ -319,10 +319,17 @@ def _step(works: list[Work], device: torch.device, skip_nonfinite: bool) -> Tens
     return flag[0] != 0 if flag is not None else torch.zeros((), dtype=torch.bool, device=device)
 
 
+def _wsums(L: Layout, ws: Tensor) -> Tensor:
+    """The weighted column sums in `step_`'s workspace of T (`workspace_numel`: after the items' sums of u^2)."""
+    start = L.moments_numel + len(L.items)
+    return ws[start: start + L.wcol]
+
+
 def _workspace(work: Work, b: Bucket) -> tuple[Table, Tensor, Tensor, Optional[Tensor], Tensor, Tensor]:
     """One bucket's tensor table and the scratch of `step_` it points into, kept alive by the caller until the last
     launch: the float64 workspace (statistics zeroed, then pass 1's partials), the workspace of T (moments, the
-    items' sums of u^2, the clips), a relative step's sums of p^2, the bank activity, the keys."""
+    items' sums of u^2, the weighted column sums, the clips), a relative step's sums of p^2, the bank activity, the
+    keys."""
     L = b.layout
     n64, n = workspace_numel(L)
     ws64 = torch.empty(n64, dtype=torch.float64, device=work.device)

@@ -43,7 +43,7 @@ def _tile(g, p, rows, rm, cols, cm, C, pacc, RELATIVE: tl.constexpr):
 
 
 @triton.jit
-def stats_tiles(tab, items, scratch, part0, amax0, pbuf, wcol0, PD: tl.constexpr, T: tl.constexpr,
+def stats_tiles(tab, items, scratch, part0, amax0, pbuf, wsums, PD: tl.constexpr, T: tl.constexpr,
                 FACTORED: tl.constexpr, RELATIVE: tl.constexpr, AMAX: tl.constexpr, WEIGHTED: tl.constexpr,
                 WSUMS: tl.constexpr, DECAY: tl.constexpr, ALIGNED: tl.constexpr, RB: tl.constexpr, BC: tl.constexpr,
                 BLOCK: tl.constexpr):
@@ -52,7 +52,7 @@ def stats_tiles(tab, items, scratch, part0, amax0, pbuf, wcol0, PD: tl.constexpr
     squares can underflow): also its max |g| (at ``scratch + amax0``). RELATIVE (a relative step): also its sum of
     p^2 (into ``pbuf``). WEIGHTED (a factored bucket without momentum, `Bucket.weighted`): groups of RB rows
     outer, and with WSUMS (the one-process step) each group's weighted column sums right after its sums, while its
-    rows are still in cache (`weighted.weighted_columns`, at ``scratch + wcol0``, with the row_var the unit gets if it
+    rows are still in cache (`weighted.weighted_columns`, at ``wsums``, with the row_var the unit gets if it
     steps)."""
     pid = tl.program_id(0)
     it = items + pid * ITEM_WIDTH
@@ -70,7 +70,7 @@ def stats_tiles(tab, items, scratch, part0, amax0, pbuf, wcol0, PD: tl.constexpr
         else:
             col_out = scratch + colp
         if WSUMS:
-            wcol = scratch + wcol0 + tl.load(it + ITEM_WCOL)
+            wcol = wsums + tl.load(it + ITEM_WCOL)
             rv = addr(row, TAB_RV, T)
             Cg = tl.maximum(tl.load(row + TAB_CG).to(tl.float64), 1.0)
             add = hyper(tab, HDR_ADD)

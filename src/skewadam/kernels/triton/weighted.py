@@ -19,19 +19,27 @@ from .device import (HDR_ADD, HDR_FLOOR, HDR_RM_FLOOR, ITEM_B, ITEM_NROWS, ITEM_
                      TAB_USQ, UNIT_ITEM0, UNIT_NITEMS, UNIT_T, UNIT_U, UNIT_WIDTH, addr, big, hyper, inv_sqrt, load8,
                      second_moment_beta, tensor_row, updated)
 
+# The least weighted column sum kept: float32 is normal there, and an unweighted column's contribution to sum u^2 can
+# be up to ~ t_j / eps (its cinv^2), so what float32 would lose below it can matter.
+SAFE_MIN = tl.constexpr(2.0 ** -100)
+
 
 @triton.jit
 def weighted_columns(g, wcol, rows, rm, first, C, w, BC: tl.constexpr):
     """Rows ``rows`` (mask ``rm``) of a factored gradient, weighted by ``w`` (float64, 1 / row_var after the step),
-    added column by column to the float64 weighted column sums at ``wcol``: ``t_j += sum_i g_ij^2 * w_i`` (set, not
-    added, when ``first``). The one definition behind both places that compute them (`stats_tiles` in the one-process
-    step, `weighted_tiles` in the three passes), hence the same bits."""
+    added column by column to the float32 weighted column sums at ``wcol``: ``t_j += sum_i g_ij^2 * w_i``, the
+    group's terms summed in float64 and added to ``t_j`` there, rounded once (set, not added, when ``first``). A sum
+    that would lie below `SAFE_MIN` becomes -inf, so that `weighted_usq` sends its unit to pass 2. The one definition
+    behind both places that compute them (`stats_tiles` in the one-process step, `weighted_tiles` in the three
+    passes), hence the same bits."""
     for c in range(0, C, BC):
         cols = c + tl.arange(0, BC)
         cm = cols < C
         x = tl.load(g + rows[:, None] * C + cols[None, :], mask=rm[:, None] & cm[None, :], other=0.0).to(tl.float64)
-        prev = tl.load(wcol + cols, mask=tl.where(first, False, cm), other=0.0)
-        tl.store(wcol + cols, prev + tl.sum(x * x * w[:, None], 0), mask=cm)
+        t = tl.load(wcol + cols, mask=tl.where(first, False, cm), other=0.0).to(tl.float64)
+        t = t + tl.sum(x * x * w[:, None], 0)
+        t = tl.where((t > 0) & (t < SAFE_MIN), float("-inf"), t)
+        tl.store(wcol + cols, t.to(tl.float32), mask=cm)
 
 
 @triton.jit
@@ -100,7 +108,7 @@ def weighted_usq(tab, units, items, wbuf, T: tl.constexpr, EPS_ADD: tl.constexpr
         for j in range(0, C, BLK):
             cols = j + tl.arange(0, BLK)
             ci = tl.load(cinv + cols, mask=cols < C, other=0.0).to(tl.float64)
-            acc += ci * ci * tl.load(wcol + cols, mask=cols < C, other=0.0)
+            acc += ci * ci * tl.load(wcol + cols, mask=cols < C, other=0.0).to(tl.float64)
         total += rm * tl.sum(acc, 0)
     corr = tl.load(addr(row, TAB_CORR, T) + u).to(tl.float64)
     usq = (corr * corr * total).to(T)
