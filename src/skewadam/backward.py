@@ -316,7 +316,7 @@ class Counter:
     def add(obj: Any, name: str, count: Tensor) -> None:
         """Add the 0-d ``count`` to the count ``name`` of ``obj``, on its device."""
         key = getattr(type(obj), name).pending
-        pending = obj.__dict__.get(key)  # (one op a step: right after a step, each costs ~10 us in cold caches)
+        pending = obj.__dict__.get(key)  # one op a step: ops right after a step run in cold caches
         obj.__dict__[key] = count.to(torch.int64) if pending is None else pending + count  # int64 + bool: int64
 
 
