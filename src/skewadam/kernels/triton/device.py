@@ -249,6 +249,15 @@ def first_moment(g, m, ms, offs, mask, sidx, smask, b1, w1, key, T: tl.constexpr
 
 
 @triton.jit
+def row_mean(tab, row, b, Rg, Cg, add, b2, w2):
+    """Matrix ``b``'s mean row_var after the step, in float64, floored (``rm``, what rinv is relative to): from its
+    sums ``(b2 * sum_i row_var + (rc / C + R * add) * (1 - b2)) / R`` (float64 statistics of pass 1)."""
+    rvs = tl.load(addr(row, TAB_RVS, tl.float64) + b)
+    rc = tl.load(addr(row, TAB_RC, tl.float64) + b)
+    return tl.maximum((rvs * b2 + (rc / Cg + Rg * add) * w2) / Rg, hyper(tab, HDR_RM_FLOOR))
+
+
+@triton.jit
 def factor_new(old, sums, n, add, b2, w2, T: tl.constexpr):
     """A factored statistic's new value from its old one (in T) and the gradient's float64 sums: ``ema(old, sums / n
     + eps, beta2)`` in float64 (``n``, ``add`` and the coefficients float64), rounded once into T."""

@@ -18,15 +18,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .device import (HDR_ADD, HDR_B1, HDR_B2, HDR_FLOOR, HDR_LR, HDR_LR_ADDR, HDR_RM_FLOOR, HDR_W1, HDR_WD, ITEM_B,
-                     ITEM_COLP, ITEM_E0, ITEM_N, ITEM_NROWS, ITEM_ROW0, ITEM_T, ITEM_U, ITEM_WCOL, ITEM_WIDTH, MAT_B,
-                     MAT_COLP, MAT_S, MAT_T, MAT_U, MAT_WIDTH, MOMENTUM_STREAM, RELATIVE_STEP_EPS, TAB_ACT, TAB_AMAX,
-                     TAB_BANK, TAB_C, TAB_CG, TAB_CINV, TAB_COL, TAB_CORR, TAB_CV, TAB_E, TAB_G, TAB_KBASE, TAB_M,
-                     TAB_MS, TAB_NB, TAB_NG, TAB_P, TAB_PSQ, TAB_R, TAB_RC, TAB_RG, TAB_RINV, TAB_ROW, TAB_RV, TAB_RVS,
-                     TAB_SCALE, TAB_STEP, TAB_SUMSQ, TAB_UNIT0, TAB_USQ, TAB_V, UNIT_ITEM0, UNIT_MAT0, UNIT_NITEMS,
-                     UNIT_NMATS, UNIT_T, UNIT_U, UNIT_WIDTH, addr, big, div, factor_ema, factor_new, first_moment,
-                     full_direction, hyper, inv_sqrt, load8, mix32, powi, round_bf16, second_moment_beta, sqrt,
-                     tensor_row, updated, write_param)
+from .device import (HDR_ADD, HDR_B1, HDR_B2, HDR_FLOOR, HDR_LR, HDR_LR_ADDR, HDR_W1, HDR_WD, ITEM_B, ITEM_COLP,
+                     ITEM_E0, ITEM_N, ITEM_NROWS, ITEM_ROW0, ITEM_T, ITEM_U, ITEM_WCOL, ITEM_WIDTH, MAT_B, MAT_COLP,
+                     MAT_S, MAT_T, MAT_U, MAT_WIDTH, MOMENTUM_STREAM, RELATIVE_STEP_EPS, TAB_ACT, TAB_AMAX, TAB_BANK,
+                     TAB_C, TAB_CG, TAB_CINV, TAB_COL, TAB_CORR, TAB_CV, TAB_E, TAB_G, TAB_KBASE, TAB_M, TAB_MS, TAB_NB,
+                     TAB_NG, TAB_P, TAB_PSQ, TAB_R, TAB_RC, TAB_RG, TAB_RINV, TAB_ROW, TAB_RV, TAB_RVS, TAB_SCALE,
+                     TAB_STEP, TAB_SUMSQ, TAB_UNIT0, TAB_USQ, TAB_V, UNIT_ITEM0, UNIT_MAT0, UNIT_NITEMS, UNIT_NMATS,
+                     UNIT_T, UNIT_U, UNIT_WIDTH, addr, big, div, factor_ema, factor_new, first_moment, full_direction,
+                     hyper, inv_sqrt, load8, mix32, powi, round_bf16, row_mean, second_moment_beta, sqrt, tensor_row,
+                     updated, write_param)
 from .weighted import weighted_columns
 
 
@@ -294,10 +294,7 @@ def factored_moments(tab, mats, skip, T: tl.constexpr, EPS_ADD: tl.constexpr, HA
     add = hyper(tab, HDR_ADD)
     b2, w2 = second_moment_beta(tab, row, u, DECAY)
     f = hyper(tab, HDR_FLOOR).to(T)
-    rvs = tl.load(addr(row, TAB_RVS, tl.float64) + b)
-    rc = tl.load(addr(row, TAB_RC, tl.float64) + b)
-    rmean = (rvs * b2 + (rc / Cg + Rg * add) * w2) / Rg
-    rm = tl.maximum(rmean, hyper(tab, HDR_RM_FLOOR))
+    rm = row_mean(tab, row, b, Rg, Cg, add, b2, w2)
     rows = k * BLK + tl.arange(0, BLK)
     rmask = rows < R
     rv = factor_ema(addr(row, TAB_RV, T) + b * R, addr(row, TAB_ROW, tl.float64) + b * R, rows, rmask,

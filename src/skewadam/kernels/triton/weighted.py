@@ -14,10 +14,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .device import (HDR_ADD, HDR_FLOOR, HDR_RM_FLOOR, ITEM_B, ITEM_NROWS, ITEM_ROW0, ITEM_T, ITEM_U, ITEM_WCOL,
-                     ITEM_WIDTH, TAB_C, TAB_CG, TAB_CINV, TAB_CORR, TAB_G, TAB_RC, TAB_RG, TAB_RINV, TAB_RV, TAB_RVS,
-                     TAB_USQ, UNIT_ITEM0, UNIT_NITEMS, UNIT_T, UNIT_U, UNIT_WIDTH, addr, big, hyper, inv_sqrt, load8,
-                     second_moment_beta, tensor_row, updated)
+from .device import (HDR_ADD, HDR_FLOOR, ITEM_B, ITEM_NROWS, ITEM_ROW0, ITEM_T, ITEM_U, ITEM_WCOL, ITEM_WIDTH, TAB_C,
+                     TAB_CG, TAB_CINV, TAB_CORR, TAB_G, TAB_RG, TAB_RINV, TAB_RV, TAB_USQ, UNIT_ITEM0, UNIT_NITEMS,
+                     UNIT_T, UNIT_U, UNIT_WIDTH, addr, big, hyper, inv_sqrt, load8, row_mean, second_moment_beta,
+                     tensor_row, updated)
 
 # The least weighted column sum kept: float32 is normal there, and an unweighted column's contribution to sum u^2 can
 # be up to ~ t_j / eps (its cinv^2), so what float32 would lose below it can matter.
@@ -89,9 +89,7 @@ def weighted_usq(tab, units, items, wbuf, T: tl.constexpr, EPS_ADD: tl.constexpr
     for k in range(tl.load(un + UNIT_ITEM0), tl.load(un + UNIT_ITEM0) + tl.load(un + UNIT_NITEMS)):
         it = items + k * ITEM_WIDTH
         b = tl.load(it + ITEM_B)
-        rmean = (tl.load(addr(row, TAB_RVS, tl.float64) + b) * b2
-                 + (tl.load(addr(row, TAB_RC, tl.float64) + b) / Cg + Rg * add) * w2) / Rg
-        rm = tl.maximum(rmean, hyper(tab, HDR_RM_FLOOR))  # (factored_moments' row mean)
+        rm = row_mean(tab, row, b, Rg, Cg, add, b2, w2)
         r0 = tl.load(it + ITEM_ROW0)
         r1 = r0 + tl.load(it + ITEM_NROWS)
         mx = tl.zeros([BLK], T)
