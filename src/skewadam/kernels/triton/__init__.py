@@ -57,15 +57,15 @@ as float64 in the table's header row; ``lr`` may be a float or a one-element flo
 the parameters' device; a CPU tensor's value is read on the host, which is no device sync). A ``skip`` flag is read
 on the device too (``BACKENDS["triton"].skip_on_host`` is False).
 
-Memory traffic per element of an expert bank (factored, no momentum, fp32 or bf16 weights): ``g`` read by pass 1
-and by pass 3 with ``p`` read and written: 16 bytes in fp32 (fused AdamW: 28), 8 in bf16 (every tier:
-`skewadam.kernels.traffic.triton`). Its clip's ``sum u^2`` comes from weighted column sums that `step_`'s pass 1
-adds up right after each group of rows' sums, re-reading those rows from cache (`weighted`:
-``sum_ij (g_ij rinv_i c cinv_j)^2 = c^2 rm sum_j cinv_j^2 sum_i g_ij^2 / row_var_i``); pass 2 reads the gradient
-only of a unit with a floored row, where that identity fails. Transient memory: the statistics (rows, columns,
-units), the column partials of matrices cut into several strips, the weighted column sums (per strip), one float
-per item, and the tables (`step_transient_bytes`). A non-contiguous parameter, gradient or state tensor is also
-copied (and written back if the pass writes it).
+Memory traffic per element of an expert bank (factored, no momentum, fp32 or bf16 weights): ``g`` read by pass 1 and by
+pass 3 with ``p`` read and written: 16 bytes in fp32 (fused AdamW: 28), 8 in bf16 (every tier:
+`skewadam.kernels.traffic.triton`). Its clip's ``sum u^2`` comes from weighted column sums that `step_`'s pass 1 adds up
+right after each group of rows' sums, re-reading those rows from cache (`weighted`: ``sum_ij (g_ij rinv_i c cinv_j)^2 =
+c^2 rm sum_j cinv_j^2 sum_i g_ij^2 / row_var_i``); pass 2 reads the gradient only of a unit where they do not hold it (a
+floored row, a sum below `weighted.SAFE_MIN`). Transient memory: the statistics (rows, columns, units), the column
+partials of matrices cut into several strips, the weighted column sums (per strip), one float per item, and the tables
+(`step_transient_bytes`). A non-contiguous parameter, gradient or state tensor is also copied (and written back if the
+pass writes it).
 
 Under ``TRITON_INTERPRET=1`` (set before triton is first imported) the kernels run on CPU tensors, slowly, which is how
 they are tested without a GPU.

@@ -38,7 +38,7 @@ HDR_W1, HDR_W2, HDR_B1, HDR_B2, HDR_ADD, HDR_FLOOR, HDR_RM_FLOOR, HDR_LR, HDR_WD
     tl.constexpr(i) for i in range(11))
 # Items (`triton_layout.Layout.items`): tensor, unit, matrix (factored), first row and rows (rows layouts), first
 # element and elements, the offset of the item's column partials in the scratch (-1: the column sums themselves) and
-# of its weighted column sums (factored; from `Layout.wcol0`).
+# of its weighted column sums (factored; in `step_`'s workspace of T, `triton_layout.workspace_numel`).
 ITEM_T, ITEM_U, ITEM_B, ITEM_ROW0, ITEM_NROWS, ITEM_E0, ITEM_N, ITEM_COLP, ITEM_WCOL = (
     tl.constexpr(i) for i in range(9))
 ITEM_WIDTH = tl.constexpr(9)

@@ -72,7 +72,8 @@ def weighted_usq(tab, units, items, wbuf, T: tl.constexpr, EPS_ADD: tl.constexpr
     column sums ``t_j = sum_i g_ij^2 / row_var_i`` (per item, at ``wbuf``): ``corr^2 * sum_items rm * sum_j cinv_j^2
     * t_j``, as ``rinv_i^2 = rm / row_var_i`` where no row's ratio to the mean ``rm`` is floored, in float64 (the
     identity holds to T's rounding of rinv), into u_sumsq; NaN there (`direction_tiles` then sums ``u^2`` itself)
-    where a row's rinv is at the floor's value (floor mode: ``1 / sqrt(eps)``), or the sum is not finite in T."""
+    where a row's rinv is at the floor's value (floor mode: ``1 / sqrt(eps)``), or the sum is not finite in T (as
+    when `weighted_columns` marked a column sum -inf)."""
     un = units + tl.program_id(0) * UNIT_WIDTH
     row = tensor_row(tab, tl.load(un + UNIT_T))
     u = tl.load(un + UNIT_U)
