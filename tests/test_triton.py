@@ -491,7 +491,9 @@ def test_statistics_handed_back_are_checked():
     ((((), False), ((600_000,), False), ((4, 3, 100_003), True)), "flat"),
 ])
 def test_work_items_cover_every_element_once_inside_one_unit(specs, kind):
+    """Also: a factored item's weighted column sums (C from its offset) cover the layout's `wcol` once."""
     L = triton_layout.layout(specs, kind)
+    wsums = torch.zeros(L.wcol, dtype=torch.int32)
     for t, (shape, bank) in enumerate(specs):
         numel, E = math.prod(shape), (shape[0] if bank else 1)
         items = [it for it in L.items if it[0] == t]
@@ -505,9 +507,13 @@ def test_work_items_cover_every_element_once_inside_one_unit(specs, kind):
             if kind == "factored":
                 R = shape[-2]
                 assert b * R <= row0 and row0 + nrows <= (b + 1) * R  # nor a matrix
+                wsums[wcol: wcol + shape[-1]] += 1
+            else:
+                assert wcol == -1
         assert bool((covered == 1).all()), shape
         units = [un for un in L.units if un[0] == t]
         assert len(units) == E and sum(un[3] for un in units) == len(items)
+    assert bool((wsums == 1).all())
     if kind == "factored":
         assert L.colp <= sum(math.prod(s) for s, _ in specs) // triton_layout.MIN_ROWS + 700
 
