@@ -313,8 +313,9 @@ class SkewAdam(BackwardMode, Optimizer):
         flags = self._backward.finish(self) if self._backward is not None else []
         if flags:
             Counter.add(self, "skipped_tensors", stacked(flags).sum())
-        if any(p.grad is not None for group in self.param_groups for p in group["params"]):
-            flags.append(self._step())
+        first = next((p for group in self.param_groups for p in group["params"] if p.grad is not None), None)
+        if first is not None:
+            flags.append(self._step(first))
         if flags:
             Counter.add(self, "skipped_steps", flags[0] if len(flags) == 1 else stacked(flags).any())
         return loss
@@ -322,13 +323,12 @@ class SkewAdam(BackwardMode, Optimizer):
     def step_parameter(self, group: int, position: int) -> Tensor:
         """Step parameter ``position`` of param group ``group`` alone, as `step` would (the gradient hooks' step,
         `skewadam.backward.ParamStepper`); returns its skip flag, a 0-d bool tensor on its device."""
-        return self._step(only=(group, position))
+        return self._step(self.param_groups[group]["params"][position], only=(group, position))
 
-    def _step(self, only: Optional[tuple[int, int]] = None) -> Tensor:
-        """`skewadam.functional.skewadam_` over every parameter with a gradient, or (``only``: ``(group index,
-        position)``) over that one; returns its skip flag."""
-        first = self.param_groups[only[0]]["params"][only[1]] if only is not None else next(
-            p for group in self.param_groups for p in group["params"] if p.grad is not None)
+    def _step(self, first: Tensor, only: Optional[tuple[int, int]] = None) -> Tensor:
+        """`skewadam.functional.skewadam_` over every parameter with a gradient (``first`` the first of them, whose
+        device picks the backend), or (``only``: ``(group index, position)``, ``first`` that parameter) over that
+        one; returns its skip flag."""
         backend = kernels.resolve_backend(self._impl, _local(first).device)
         work, fresh, first_id = [], [], 0
         try:
