@@ -209,6 +209,12 @@ class TierSpec(NamedTuple):
         return {key: StateTensor((st.shape[0] * st.shape[1], *st.shape[2:]), st.dtype)
                 if flat_bank_merged(key, len(view)) else st for key, st in spec.items()}
 
+    def planned(self, shape: Sequence[int], param_dtype: torch.dtype) -> tuple[tuple[int, ...], bool, dict]:
+        """A parameter of this group as a step's temporaries are planned for (``step_transient_bytes`` of
+        `skewadam.kernels.BACKENDS`): the shape the kernels see (`view_shape`), its bank flag, its state (stacked)."""
+        view = self.view_shape(shape)
+        return view, self.is_bank(len(view)), self.spec(shape, param_dtype, stacked=True)
+
 
 def state_flags(group: Mapping[str, Any], where: str = "") -> TierSpec:
     """Resolve and validate the state settings of a param group (or of any mapping of group settings; other keys

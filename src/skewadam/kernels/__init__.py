@@ -26,7 +26,7 @@ import dataclasses
 import importlib
 import os
 from types import ModuleType
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -88,8 +88,10 @@ class Backend:
             return cpu.available(warn=warn)
         return True
 
-    def step_transient_bytes(self, tensors: Sequence[tuple[Sequence[int], bool]], param_dtype: torch.dtype) -> int:
-        """Peak bytes a step of parameters ``[(shape, bank), ...]`` allocates beyond parameters, gradients and state."""
+    def step_transient_bytes(self, tensors: Sequence[Sequence[Any]], param_dtype: torch.dtype) -> int:
+        """Peak bytes a step of parameters ``[(shape, bank), ...]`` or ``[(shape, bank, state), ...]``
+        (`types.Planned`: exact with the state, an upper bound without) allocates beyond parameters, gradients and
+        state."""
         return importlib.import_module(self.temporaries).step_transient_bytes(tensors, param_dtype)
 
 

@@ -38,7 +38,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -46,7 +46,7 @@ from torch import Tensor
 from ..state import state_dtype_for
 from . import quant, rounding
 from .types import (RELATIVE_STEP_EPS, ROW_MEAN_FLOOR, GradStats, Group, Moments, MomFmt, ParamTensors, check,
-                    stat_dims, unit_dims)
+                    planned, stat_dims, unit_dims)
 
 __all__ = [
     "GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "step_", "unit_dims", "stat_dims",
@@ -296,24 +296,24 @@ def weighted(param_dtype: torch.dtype, unit_numel: int) -> bool:
     return param_dtype == torch.float32 or (param_dtype == torch.bfloat16 and 2 * unit_numel <= WEIGHTED_BF16_MAX)
 
 
-def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dtype: torch.dtype) -> int:
-    """Bytes `step_` allocates for parameters ``[(shape, bank), ...]``, an upper bound (the state is not known here):
-    the row and column statistics pass 1 keeps for the factored parameters (every tensor whose units are matrices),
-    per matrix ``[R, C]`` ``3 + R + C`` sums in float64 (plus ``C`` per block of rows when it has several), ``R + C``
-    denominators in the statistics dtype and, for units that take their clip from them (`weighted`), ``C``
-    weighted column sums per block of rows in float32 (kept for a parameter without momentum), each parameter's
-    64-byte aligned; 64 bytes for the result and empty buffers. Not counted: row- and unit-sized scratch
-    outside torch's allocator (~0.02 MiB per step measured) and contiguous copies of non-contiguous tensors."""
+def step_transient_bytes(tensors: Sequence[Sequence[Any]], param_dtype: torch.dtype) -> int:
+    """Bytes `step_` allocates for parameters ``[(shape, bank), ...]`` or ``[(shape, bank, state), ...]``
+    (`skewadam.kernels.types.Planned`; an upper bound where a state is not given): the row and column statistics
+    pass 1 keeps for the factored parameters, per matrix ``[R, C]`` ``3 + R + C`` sums in float64 (plus ``C`` per
+    block of rows when it has several), ``R + C`` denominators in the statistics dtype and, for a parameter without
+    momentum whose units take their clip from them (`weighted`), ``C`` weighted column sums per block of rows in
+    float32, each parameter's 64-byte aligned; 64 bytes for the result and empty buffers. Not counted: row- and
+    unit-sized scratch outside torch's allocator (~0.02 MiB per step measured) and contiguous copies of
+    non-contiguous tensors."""
     itemsize = state_dtype_for(param_dtype).itemsize
     kept = 0
-    for shape, bank in tensors:
-        shape = tuple(int(s) for s in shape)
-        if len(shape) - bool(bank) < 2:
+    for t in planned(tensors):
+        if not t.factored:
             continue
-        R, C = shape[-2:]
+        R, C = t.shape[-2:]
         blocks = -(-R // max(1, min(R, max(MIN_BLOCK_ROWS, BLOCK // max(C, 1)))))
         per_matrix = 8 * (3 + R + C + (blocks * C if blocks > 1 else 0)) + itemsize * (R + C)  # bytes
-        unit = R * C if bank else math.prod(shape)  # elements of a unit: a bank slice, else the tensor
-        per_matrix += 4 * blocks * C if weighted(param_dtype, unit) else 0
-        kept += -(-math.prod(shape[:-2]) * per_matrix // 64) * 64
+        unit = R * C if t.bank else math.prod(t.shape)  # elements of a unit: a bank slice, else the tensor
+        per_matrix += 4 * blocks * C if t.momentum is None and weighted(param_dtype, unit) else 0
+        kept += -(-math.prod(t.shape[:-2]) * per_matrix // 64) * 64
     return kept + (64 if tensors else 0)

@@ -51,7 +51,7 @@ tensor's step count is a host scalar, as in torch's optimizers.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -60,7 +60,7 @@ from ..state import state_dtype_for
 from .quant import load_momentum, store_momentum_
 from .rounding import rounding_key, stochastic_round_bf16
 from .types import (RELATIVE_STEP_EPS, ROW_MEAN_FLOOR, GradStats, Group, Moments, ParamTensors, active_units,
-                    all_finite, check, check_lr, stat_dims, unit_dims, unit_numel)
+                    all_finite, check, check_lr, planned, stat_dims, unit_dims, unit_numel)
 
 __all__ = ["GradStats", "Moments", "grad_stats", "update_moments_", "apply_updates_", "step_", "unit_dims",
            "stat_dims", "chunk_slices", "ema", "step_key", "CHUNK_NUMEL", "BLOCK_NUMEL",
@@ -429,11 +429,13 @@ def _apply_chunk(p, g, m, scale, v, rinv, cinv, active, cc, *, dtype, lr, decay,
     p.copy_(new)
 
 
-def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dtype: torch.dtype) -> int:
-    """Peak bytes a step of ``[(shape, bank), ...]`` allocates beyond parameters, gradients and state: copies of the
-    largest chunk (`chunk_slices`) in the compute dtype, 4 for fp32 parameters and 9 for bf16 ones (the rounding's
-    fp32 weights and random bits), as measured on torch 2.13 CPU."""
-    largest = max((chunk_slices(s, bank) * math.prod(s[1:]) if len(s) else 1 for s, bank in tensors), default=0)
+def step_transient_bytes(tensors: Sequence[Sequence[Any]], param_dtype: torch.dtype) -> int:
+    """Peak bytes a step of ``[(shape, bank), ...]`` (or `skewadam.kernels.types.Planned` records, whose state
+    changes nothing here) allocates beyond parameters, gradients and state: copies of the largest chunk
+    (`chunk_slices`) in the compute dtype, 4 for fp32 parameters and 9 for bf16 ones (the rounding's fp32 weights and
+    random bits), as measured on torch 2.13 CPU."""
+    largest = max((chunk_slices(t.shape, t.bank) * math.prod(t.shape[1:]) if t.shape else 1
+                   for t in planned(tensors)), default=0)
     return (9 if param_dtype == torch.bfloat16 else 4) * largest * state_dtype_for(param_dtype).itemsize
 
 

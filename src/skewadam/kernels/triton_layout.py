@@ -9,7 +9,7 @@ that depend only on the shapes (cached); their columns are the kernels' ``ITEM_*
 strip holds >= `MIN_ROWS` rows, so the float64 column partials of a matrix cut into several strips are at most
 numel / 1024 elements. Each strip also has C weighted column sums in the statistics dtype (``wcol``: a factored
 unit without momentum takes its clip from them, `skewadam.kernels.traffic`), numel / min(R, 1024) elements a
-matrix, in every factored workspace (what `step_transient_bytes` counts does not depend on the state).
+matrix, in the workspace of a bucket without momentum (`weighted`).
 
 Shape legend: ``E`` units (bank slices, dim 0; 1 for a single tensor), ``B`` matrices ``[R, C]`` of a factored tensor
 (all dims but the last two), ``R`` rows, ``C`` columns, ``M`` rows of the ``[M, C]`` view of a tensor.
@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from ..state import num_blocks, state_dtype_for
+from .types import MomFmt, planned
 
-__all__ = ["Layout", "layout", "upload", "workspace_numel", "step_transient_bytes", "TARGET", "MIN_ROWS",
-           "TABLE_WIDTH"]
+__all__ = ["Layout", "layout", "upload", "bucket_key", "weighted", "workspace_numel", "step_transient_bytes", "TARGET",
+           "MIN_ROWS", "TABLE_WIDTH"]
 
 TARGET = 1 << 18  # elements per work item
 MIN_ROWS = 1024  # rows per strip of a matrix cut into several: bounds its float64 column partials at numel / 1024
@@ -162,32 +163,62 @@ def upload(rows: list[list[int]], device: torch.device) -> Tensor:
     return torch.empty(host.shape, dtype=torch.int64, device=device).copy_(host, non_blocking=True)
 
 
-def workspace_numel(L: Layout) -> tuple[int, int]:
+def bucket_key(param_dtype: torch.dtype, factored: bool,
+               momentum: Optional[torch.dtype]) -> tuple[str, MomFmt, torch.dtype]:
+    """The kind, first-moment format and its storage dtype of a parameter in the Triton kernels' buckets (one
+    bucket a group per parameter dtype and key): ``factored`` whether it keeps a factored second moment,
+    ``momentum`` its first moment's dtype (None: none). The rule the step buckets by and the planner counts with."""
+    T = state_dtype_for(param_dtype)
+    if momentum is None:
+        mom, md = MomFmt.NONE, T
+    elif momentum == torch.int8:
+        mom, md = MomFmt.INT8, torch.int8
+    elif momentum == torch.bfloat16 and T == torch.float32:
+        mom, md = MomFmt.BF16, torch.bfloat16
+    else:
+        mom, md = MomFmt.PLAIN, T
+    return "factored" if factored else "rows" if mom == MomFmt.INT8 else "flat", mom, md
+
+
+def weighted(kind: str, mom: MomFmt, T: torch.dtype) -> bool:
+    """Whether a bucket's units take ``sum u^2`` from weighted column sums (`triton.weighted`), not from a pass 2
+    over the gradient: factored, without momentum, fp32 statistics (fp32 and bf16 weights)."""
+    return kind == "factored" and mom == MomFmt.NONE and T == torch.float32
+
+
+def workspace_numel(L: Layout, wsums: bool) -> tuple[int, int]:
     """Elements one bucket's `step_` uses: float64 (the statistics, every unit's max |g|, pass 1's partials) and of
-    T (u_sumsq, corr, scale, rinv and cinv, the items' partial sums of u^2, the weighted column sums, the clips)."""
-    return L.stats64_numel + L.scratch64_numel, L.moments_numel + len(L.items) + L.wcol + L.n_units
+    T (u_sumsq, corr, scale, rinv and cinv, the items' partial sums of u^2, with ``wsums`` (a `weighted` bucket) the
+    weighted column sums, the clips)."""
+    return L.stats64_numel + L.scratch64_numel, L.moments_numel + len(L.items) + L.wcol * wsums + L.n_units
 
 
-def step_transient_bytes(tensors: Sequence[tuple[Sequence[int], bool]], param_dtype: torch.dtype) -> int:
-    """Bytes `step_` allocates for parameters ``[(shape, bank), ...]`` of one group: the workspaces (float64
-    statistics, the moments in the state dtype), the activity of bank slices, the rounding keys, the tensor table,
-    the finite flag and a relative step's float64 sums of ``p^2``. An upper bound where the state is unknown: a
-    tensor whose slices have >= 2 dims is counted factored (the larger workspace), the group as a relative step's. Not counted: contiguous copies of non-contiguous parameters,
-    gradients or state, and the item, matrix and unit tables (cached across steps; 64 bytes per ~2^18 elements).
+def step_transient_bytes(tensors: Sequence[Sequence[Any]], param_dtype: torch.dtype) -> int:
+    """Bytes `step_` allocates for parameters ``[(shape, bank), ...]`` or ``[(shape, bank, state), ...]`` of one
+    group (`skewadam.kernels.types.Planned`): per bucket the workspaces (float64 statistics, the moments in the state
+    dtype), the activity of bank slices, the rounding keys and the tensor table; the finite flag and a relative
+    step's float64 sums of ``p^2``. Exact where every state is given; where not an upper bound: such a tensor is
+    counted factored wherever its slices have >= 2 dims and without momentum (with weighted column sums), the table
+    a header row for every bucket the group may have, the group as a relative step's. Not counted:
+    contiguous copies of non-contiguous parameters, gradients or state, and the item, matrix and unit tables (cached
+    across steps; 64 bytes per ~2^18 elements).
 
     Example:
         >>> step_transient_bytes([((8, 64, 32), True)], torch.float32)
     """
-    itemsize = state_dtype_for(param_dtype).itemsize
-    by_kind: dict[str, list] = {"factored": [], "flat": []}
-    for shape, bank in tensors:
-        shape = tuple(int(s) for s in shape)
-        by_kind["factored" if len(shape) - bool(bank) >= 2 else "flat"].append((shape, bool(bank)))
+    T = state_dtype_for(param_dtype)
+    itemsize = T.itemsize
+    buckets: dict[tuple[str, MomFmt], list[tuple[tuple[int, ...], bool]]] = {}
+    entries = planned(tensors)
+    for t in entries:
+        kind, mom, _ = bucket_key(param_dtype, t.factored, t.momentum)
+        buckets.setdefault((kind, mom), []).append((t.shape, t.bank))
     total = 4 + 1 if tensors else 0  # the finite flag and the skipped result
-    for kind, specs in by_kind.items():
-        if specs:
-            L = layout(tuple(specs), kind)
-            tables = (len(specs) + 1) * TABLE_WIDTH * 8
-            ws64, ws = workspace_numel(L)
-            total += (ws64 + L.psq_numel) * 8 + ws * itemsize + L.act_numel + 2 * len(specs) * 8 + tables
+    if any(t.state is None for t in entries):  # a header row for each bucket it may have: 4 factored, 3 flat, rows
+        total += (2 * len(MomFmt) - len(buckets)) * TABLE_WIDTH * 8
+    for (kind, mom), specs in buckets.items():
+        L = layout(tuple(specs), kind)
+        ws64, ws = workspace_numel(L, weighted(kind, mom, T))
+        total += (ws64 + L.psq_numel) * 8 + ws * itemsize + L.act_numel + 2 * len(specs) * 8
+        total += (len(specs) + 1) * TABLE_WIDTH * 8  # a row per tensor and the bucket's header row
     return total

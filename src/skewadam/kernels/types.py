@@ -7,8 +7,9 @@ Every kernel module (`eager`, `cpu`, `triton`) implements the same functions ove
 - ``apply_updates_(group, moments, *, skip=None) -> None``: pass 3, clip, decay, write the parameters.
 - ``step_(groups, *, skip_nonfinite) -> Tensor``: passes 1-3 of one process (nothing to reduce between passes), in one
   call; returns a 0-d bool tensor on the parameters' device, True if the step was skipped for a non-finite gradient.
-- ``step_transient_bytes(tensors, param_dtype) -> int``: the peak bytes a step of ``[(shape, bank), ...]`` allocates
-  beyond parameters, gradients and state (what `skewadam.bench.planner` counts as step temporaries).
+- ``step_transient_bytes(tensors, param_dtype) -> int``: the peak bytes a step of ``[(shape, bank), ...]`` or
+  ``[(shape, bank, state), ...]`` (`Planned`) allocates beyond parameters, gradients and state (what
+  `skewadam.bench.planner` counts as step temporaries): exact where the state is given, an upper bound where not.
 
 Between the passes the optimizer hands the statistics to a reducer (the distributed seam, `skewadam.distributed`), so a
 kernel never calls torch.distributed. ``skip`` is an optional 0-d bool tensor on the parameters' device: when True the
@@ -56,7 +57,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -65,7 +66,7 @@ from ..state import num_blocks, state_dtype_for
 
 __all__ = ["MomFmt", "ParamTensors", "Group", "GradStats", "Moments", "NS_STEPS", "ROW_MEAN_FLOOR", "RELATIVE_STEP_EPS",
            "EPS_MODES", "PARAM_DTYPES", "unit_dims", "active_units", "unit_numel", "stat_dims", "check_param_dtype",
-           "check", "check_lr", "check_group", "all_finite"]
+           "check", "check_lr", "check_group", "all_finite", "Planned", "planned"]
 
 
 class MomFmt(enum.IntEnum):
@@ -76,6 +77,33 @@ class MomFmt(enum.IntEnum):
     BF16 = 1  # bf16, stochastically rounded
     INT8 = 2  # int8 codes with an fp32 scale per block (`skewadam.kernels.quant`)
     NONE = 3  # no momentum
+
+
+class Planned(NamedTuple):
+    """One parameter a step is planned for (`step_transient_bytes`): its shape as the kernels see it (a flattened
+    bank stacked), whether it is a bank, and its `skewadam.state.state_spec` (names to `StateTensor`) where known; a
+    backend counts an unknown state as the one that allocates the most."""
+
+    shape: tuple[int, ...]
+    bank: bool
+    state: Optional[Mapping[str, Any]] = None
+
+    @property
+    def factored(self) -> bool:
+        """Whether it keeps a factored second moment (unknown state: wherever its units are matrices)."""
+        return len(self.shape) - self.bank >= 2 and (self.state is None or "row_var" in self.state)
+
+    @property
+    def momentum(self) -> Optional[torch.dtype]:
+        """Its first moment's storage dtype, None without one (unknown state: None, the most a backend allocates
+        for, its clip's weighted column sums)."""
+        m = self.state.get("exp_avg") if self.state is not None else None
+        return None if m is None else m.dtype
+
+
+def planned(tensors: Sequence[Sequence[Any]]) -> list[Planned]:
+    """``[(shape, bank), ...]`` or ``[(shape, bank, state), ...]`` as `Planned` records."""
+    return [Planned(tuple(int(s) for s in t[0]), bool(t[1]), *t[2:]) for t in tensors]
 
 
 #: Newton-Schulz iterations of the orthogonal update unless a group sets ``ns_steps`` (Muon's 5).

@@ -309,9 +309,9 @@ def _step(works: list[Work], device: torch.device, skip_nonfinite: bool) -> Tens
         for b in work.buckets:
             runs.append((work, b, *_workspace(work, b)))
     for work, b, tab, ws64, ws, pbuf, active, keys in runs:
-        _pass1(b, work.group, tab, ws64[b.layout.stats64_numel:], pbuf, flag, _wsums(b.layout, ws))
+        _pass1(b, work.group, tab, ws64[b.layout.stats64_numel:], pbuf, flag, _wsums(b, ws))
     for work, b, tab, ws64, ws, pbuf, active, keys in runs:
-        _pass2(b, work.group, tab, ws[b.layout.moments_numel:], keys, flag, _wsums(b.layout, ws))
+        _pass2(b, work.group, tab, ws[b.layout.moments_numel:], keys, flag, _wsums(b, ws))
     for work, b, tab, ws64, ws, pbuf, active, keys in runs:
         _pass3(b, work.group, tab, ws[ws.numel() - b.layout.n_units:], keys, flag)
     for work in works:
@@ -319,10 +319,11 @@ def _step(works: list[Work], device: torch.device, skip_nonfinite: bool) -> Tens
     return flag[0] != 0 if flag is not None else torch.zeros((), dtype=torch.bool, device=device)
 
 
-def _wsums(L: Layout, ws: Tensor) -> Tensor:
-    """The weighted column sums in `step_`'s workspace of T (`workspace_numel`: after the items' sums of u^2)."""
-    start = L.moments_numel + len(L.items)
-    return ws[start: start + L.wcol]
+def _wsums(b: Bucket, ws: Tensor) -> Optional[Tensor]:
+    """A weighted bucket's column sums in `step_`'s workspace of T (`workspace_numel`: after the items' sums of
+    u^2); None for another bucket."""
+    start = b.layout.moments_numel + len(b.layout.items)
+    return ws[start: start + b.layout.wcol] if b.weighted else None
 
 
 def _workspace(work: Work, b: Bucket) -> tuple[Table, Tensor, Tensor, Optional[Tensor], Tensor, Tensor]:
@@ -331,7 +332,7 @@ def _workspace(work: Work, b: Bucket) -> tuple[Table, Tensor, Tensor, Optional[T
     items' sums of u^2, the weighted column sums, the clips), a relative step's sums of p^2, the bank activity, the
     keys."""
     L = b.layout
-    n64, n = workspace_numel(L)
+    n64, n = workspace_numel(L, b.weighted)
     ws64 = torch.empty(n64, dtype=torch.float64, device=work.device)
     ws64[: L.stats_numel].zero_()
     ws = torch.empty(n, dtype=b.T, device=work.device)

@@ -22,7 +22,7 @@ from torch import Tensor
 from .. import quant
 from ...state import state_dtype_for
 from ..rounding import mix32
-from ..triton_layout import TABLE_WIDTH, Layout, layout, upload
+from ..triton_layout import TABLE_WIDTH, Layout, bucket_key, layout, upload, weighted
 from ..types import ROW_MEAN_FLOOR, Group, MomFmt, ParamTensors, check, check_lr
 from .device import TAB_G, TAB_M, TAB_P, TAB_V, addr
 
@@ -49,9 +49,8 @@ class Bucket(NamedTuple):
 
     @property
     def weighted(self) -> bool:
-        """Whether its units take ``sum u^2`` from weighted column sums (`weighted.weighted_usq`), not from a pass 2
-        over the gradient: factored, without momentum, fp32 statistics (fp32 and bf16 weights)."""
-        return self.factored and self.mom == MomFmt.NONE and self.T == torch.float32
+        """`triton_layout.weighted`: its units take ``sum u^2`` from weighted column sums."""
+        return weighted(self.layout.kind, self.mom, self.T)
 
     def tiles(self) -> dict[str, int]:
         """Tile shapes of the item kernels: [RB, BC] (rows layouts; BC one int8 block for int8 momentum) or [BLOCK],
@@ -168,18 +167,9 @@ def _bucket_key(pt: ParamTensors, i: int, device: torch.device) -> tuple:
         raise ValueError(f"{where}: step is on {pt.step.device}, the parameters on {device}; the Triton kernel "
                          "advances step counts on the parameters' device, with no host sync: keep state['step'] on "
                          "the parameter's device")
-    T = state_dtype_for(p.dtype)
     m = pt.exp_avg
-    if m is None:
-        mom, md = MomFmt.NONE, T
-    elif m.dtype == torch.int8:
-        mom, md = MomFmt.INT8, torch.int8
-    elif m.dtype == torch.bfloat16 and T == torch.float32:
-        mom, md = MomFmt.BF16, torch.bfloat16
-    else:
-        mom, md = MomFmt.PLAIN, T
-    kind = "factored" if pt.row_var is not None else "rows" if mom == MomFmt.INT8 else "flat"
-    return p.dtype, T, kind, mom, md
+    return (p.dtype, state_dtype_for(p.dtype),
+            *bucket_key(p.dtype, pt.row_var is not None, None if m is None else m.dtype))
 
 
 def _key_base(seed: int, stream: int) -> int:
