@@ -77,17 +77,16 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------- SkewAdam on Triton
 def transient_bytes_planned(opt) -> int:
     """What `skewadam.kernels.triton.step_transient_bytes` says a step of ``opt`` (a SkewAdam) allocates, given each
-    parameter's state: the sum over its groups (a step holds every group's workspace at once), per parameter dtype."""
+    parameter's state and group, per parameter dtype."""
     from skewadam.kernels import triton as tk
     from skewadam.state import state_flags
 
-    total = 0
-    for g in opt.param_groups:
-        spec, by_dtype = state_flags(g), {}
+    by_dtype: dict[Any, list] = {}
+    for index, g in enumerate(opt.param_groups):
+        spec = state_flags(g)
         for p in g["params"]:
-            by_dtype.setdefault(p.dtype, []).append(spec.planned(p.shape, p.dtype))
-        total += sum(tk.step_transient_bytes(t, d) for d, t in by_dtype.items())
-    return total
+            by_dtype.setdefault(p.dtype, []).append((*spec.planned(p.shape, p.dtype), index))
+    return sum(tk.step_transient_bytes(t, d) for d, t in by_dtype.items())
 
 
 # ---------------------------------------------------------------------------------------------- the measurement

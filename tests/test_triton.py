@@ -519,21 +519,28 @@ def test_work_items_cover_every_element_once_inside_one_unit(specs, kind):
 
 
 @pytest.mark.parametrize("relative_step", [True, False])
-def test_step_allocates_what_step_transient_bytes_says_given_the_states_and_less_than_without(relative_step):
-    """One group of every kind, with and without momentum, in two first-moment formats (two buckets of a kind).
-    Given each parameter's state: exactly what it says with a relative step (the upper bound it counts), less
-    without one (no sums of p^2). Without the states it says more (its upper bound)."""
-    no_momentum = [((3, 6, 40), "expert", {})]  # factored without momentum: the weighted column sums
-    int8 = SMALL[1:3]
-    ps = make(SMALL + no_momentum, torch.bfloat16) + make(int8, torch.bfloat16, "int8")
-    all_grads = [a + b for a, b in zip(grads_for(SMALL + no_momentum, 2, torch.bfloat16),
-                                       grads_for(int8, 2, torch.bfloat16, seed=2))]
-    run(ps, all_grads[:1], triton_step)  # the cached item tables exist from here on
-    g = record_group(ps, all_grads[1], relative_step=relative_step)
+def test_step_allocates_what_step_transient_bytes_says_given_the_states_and_groups_and_less_than_without(relative_step):
+    """Two groups: one of every kind, with and without momentum, in two first-moment formats (two buckets of a kind),
+    and one with two of those kinds again (buckets of their own). Given each parameter's state and group: exactly what
+    it says with a relative step (the upper bound it counts), less without one (no sums of p^2). Without the states it
+    says more (its upper bound)."""
+    no_momentum, int8, again = [((3, 6, 40), "expert", {})], SMALL[1:3], SMALL[1:3]  # (the weighted column sums)
+    ps = [make(SMALL + no_momentum, torch.bfloat16) + make(int8, torch.bfloat16, "int8"), make(again, torch.bfloat16)]
+    grads = [[a + b for a, b in zip(grads_for(SMALL + no_momentum, 2, torch.bfloat16),
+                                    grads_for(int8, 2, torch.bfloat16, seed=2))], grads_for(again, 2, torch.bfloat16)]
+
+    def groups(k):
+        return [record_group(ps[0], grads[0][k], relative_step=relative_step),
+                record_group(ps[1], grads[1][k], relative_step=relative_step, first=len(ps[0]))]
+
+    tk.step_(groups(0), skip_nonfinite=True)  # the cached item tables exist from here on
+    step_groups = groups(1)
     with Allocations(DEVICE) as tracked:
-        tk.step_([g], skip_nonfinite=True)
-    planned = tk.step_transient_bytes([(tuple(p.param.shape), p.bank, p.state) for p in ps], torch.bfloat16)
-    unknown = tk.step_transient_bytes([(tuple(p.param.shape), p.bank) for p in ps], torch.bfloat16)
+        tk.step_(step_groups, skip_nonfinite=True)
+    planned = tk.step_transient_bytes([(tuple(p.param.shape), p.bank, p.state, k) for k in (0, 1) for p in ps[k]],
+                                      torch.bfloat16)
+    unknown = tk.step_transient_bytes([(tuple(p.param.shape), p.bank, None, k) for k in (0, 1) for p in ps[k]],
+                                      torch.bfloat16)
     assert tracked.peak == planned if relative_step else 0 < tracked.peak < planned, (tracked.peak, planned)
     assert planned < unknown
 

@@ -285,7 +285,8 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
         return list(flags[tier, orthogonal].spec(shape, dtype).items())
 
     def transient(tensors, dtype, impl):
-        fused = [flags[tier, False].planned(shape, dtype) for shape, tier, o in tensors if not o]
+        # each tier a group of its own, as `param_groups` makes them
+        fused = [(*flags[tier, False].planned(shape, dtype), tier) for shape, tier, o in tensors if not o]
         orthogonal_shapes = [shape for shape, _, o in tensors if o]
         if orthogonal_shapes:  # the Newton-Schulz step is one module for every backend
             from ..kernels import orthogonal as orthogonal_kernel

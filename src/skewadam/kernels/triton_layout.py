@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -194,29 +194,31 @@ def workspace_numel(L: Layout, wsums: bool) -> tuple[int, int]:
 
 
 def step_transient_bytes(tensors: Sequence[Sequence[Any]], param_dtype: torch.dtype) -> int:
-    """Bytes `step_` allocates for parameters ``[(shape, bank), ...]`` or ``[(shape, bank, state), ...]`` of one
-    group (`skewadam.kernels.types.Planned`): per bucket the workspaces (float64 statistics, the moments in the state
-    dtype), the activity of bank slices, the rounding keys and the tensor table; the finite flag and a relative
-    step's float64 sums of ``p^2``. Exact where every state is given; where not an upper bound: such a tensor is
-    counted factored wherever its slices have >= 2 dims and without momentum (with weighted column sums), the table
-    a header row for every bucket the group may have, the group as a relative step's. Not counted:
-    contiguous copies of non-contiguous parameters, gradients or state, and the item, matrix and unit tables (cached
-    across steps; 64 bytes per ~2^18 elements).
+    """Bytes `step_` allocates for parameters ``[(shape, bank), ...]`` or ``[(shape, bank, state, group), ...]``
+    (`skewadam.kernels.types.Planned`; one group where none is given): per bucket (a group's tensors of one kind and
+    first-moment format) the workspaces (float64 statistics, the moments in the state dtype), the activity of bank
+    slices, the rounding keys and the tensor table; the finite flag and a relative step's float64 sums of ``p^2``.
+    Exact where every state is given; where not an upper bound: such a tensor is counted factored wherever its slices
+    have >= 2 dims and without momentum (with weighted column sums), its group's table a header row for every bucket
+    a group may have, every group as a relative step's. Not counted: contiguous copies of non-contiguous parameters,
+    gradients or state, and the item, matrix and unit tables (cached across steps; 64 bytes per ~2^18 elements).
 
     Example:
         >>> step_transient_bytes([((8, 64, 32), True)], torch.float32)
     """
     T = state_dtype_for(param_dtype)
     itemsize = T.itemsize
-    buckets: dict[tuple[str, MomFmt], list[tuple[tuple[int, ...], bool]]] = {}
-    entries = planned(tensors)
-    for t in entries:
+    buckets: dict[tuple[Hashable, str, MomFmt], list[tuple[tuple[int, ...], bool]]] = {}
+    unknown = set()  # groups with a tensor of unknown state
+    for t in planned(tensors):
         kind, mom, _ = bucket_key(param_dtype, t.factored, t.momentum)
-        buckets.setdefault((kind, mom), []).append((t.shape, t.bank))
+        buckets.setdefault((t.group, kind, mom), []).append((t.shape, t.bank))
+        if t.state is None:
+            unknown.add(t.group)
     total = 4 + 1 if tensors else 0  # the finite flag and the skipped result
-    if any(t.state is None for t in entries):  # a header row for each bucket it may have: 4 factored, 3 flat, rows
-        total += (2 * len(MomFmt) - len(buckets)) * TABLE_WIDTH * 8
-    for (kind, mom), specs in buckets.items():
+    for group in unknown:  # a header row for each bucket it may have: 4 factored, 3 flat, rows
+        total += (2 * len(MomFmt) - sum(key[0] == group for key in buckets)) * TABLE_WIDTH * 8
+    for (_, kind, mom), specs in buckets.items():
         L = layout(tuple(specs), kind)
         ws64, ws = workspace_numel(L, weighted(kind, mom, T))
         total += (ws64 + L.psq_numel) * 8 + ws * itemsize + L.act_numel + 2 * len(specs) * 8

@@ -8,7 +8,7 @@ Every kernel module (`eager`, `cpu`, `triton`) implements the same functions ove
 - ``step_(groups, *, skip_nonfinite) -> Tensor``: passes 1-3 of one process (nothing to reduce between passes), in one
   call; returns a 0-d bool tensor on the parameters' device, True if the step was skipped for a non-finite gradient.
 - ``step_transient_bytes(tensors, param_dtype) -> int``: the peak bytes a step of ``[(shape, bank), ...]`` or
-  ``[(shape, bank, state), ...]`` (`Planned`) allocates beyond parameters, gradients and state (what
+  ``[(shape, bank, state, group), ...]`` (`Planned`) allocates beyond parameters, gradients and state (what
   `skewadam.bench.planner` counts as step temporaries): exact where the state is given, an upper bound where not.
 
 Between the passes the optimizer hands the statistics to a reducer (the distributed seam, `skewadam.distributed`), so a
@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Hashable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -81,12 +81,14 @@ class MomFmt(enum.IntEnum):
 
 class Planned(NamedTuple):
     """One parameter a step is planned for (`step_transient_bytes`): its shape as the kernels see it (a flattened
-    bank stacked), whether it is a bank, and its `skewadam.state.state_spec` (names to `StateTensor`) where known; a
-    backend counts an unknown state as the one that allocates the most."""
+    bank stacked), whether it is a bank, its `skewadam.state.state_spec` (names to `StateTensor`) where known (a
+    backend counts an unknown state as the one that allocates the most), and a key of its param group (a kernel may
+    allocate per group; parameters of one key step in one group)."""
 
     shape: tuple[int, ...]
     bank: bool
     state: Optional[Mapping[str, Any]] = None
+    group: Hashable = None
 
     @property
     def factored(self) -> bool:
@@ -102,7 +104,8 @@ class Planned(NamedTuple):
 
 
 def planned(tensors: Sequence[Sequence[Any]]) -> list[Planned]:
-    """``[(shape, bank), ...]`` or ``[(shape, bank, state), ...]`` as `Planned` records."""
+    """``[(shape, bank), ...]``, ``[(shape, bank, state), ...]`` or ``[(shape, bank, state, group), ...]`` as
+    `Planned` records."""
     return [Planned(tuple(int(s) for s in t[0]), bool(t[1]), *t[2:]) for t in tensors]
 
 
