@@ -89,9 +89,9 @@ class Backend:
         return True
 
     def step_transient_bytes(self, tensors: Sequence[Sequence[Any]], param_dtype: torch.dtype) -> int:
-        """Peak bytes a step of parameters ``[(shape, bank), ...]`` or ``[(shape, bank, state), ...]``
-        (`types.Planned`: exact with the state, an upper bound without) allocates beyond parameters, gradients and
-        state."""
+        """Peak bytes a step of parameters ``[(shape, bank), ...]`` or ``[(shape, bank, state, group), ...]``
+        (`types.Planned`) allocates beyond parameters, gradients and state, at most: given the states and groups,
+        closer to what the step allocates (Triton's exact)."""
         return importlib.import_module(self.temporaries).step_transient_bytes(tensors, param_dtype)
 
 

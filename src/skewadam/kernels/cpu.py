@@ -297,8 +297,8 @@ def weighted(param_dtype: torch.dtype, unit_numel: int) -> bool:
 
 
 def step_transient_bytes(tensors: Sequence[Sequence[Any]], param_dtype: torch.dtype) -> int:
-    """Bytes `step_` allocates for parameters ``[(shape, bank), ...]`` or ``[(shape, bank, state), ...]``
-    (`skewadam.kernels.types.Planned`; an upper bound where a state is not given): the row and column statistics
+    """Bytes `step_` allocates for parameters ``[(shape, bank), ...]`` or ``[(shape, bank, state, group), ...]``
+    (`skewadam.kernels.types.Planned`; an upper bound, closer given the states): the row and column statistics
     pass 1 keeps for the factored parameters, per matrix ``[R, C]`` ``3 + R + C`` sums in float64 (plus ``C`` per
     block of rows when it has several), ``R + C`` denominators in the statistics dtype and, for a parameter without
     momentum whose units take their clip from them (`weighted`), ``C`` weighted column sums per block of rows in

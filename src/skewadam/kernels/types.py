@@ -9,7 +9,8 @@ Every kernel module (`eager`, `cpu`, `triton`) implements the same functions ove
   call; returns a 0-d bool tensor on the parameters' device, True if the step was skipped for a non-finite gradient.
 - ``step_transient_bytes(tensors, param_dtype) -> int``: the peak bytes a step of ``[(shape, bank), ...]`` or
   ``[(shape, bank, state, group), ...]`` (`Planned`) allocates beyond parameters, gradients and state (what
-  `skewadam.bench.planner` counts as step temporaries): exact where the state is given, an upper bound where not.
+  `skewadam.bench.planner` counts as step temporaries), at most; given the states, the Triton kernel's count is
+  exact.
 
 Between the passes the optimizer hands the statistics to a reducer (the distributed seam, `skewadam.distributed`), so a
 kernel never calls torch.distributed. ``skip`` is an optional 0-d bool tensor on the parameters' device: when True the
