@@ -194,3 +194,25 @@ def test_the_planner_counts_the_sums_fsdp2_all_reduces_per_step_every_expert_s_f
               for n, _ in stacked.named_parameters()}
     assert plan(stacked, optimizers=["skewadam"], shards=2, labels=labels)["skewadam"].reduce_bytes == (8 + 4) * 3 + 4
     assert got["adamw"].reduce_bytes == 0 == plan(flat, optimizers=["skewadam"])["skewadam"].reduce_bytes
+
+
+@pytest.mark.parametrize("impl", ["cpp", "triton"])
+def test_the_planner_counts_a_flattened_bank_s_state_and_step_temporaries_as_the_optimizer_and_kernels_have_them(impl):
+    """On one process too, the planner finds the flattened banks: their state is what SkewAdam allocates, and each
+    backend's step temporaries are the stacked bank's (the kernels step it as that bank: factored per expert, not as
+    one 2-D matrix)."""
+    from skewadam import plan
+
+    flat, stacked = FlatMoE(), FlatMoE()
+    for name in ("w1", "v1", "w2"):
+        stacked.experts.register_parameter(name, nn.Parameter(torch.randn(E, F, D)))
+    labels = {n: "expert" if n.startswith("experts.") else "router" if n.startswith("router") else "backbone"
+              for n, _ in stacked.named_parameters()}
+    got = plan(flat, optimizers=["skewadam"], impl=impl)["skewadam"]
+    want = plan(stacked, optimizers=["skewadam"], labels=labels, impl=impl)["skewadam"].step_temporaries
+    assert got.step_temporaries == want > 0
+    opt = SkewAdam(param_groups(flat, log=False))
+    for p in flat.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert got.state.total == opt.state_bytes().total

@@ -232,7 +232,7 @@ def test_bf16_baselines_keep_an_fp32_master_copy_and_skewadam_none():
 @pytest.mark.parametrize("impl", list(BACKENDS))
 def test_skewadam_step_temporaries_are_what_each_backend_reports(impl, monkeypatch):
     """The planner asks the backend it plans (`Backend.step_transient_bytes`), with each tensor's bank flag, state
-    and group (its tier), on any machine: Triton's temporaries are planned here too."""
+    and group (its tier; a flattened bank's E), on any machine: Triton's temporaries are planned here too."""
     asked = []
     original = Backend.step_transient_bytes
     monkeypatch.setattr(Backend, "step_transient_bytes",
@@ -245,8 +245,9 @@ def test_skewadam_step_temporaries_are_what_each_backend_reports(impl, monkeypat
     assert p["skewadam"].step_temporaries == original(BACKENDS[impl], tensors, torch.bfloat16) > 0
     assert {s for s, bank, *_ in tensors if bank} == {tuple(p.shape) for p in model.parameters() if p.ndim >= 3}
     groups = param_groups(model, log=False)  # each tensor's state, as SkewAdam's groups keep it
-    assert sorted(map(repr, tensors)) == sorted(repr((*state_flags(g).planned(p.shape, torch.bfloat16), g["tier"]))
-                                                for g in groups for p in g["params"])
+    planned = [(*state_flags(g).planned(p.shape, torch.bfloat16), (g["tier"], g.get("experts")))
+               for g in groups for p in g["params"]]
+    assert sorted(map(repr, tensors)) == sorted(map(repr, planned))
     assert f"SkewAdam's backend: {impl}" in str(p)
 
 

@@ -69,13 +69,14 @@ __all__ = ["Arm", "ARMS", "get", "names", "ChainedOptimizer", "PLAN_DEFAULT", "B
 
 #: ``(param groups, lr, SkewAdam kernel impl) -> optimizer``; the impl is ignored by the others.
 Builder = Callable[[list[dict[str, Any]], float, str], Any]
-#: ``(shape, tier, stepped dtype, orthogonal) -> [(state key, StateTensor), ...]``: the state of one trainable tensor,
-#: in the dtype of the tensor the optimizer steps (the fp32 master copy when the arm keeps one); ``orthogonal``: the
-#: arm's ``orthogonal`` setting selects it (`skewadam.groups.orthogonal_names`).
-TensorState = Callable[[tuple[int, ...], str, torch.dtype, bool], list[tuple[str, StateTensor]]]
-#: ``([(shape, tier, orthogonal), ...], stepped dtype, SkewAdam's backend by name) -> bytes``: the peak
+#: ``(shape, tier, stepped dtype, orthogonal, experts) -> [(state key, StateTensor), ...]``: the state of one
+#: trainable tensor, in the dtype of the tensor the optimizer steps (the fp32 master copy when the arm keeps one);
+#: ``orthogonal``: the arm's ``orthogonal`` setting selects it (`skewadam.groups.orthogonal_names`); ``experts``: a
+#: flattened bank's E (`skewadam.classify.flattened_experts`), else None.
+TensorState = Callable[[tuple[int, ...], str, torch.dtype, bool, Optional[int]], list[tuple[str, StateTensor]]]
+#: ``([(shape, tier, orthogonal, experts), ...], stepped dtype, SkewAdam's backend by name) -> bytes``: the peak
 #: temporaries of one step.
-Transient = Callable[[Sequence[tuple[tuple[int, ...], str, bool]], torch.dtype, str], int]
+Transient = Callable[[Sequence[tuple[tuple[int, ...], str, bool, Optional[int]]], torch.dtype, str], int]
 
 #: ``(shape, tier, stepped dtype, orthogonal, experts) -> bytes``: what one trainable tensor's statistics add to the
 #: cross-rank all-reduces of a step under FSDP2 ``Shard(0)`` on several ranks (``experts``: a flattened bank's E).
@@ -212,16 +213,16 @@ def _muon(groups, lr, impl):
 
 
 # ------------------------------------------------------------------------------------------------ memory models
-def _adamw_state(shape, tier, dtype, orthogonal=False):
+def _adamw_state(shape, tier, dtype, orthogonal=False, experts=None):
     return [_STEP, ("exp_avg", StateTensor(shape, dtype)), ("exp_avg_sq", StateTensor(shape, dtype))]
 
 
-def _muon_state(shape, tier, dtype, orthogonal=False):
+def _muon_state(shape, tier, dtype, orthogonal=False, experts=None):
     # torch.optim.Muon keeps one momentum buffer (no step) per hidden matrix; fused AdamW the rest
     return [("momentum_buffer", StateTensor(shape, dtype))] if orthogonal else _adamw_state(shape, tier, dtype)
 
 
-def _adafactor_state(shape, tier, dtype, orthogonal=False):
+def _adafactor_state(shape, tier, dtype, orthogonal=False, experts=None):
     # torch.optim.Adafactor: row/col over the last two dims for >= 2-D tensors, a full variance otherwise; no momentum.
     if len(shape) >= 2:
         return [_STEP, ("row_var", StateTensor(shape[:-1] + (1,), dtype)),
@@ -229,7 +230,7 @@ def _adafactor_state(shape, tier, dtype, orthogonal=False):
     return [_STEP, ("variance", StateTensor(shape, dtype))]
 
 
-def _bnb_adamw8bit_state(shape, tier, dtype, orthogonal=False):
+def _bnb_adamw8bit_state(shape, tier, dtype, orthogonal=False, experts=None):
     # bitsandbytes AdamW8bit (block_wise=True, min_8bit_size=4096): uint8 state1/state2 with one fp32 absmax per
     # 2048-element block each; tensors under 4096 elements keep fp32 state1/state2. Its step is a Python int.
     n = math.prod(shape)
@@ -240,7 +241,7 @@ def _bnb_adamw8bit_state(shape, tier, dtype, orthogonal=False):
             ("state2", StateTensor(shape, torch.uint8)), ("absmax2", StateTensor(blocks, _F32))]
 
 
-def _torchao_adamw8bit_state(shape, tier, dtype, orthogonal=False):
+def _torchao_adamw8bit_state(shape, tier, dtype, orthogonal=False, experts=None):
     # torchao.optim.AdamW8bit (block_size=256): each moment is an OptimState8bit of uint8 codes, one fp32 scale per
     # 256 elements and its own 256-entry fp32 qmap; tensors under 4096 elements or not a multiple of 256 keep plain
     # moments in the stepped tensor's dtype.
@@ -281,18 +282,24 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
 
         return SkewAdam(groups, lr=lr, impl=impl, **options)
 
-    def state(shape, tier, dtype, orthogonal=False):
-        return list(flags[tier, orthogonal].spec(shape, dtype).items())
+    def tier_spec(tier, orthogonal, experts):  # a flattened bank's group has its E (`param_groups`)
+        spec = flags[tier, orthogonal]
+        return spec if orthogonal or experts is None else spec._replace(experts=experts)
+
+    def state(shape, tier, dtype, orthogonal=False, experts=None):
+        return list(tier_spec(tier, orthogonal, experts).spec(shape, dtype).items())
 
     def transient(tensors, dtype, impl):
-        # each tier a group of its own, as `param_groups` makes them
-        fused = [(*flags[tier, False].planned(shape, dtype), tier) for shape, tier, o in tensors if not o]
-        orthogonal_shapes = [shape for shape, _, o in tensors if o]
+        # each group of its own, as `param_groups` makes them: a tier's, a flattened bank's E's
+        fused = [(*tier_spec(tier, False, e).planned(shape, dtype), (tier, e))
+                 for shape, tier, o, e in tensors if not o]
+        orthogonal_shapes = [shape for shape, _, o, _ in tensors if o]
         if orthogonal_shapes:  # the Newton-Schulz step is one module for every backend
             from ..kernels import orthogonal as orthogonal_kernel
 
             ns = orthogonal_kernel.step_transient_bytes(orthogonal_shapes, dtype, [
-                group_settings(tier, True, options, tier_options, {}).get("ns_dtype") for _, tier, o in tensors if o])
+                group_settings(tier, True, options, tier_options, {}).get("ns_dtype")
+                for _, tier, o, _ in tensors if o])
         else:
             ns = 0
         return max(BACKENDS[impl].step_transient_bytes(fused, dtype), ns)
@@ -307,7 +314,7 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
         is cut in its experts' rows (every expert's sums). The orthogonal update gathers instead."""
         if orthogonal or not shape:
             return 0
-        spec = flags[tier, False]._replace(experts=experts)
+        spec = tier_spec(tier, False, experts)
         view = spec.view_shape(shape)
         bank = spec.is_bank(len(view))
         if bank and experts is None:

@@ -38,13 +38,14 @@ __all__ = ["OptimizerPlan", "Plan", "plan", "format_bytes", "default_seq", "DTYP
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _plan_state(arm: arms.Arm, tensors: Sequence[tuple[tuple[int, ...], str, bool]], dtype: torch.dtype) -> StateBytes:
-    """The state ``arm`` allocates for trainable ``tensors`` ``[(shape, tier, orthogonal), ...]`` stepped in
+def _plan_state(arm: arms.Arm, tensors: Sequence[tuple[tuple[int, ...], str, bool, Optional[int]]],
+                dtype: torch.dtype) -> StateBytes:
+    """The state ``arm`` allocates for trainable ``tensors`` ``[(shape, tier, orthogonal, experts), ...]`` stepped in
     ``dtype``."""
     tally = Tally()
     quantized = False
-    for shape, tier, orth in tensors:
-        for key, st in arm.state(shape, tier, dtype, orth):
+    for shape, tier, orth, experts in tensors:
+        for key, st in arm.state(shape, tier, dtype, orth, experts):
             tally.tensors += 1
             tally.add(tier, key, st.nbytes)
             quantized |= st.dtype == torch.uint8
@@ -56,14 +57,14 @@ def _plan_state(arm: arms.Arm, tensors: Sequence[tuple[tuple[int, ...], str, boo
 
 
 def _in_flight(arm: arms.Arm, trainable: Sequence[tuple[str, tuple[int, ...], str]], orth: set[str],
-               stepped: torch.dtype, backend: str, itemsize: int, segments: Sequence[Segment],
-               tied: int) -> tuple[int, int, list[int]]:
+               experts: dict[str, int], stepped: torch.dtype, backend: str, itemsize: int,
+               segments: Sequence[Segment], tied: int) -> tuple[int, int, list[int]]:
     """For ``arm`` stepped inside backward: ``(most gradient bytes alive at once, largest one tensor's step
     temporaries, per segment its largest gradient with that gradient's step temporaries)``."""
     cache: dict[tuple, int] = {}
     own = {}
     for name, shape, tier in trainable:
-        key = (shape, tier, name in orth)
+        key = (shape, tier, name in orth, experts.get(name))
         if key not in cache:
             cache[key] = arm.transient([key], stepped, backend)
         own[name] = (math.prod(shape) * itemsize, cache[key])
@@ -277,9 +278,9 @@ def plan(
     unmodelled_arms = [a.name for a in chosen if a.state is None]
     if unmodelled_arms:
         raise ValueError(f"no memory model of {unmodelled_arms}: plan any of {', '.join(arms.names(planned=True))}")
-    if labels is None:
-        from ..classify import classify
+    from ..classify import classify, label
 
+    if labels is None:
         labels = classify(model)
     labels = {n: Tier.parse(t).value for n, t in labels.items()}
     dtype = DTYPES[param_dtype]
@@ -289,13 +290,8 @@ def plan(
     if missing:
         raise ValueError(f"labels miss trainable parameter(s) {missing[:5]}: label every one (skewadam.classify)")
     trainable = [(n, tuple(p.shape), labels[n]) for n, p in params.items() if p.requires_grad]
-    if shards > 1 or zero:  # the flattened banks, whose experts' sums a dim-0 shard cuts
-        from ..classify import label
-
-        found = label(model, tiers={n: labels[n] for n, _, _ in trainable})
-        experts = found.experts
-    else:
-        experts = {}
+    found = label(model, tiers={n: labels[n] for n, _, _ in trainable})  # the flattened banks: their E
+    experts = found.experts
     n_params = sum(p.numel() for p in params.values())
     n_trainable = sum(math.prod(s) for _, s, _ in trainable)
     by_tier = {t.value: 0 for t in Tier}
@@ -317,7 +313,7 @@ def plan(
         master = n_trainable * 4 if (arm.master and itemsize < 4) else 0
         stepped = torch.float32 if master else dtype
         orth = set(orthogonal_names(model, labels, arm.orthogonal))
-        tensors = [(shape, tier, n in orth) for n, shape, tier in trainable]
+        tensors = [(shape, tier, n in orth, experts.get(n)) for n, shape, tier in trainable]
         state = _plan_state(arm, tensors, stepped)
         static = n_params * itemsize + master + state.total
         temporaries = arm.transient(tensors, stepped, backend)
@@ -325,11 +321,13 @@ def plan(
         peak = None if unmodelled else static + max(bwd_peak, after_bwd + temporaries)
         inside = arm.in_backward or (in_backward and arm.kernels)
         if inside:  # each gradient stepped and freed as backward completes it
-            grads, temporaries, in_flight = _in_flight(arm, trainable, orth, stepped, backend, itemsize, segments, tied)
+            grads, temporaries, in_flight = _in_flight(arm, trainable, orth, experts, stepped, backend, itemsize,
+                                                       segments, tied)
             peak = None if unmodelled else static + backward_peak_stepped(segments, held, in_flight, tied)
         # the update is gathered in the compute dtype (fp32 for 16-bit weights); an even share of it is the rank's own
         update_bytes = 4 if stepped.itemsize < 4 else stepped.itemsize
-        gathered = sum(math.prod(s) for s, _, o in tensors if o and len(s) == 2) * update_bytes * (shards - 1) // shards
+        gathered = sum(math.prod(s) for s, _, o, _ in tensors if o and len(s) == 2) * update_bytes * (
+            shards - 1) // shards
         reduced, zero_figures = 0, None
         if zero:  # ZeRO's figures in place of FSDP2's; a step inside backward is refused under ZeRO
             gathered = 0
