@@ -99,6 +99,19 @@ def test_flattened_expert_tensors_stack_the_experts_their_router_scores(case):
     assert not counts or set(counts) == {n for n, t in labels.items() if t == "expert"}
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.flat], ids=lambda c: c.id)
+def test_the_plan_of_a_model_with_flattened_banks_holds_the_state_skewadam_allocates(case):
+    """On one process (no ``shards``), the planner's state for OLMo-core's flattened banks is byte for byte what
+    SkewAdam allocates for them (``init_state``, on the meta device): per-expert step counts and column statistics."""
+    from skewadam import SkewAdam, plan
+
+    model, labels = _built(case)
+    planned = plan(model, optimizers=["skewadam"], labels=labels, seq=16)["skewadam"].state.total
+    optimizer = SkewAdam.from_model(model, lr=1e-3)  # (labelled by classify, as `labels`)
+    optimizer.init_state()
+    assert planned == optimizer.state_bytes().total
+
+
 def test_cases_cover_every_moe_variant_of_olmo_core():
     """Each option of OLMo-core 3.0.0's MoE configs has a case: the v1 MoE (both MoE types, the four MoE block
     types, shared MLP, latent MoE and its options, router gating and expert bias) and the fused MoE-v2 blocks."""
