@@ -290,7 +290,7 @@ def _skewadam(name: str, label: str, *, options: Optional[dict[str, Any]] = None
         return list(tier_spec(tier, orthogonal, experts).spec(shape, dtype).items())
 
     def transient(tensors, dtype, impl):
-        # each group of its own, as `param_groups` makes them: a tier's, a flattened bank's E's
+        # a group a tier, and one a flattened bank's E, as `param_groups` makes them
         fused = [(*tier_spec(tier, False, e).planned(shape, dtype), (tier, e))
                  for shape, tier, o, e in tensors if not o]
         orthogonal_shapes = [shape for shape, _, o, _ in tensors if o]
