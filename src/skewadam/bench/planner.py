@@ -278,11 +278,10 @@ def plan(
     unmodelled_arms = [a.name for a in chosen if a.state is None]
     if unmodelled_arms:
         raise ValueError(f"no memory model of {unmodelled_arms}: plan any of {', '.join(arms.names(planned=True))}")
-    from ..classify import classify, label
+    from ..classify import label
 
-    if labels is None:
-        labels = classify(model)
-    labels = {n: Tier.parse(t).value for n, t in labels.items()}
+    found = label(model) if labels is None else None  # labelled once: its tiers and flattened banks
+    labels = {n: Tier.parse(t).value for n, t in (found.tiers if found is not None else labels).items()}
     dtype = DTYPES[param_dtype]
     itemsize = dtype.itemsize
     params = dict(model.named_parameters())
@@ -290,7 +289,8 @@ def plan(
     if missing:
         raise ValueError(f"labels miss trainable parameter(s) {missing[:5]}: label every one (skewadam.classify)")
     trainable = [(n, tuple(p.shape), labels[n]) for n, p in params.items() if p.requires_grad]
-    found = label(model, tiers={n: labels[n] for n, _, _ in trainable})  # the flattened banks: their E
+    if found is None:  # the flattened banks of a model labelled elsewhere: their E
+        found = label(model, tiers={n: labels[n] for n, _, _ in trainable})
     experts = found.experts
     n_params = sum(p.numel() for p in params.values())
     n_trainable = sum(math.prod(s) for _, s, _ in trainable)
