@@ -129,6 +129,16 @@ inline int8_t encode_int8(T x, T a) {
   return int8_t(std::copysign(std::nearbyint(std::sqrt(r) * float(kQMax)), float(x)));
 }
 
+#ifdef __AVX512F__
+// Codes q[0, kLanes) decoded, decode_int8's operations lane by lane (code_ratio's FMA rounds once in both).
+inline VF vdecode_int8(const int8_t* q, float scale) {
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+  const __m512 lo = _mm512_mul_ps(v, _mm512_set1_ps(QRecip<float>::lo));
+  const __m512 c = _mm512_fmadd_ps(v, _mm512_set1_ps(QRecip<float>::hi), lo);
+  return VF(_mm512_mul_ps(_mm512_mul_ps(_mm512_abs_ps(c), c), _mm512_set1_ps(scale)));
+}
+#endif
+
 template <class E>
 struct Int8Mom {  // int8 codes, one fp32 scale (the block's absmax) per kQBlock values along the last dim
   using T = typename E::T;
@@ -165,9 +175,23 @@ struct Int8Mom {  // int8 codes, one fp32 scale (the block's absmax) per kQBlock
     const auto* ge = g + e;
     const T s0 = T(scale[k]);
     T mx[kLanes] = {};  // the absmax in lanes (a maximum is exact in any order; one chain would not vectorise)
-    for_lanes(n, [&](int64_t j, int l) {
-      buf[j] = ema(decode_int8(q[j], s0), E::load(ge[j]));
-      mx[l] = std::max(mx[l], std::abs(buf[j]));
+    int64_t j0 = 0;
+#ifdef __AVX512F__
+    if constexpr (std::is_same_v<T, float>) {  // GCC vectorises for_lanes' loop 4 lanes wide: a matrix with int8
+                                               // momentum took 1.14x to 1.22x the step's time
+      const VF b = VF(_mm512_set1_ps(ema.b)), w = VF(_mm512_set1_ps(ema.w));
+      __m512 vmx = _mm512_setzero_ps();
+      for (; j0 + kLanes <= n; j0 += kLanes) {
+        const VF x = vdecode_int8(q + j0, s0) * b + vload<E>(ge + j0) * w;
+        vstore(buf + j0, x);
+        vmx = _mm512_max_ps(_mm512_abs_ps(__m512(x)), vmx);  // std::max(vmx, |x|): NaN gives the second operand
+      }
+      std::memcpy(mx, &vmx, sizeof vmx);
+    }
+#endif
+    for_lanes(n - j0, [&](int64_t j, int l) {
+      buf[j0 + j] = ema(decode_int8(q[j0 + j], s0), E::load(ge[j0 + j]));
+      mx[l] = std::max(mx[l], std::abs(buf[j0 + j]));
     });
     const T absmax = *std::max_element(mx, mx + kLanes);
     scale[k] = float(absmax);
