@@ -119,7 +119,13 @@ struct Ema {
 // ------------------------------------------------------------------------------------------------ rounding
 constexpr uint32_t kMul1 = SKEWADAM_MUL1, kMul2 = SKEWADAM_MUL2, kGolden = SKEWADAM_GOLDEN;  // rounding.py's
 
-inline uint32_t mix32(uint32_t x) {
+// 8 rounding keys, one a lane (GCC's vector operators work lane by lane).
+using VU8 = uint32_t [[gnu::vector_size(8 * sizeof(uint32_t))]];
+
+// rounding.py's hash, of one key or of 8 lanes.
+template <class U>
+inline U mix32(U x) {
+  static_assert(std::is_same_v<U, uint32_t> || std::is_same_v<U, VU8>, "mix32 hashes uint32_t keys");
   x ^= x >> 16;
   x *= kMul1;
   x ^= x >> 15;

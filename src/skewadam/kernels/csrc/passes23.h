@@ -44,24 +44,6 @@ struct FullDir {  // u = src * c / sqrt(max(v_i, floor)); pass 2 first moves v_i
 };
 
 #ifdef __AVX512F__
-// mix32 on 8 lanes.
-inline __m256i vmix32(__m256i x) {
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(int(kMul1)));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(int(kMul2)));
-  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-}
-
-// tree_sum of vectors.
-template <int N>
-inline __m512 vtree_sum(const __m512* x) {
-  if constexpr (N == 1)
-    return x[0];
-  else
-    return _mm512_add_ps(vtree_sum<N / 2>(x), vtree_sum<N - N / 2>(x + N / 2));
-}
-
 // Pass 2 of bf16 momentum and a factored direction on the span's first whole groups of kLanes elements, as p2_span's
 // loop computes each lane (BF16Mom::Span::next, FactoredDir::u); returns how many it did (none where a run starts at
 // an odd element). One hash serves a pair of elements (round_bf16's halves of it): GCC's loop hashed each element,
@@ -73,7 +55,7 @@ inline int64_t p2_bf16_momentum(const typename E::raw* __restrict g, uint16_t* _
   for (int s = 0; s < NS; ++s)
     if (sp.r[s].odd) return 0;
   const __m512 b = _mm512_set1_ps(sp.ema.b), w = _mm512_set1_ps(sp.ema.w);
-  const __m256i pairs = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const VU8 pairs = {0, 1, 2, 3, 4, 5, 6, 7};
   __m512 a = _mm512_loadu_ps(acc);
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
@@ -83,10 +65,8 @@ inline int64_t p2_bf16_momentum(const typename E::raw* __restrict g, uint16_t* _
       const int64_t i = s * stride + j;
       const __m512 e = _mm512_add_ps(_mm512_mul_ps(__m512(vload<BF16>(m + i)), b),  // Ema: s * b + x * w
                                      _mm512_mul_ps(__m512(vload<E>(g + i)), w));
-      const __m256i key = _mm256_add_epi32(_mm256_set1_epi32(int(sp.r[s].pair0 + uint32_t(j >> 1))), pairs);
-      const __m256i h = vmix32(_mm256_add_epi32(_mm256_mullo_epi32(key, _mm256_set1_epi32(int(kGolden))),
-                                                _mm256_set1_epi32(int(sp.r[s].key))));
-      const __m512i bits = _mm512_cvtepu16_epi32(h);  // element 2t: hash t's low half, 2t + 1: its high half
+      const VU8 h = mix32((sp.r[s].pair0 + uint32_t(j >> 1) + pairs) * kGolden + sp.r[s].key);  // round_bf16's
+      const __m512i bits = _mm512_cvtepu16_epi32(__m256i(h));  // element 2t: hash t's low half, 2t + 1: its high half
       const __mmask16 number = _mm512_cmp_ps_mask(e, e, _CMP_ORD_Q);
       const __m512i stored = _mm512_mask_and_epi32(_mm512_set1_epi32(0x7FC00000), number,  // add_truncate_hi
                                                    _mm512_add_epi32(_mm512_castps_si512(e), bits),
@@ -95,7 +75,7 @@ inline int64_t p2_bf16_momentum(const typename E::raw* __restrict g, uint16_t* _
       const __m512 u = _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(stored), _mm512_set1_ps(dir.rs[s])), c);
       sq[s] = _mm512_mul_ps(u, u);
     }
-    a = _mm512_add_ps(a, vtree_sum<NS>(sq));
+    a = _mm512_add_ps(a, tree_sum<NS>(sq));
   }
   _mm512_storeu_ps(acc, a);
   return j;
